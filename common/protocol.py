@@ -1,0 +1,112 @@
+"""The wire between frontends and the engine: msgspec Structs encoded as MessagePack.
+
+Every struct is `array_like` (positional, compact), `omit_defaults`, and `gc=False` (they hold no
+reference cycles). New fields are appended last so that old peers keep decoding.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Resolved sampling settings; the frontend fills in the core's generation defaults."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None  # None: the engine draws one
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+
+
+class Hello(_Wire, tag="hello"):
+    protocol_version: int
+    frontend_id: str
+
+
+class Submit(_Wire, tag="submit"):
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    message_ends: list[int] = []  # token positions where a chat message ends
+    arrival: float = 0.0  # time.time() at the frontend
+
+
+class Abort(_Wire, tag="abort"):
+    request_ids: list[str]
+
+
+class Goodbye(_Wire, tag="goodbye"):
+    """A frontend that shuts down cleanly says so; the engine aborts what it still has of it."""
+
+    frontend_id: str
+
+
+class ModelCard(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    served_names: list[str]
+    checkpoint: str
+    architecture: str
+    context_limit: int
+    eos_token_ids: list[int]
+    created: int = 0
+
+
+class Welcome(_Wire, tag="welcome"):
+    engine_id: str
+    model: ModelCard
+    max_active: int
+    queue_capacity: int
+    heartbeat_interval: float
+
+
+class Outputs(_Wire, tag="outputs"):
+    """One engine step's news for one frontend, columnar: index i of every list is one request."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    finish_reasons: list[str | None]  # "stop" | "length" | "abort" | "error"; None while running
+    errors: list[str | None]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+
+
+class Rejected(_Wire, tag="rejected"):
+    request_id: str
+    status: int
+    message: str
+    hint: str = ""
+
+
+class Heartbeat(_Wire, tag="heartbeat"):
+    engine_id: str
+    draining: bool = False
+
+
+FrontendMessage = Hello | Submit | Abort | Goodbye
+EngineMessage = Welcome | Outputs | Rejected | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+_frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
+_engine_decoder = msgspec.msgpack.Decoder(EngineMessage)
+
+
+def encode(message: FrontendMessage | EngineMessage) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_frontend_message(data: bytes) -> FrontendMessage:
+    return _frontend_decoder.decode(data)
+
+
+def decode_engine_message(data: bytes) -> EngineMessage:
+    return _engine_decoder.decode(data)

@@ -1,0 +1,187 @@
+"""The engine loop (DESIGN.md, The engine loop): ingest, publish completions, plan and submit, sleep."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import defaultdict
+
+import zmq
+
+from common import protocol as wire
+from engine.executor.base import Executor
+from engine.scheduler.request import Request
+from engine.scheduler.scheduler import Finished, RequestScheduler, StepResult
+
+log = logging.getLogger("flare.engine")
+
+HEARTBEAT_INTERVAL = 1.0
+FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
+
+
+class Engine:
+    def __init__(self, card: wire.ModelCard, executor: Executor, scheduler: RequestScheduler,
+                 vocab_size: int, socket: zmq.Socket, engine_id: str) -> None:
+        self.card = card
+        self.executor = executor
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.socket = socket
+        self.engine_id = engine_id
+        self.draining = False
+        self.stopping = False
+        self._frontends: dict[bytes, float] = {}  # identity -> last time heard from
+        self._owned: dict[bytes, set[str]] = defaultdict(set)
+        self._steps_in_flight = 0
+        self._seed = random.SystemRandom()
+        self._last_heartbeat = 0.0
+        self.counters: dict[str, int] = defaultdict(int)
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.executor.wake_fd, zmq.POLLIN)
+        while not (self.stopping and self._steps_in_flight == 0):
+            self._ingest()
+            for plan, completion in self.executor.poll():
+                self._steps_in_flight -= 1
+                self._publish(self.scheduler.complete(completion, plan))
+            while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
+                self.scheduler.commit(plan, self.executor.next_fence())
+                self.executor.submit(plan)
+                self._steps_in_flight += 1
+                self.counters[f"steps_{plan.kind}"] += 1
+            self._heartbeat()
+            # Whatever could be submitted was; sleep until a message, a completion or the next heartbeat.
+            poller.poll(self._sleep_ms())
+
+    def _sleep_ms(self) -> int:
+        return max(int((self._last_heartbeat + HEARTBEAT_INTERVAL - time.monotonic()) * 1000), 1)
+
+    def stop(self) -> None:
+        """Abort what is left and leave the loop once steps in flight have completed."""
+        self.draining = True
+        self.stopping = True
+        for request in [r for r in self.scheduler.slots if r is not None] + list(self.scheduler.waiting):
+            self._publish(StepResult([], [self.scheduler.cancel(request)]))
+
+    # --- intake -------------------------------------------------------------------------------------------------
+    def _ingest(self) -> None:
+        while True:
+            try:
+                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = wire.decode_frontend_message(payload)
+            except Exception as exc:  # a broken peer must not stop the engine
+                log.warning("undecodable message from %r: %s", identity, exc)
+                continue
+            self._frontends[identity] = time.monotonic()
+            if isinstance(message, wire.Submit):
+                self._admit(identity, message)
+            elif isinstance(message, wire.Abort):
+                self._abort(identity, message.request_ids)
+            elif isinstance(message, wire.Hello):
+                self._send(identity, wire.Welcome(self.engine_id, self.card, self.scheduler.max_active,
+                                                  self.scheduler.queue_capacity, HEARTBEAT_INTERVAL))
+            elif isinstance(message, wire.Goodbye):
+                self._abort(identity, list(self._owned.pop(identity, ())))
+                self._frontends.pop(identity, None)
+
+    def _admit(self, identity: bytes, submit: wire.Submit) -> None:
+        rejection = self._validate(submit)
+        if rejection is not None:
+            self._send(identity, rejection)
+            self.counters["rejected"] += 1
+            return
+        params = submit.sampling
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                      else frozenset(self.card.eos_token_ids))
+        request = Request(
+            request_id=submit.request_id, owner=identity, prompt_len=len(submit.prompt),
+            tokens=list(submit.prompt), sampling=params,
+            seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
+            stop_ids=stop_ids, max_outputs=min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
+            arrival=time.monotonic(), message_ends=list(submit.message_ends))
+        self.scheduler.add(request)
+        self._owned[identity].add(request.request_id)
+        self.counters["admitted"] += 1
+
+    def _validate(self, submit: wire.Submit) -> wire.Rejected | None:
+        def reject(status: int, message: str, hint: str = "") -> wire.Rejected:
+            return wire.Rejected(submit.request_id, status, message, hint)
+
+        if self.draining:
+            return reject(503, "the engine is draining and admits no new requests")
+        if not self.scheduler.can_admit():
+            return reject(503, f"the engine's queue is full ({self.scheduler.queue_capacity} waiting)",
+                          "capacity_hint: raise capacities.queue_capacity or max_active in the core manifest")
+        if not submit.prompt:
+            return reject(400, "the prompt is empty")
+        if min(submit.prompt) < 0 or max(submit.prompt) >= self.vocab_size:
+            return reject(400, f"prompt token ids must lie in [0, {self.vocab_size})")
+        if submit.sampling.max_tokens < 1:
+            return reject(400, f"max_tokens must be at least 1, got {submit.sampling.max_tokens}")
+        total = len(submit.prompt) + submit.sampling.max_tokens
+        if total > self.card.context_limit:
+            return reject(400, f"This model's maximum context length is {self.card.context_limit} tokens; the "
+                               f"request has {len(submit.prompt)} prompt tokens and asks for "
+                               f"{submit.sampling.max_tokens} output tokens ({total} in all)",
+                          "context_hint: shorten the prompt or lower max_tokens")
+        if submit.request_id in self._owned_ids():
+            return reject(400, f"request id {submit.request_id!r} is already in use")
+        return None
+
+    def _owned_ids(self) -> set[str]:
+        return {rid for ids in self._owned.values() for rid in ids}
+
+    def _abort(self, identity: bytes, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            request = self.scheduler.get(request_id)
+            if request is not None and request.owner == identity:
+                self._publish(StepResult([], [self.scheduler.cancel(request)]))
+
+    # --- output -------------------------------------------------------------------------------------------------
+    def _publish(self, result: StepResult) -> None:
+        news: dict[Request, list[int]] = {}
+        for request, token in result.tokens:
+            news.setdefault(request, []).append(token)
+        finished: dict[Request, Finished] = {f.request: f for f in result.finished}
+        for request in finished:
+            news.setdefault(request, [])
+        by_owner: dict[bytes, list[Request]] = defaultdict(list)
+        for request in news:
+            by_owner[request.owner].append(request)
+        for owner, requests in by_owner.items():
+            ends = [finished.get(r) for r in requests]
+            self._send(owner, wire.Outputs(
+                request_ids=[r.request_id for r in requests], token_ids=[news[r] for r in requests],
+                finish_reasons=[f.reason if f else None for f in ends],
+                errors=[f.error if f else None for f in ends],
+                prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests]))
+        for request, end in finished.items():
+            self._owned[request.owner].discard(request.request_id)
+            self.counters[f"finished_{end.reason}"] += 1
+
+    def _send(self, identity: bytes, message: wire.EngineMessage) -> None:
+        try:
+            self.socket.send_multipart([identity, wire.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # an unroutable or full peer loses this message, not the engine
+            log.warning("could not send to frontend %r: %s", identity, exc)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now - self._last_heartbeat < HEARTBEAT_INTERVAL:
+            return
+        self._last_heartbeat = now
+        for identity, seen in list(self._frontends.items()):
+            if now - seen > FRONTEND_TIMEOUT:
+                log.warning("frontend %r went silent; aborting its %d requests", identity,
+                            len(self._owned.get(identity, ())))
+                self._abort(identity, list(self._owned.pop(identity, ())))
+                del self._frontends[identity]
+            else:
+                self._send(identity, wire.Heartbeat(self.engine_id, self.draining))

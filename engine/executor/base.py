@@ -1,0 +1,27 @@
+"""The executor protocol: the engine loop's only view of the device (DESIGN.md, Executors)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from engine.scheduler.plan import Completion, Plan
+
+
+class Executor(Protocol):
+    #: A file descriptor that becomes readable when a completion is ready, so the loop can sleep on it.
+    wake_fd: int
+    num_pages: int
+
+    def can_submit(self) -> bool:
+        """True while fewer than two submissions are in flight."""
+
+    def next_fence(self) -> int:
+        """The fence the next `submit` will carry; fences complete in submission order."""
+
+    def submit(self, plan: Plan) -> None: ...
+
+    def poll(self) -> list[tuple[Plan, Completion]]:
+        """Completions that are ready, in submission order, each with the plan it ran."""
+
+    def close(self) -> None:
+        """Wait for work in flight, then free device memory."""

@@ -1,0 +1,109 @@
+"""EagerExecutor: plain torch on a worker thread, two submissions in flight.
+
+The engine loop keeps ingesting and planning while the worker runs a step (torch releases the GIL in its kernels).
+Each slot's last sampled token stays in a device tensor, so decode step N+1 can be submitted before step N's tokens
+reach the host.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from engine.executor.inputs import build_inputs
+from engine.model.llama import LlamaForCausalLM
+from engine.sampling import sample
+from engine.scheduler.plan import Completion, Plan
+
+MAX_IN_FLIGHT = 2
+
+
+def kv_cache_shape(model: LlamaForCausalLM, num_pages: int, page_size: int) -> tuple[int, ...]:
+    c = model.config
+    return (c.num_layers, 2, num_pages * page_size, c.num_kv_heads, c.head_dim)
+
+
+def pages_for_budget(model: LlamaForCausalLM, page_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
+    c = model.config
+    page_bytes = c.num_layers * 2 * page_size * c.num_kv_heads * c.head_dim * dtype.itemsize
+    return max(budget_bytes // page_bytes, 1)
+
+
+class EagerExecutor:
+    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_active: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.page_size = page_size
+        self.num_pages = num_pages
+        dtype = model.model.embed_tokens.weight.dtype
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=dtype, device=device)
+        self.slot_tokens = torch.zeros(max_active, dtype=torch.int64, device=device)
+        self._fence = 0
+        self._in_flight = 0
+        self._work: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Plan, Completion]] = queue.SimpleQueue()
+        self.wake_fd, self._wake_write = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        self._worker = threading.Thread(target=self._run, name="eager-executor", daemon=True)
+        self._worker.start()
+
+    def can_submit(self) -> bool:
+        return self._in_flight < MAX_IN_FLIGHT
+
+    def next_fence(self) -> int:
+        return self._fence + 1
+
+    def submit(self, plan: Plan) -> None:
+        self._fence += 1
+        self._in_flight += 1
+        self._work.put((self._fence, plan))
+
+    def poll(self) -> list[tuple[Plan, Completion]]:
+        try:
+            os.read(self.wake_fd, 1 << 16)
+        except BlockingIOError:
+            pass
+        ready = []
+        while True:
+            try:
+                ready.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self._in_flight -= len(ready)
+        return ready
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._worker.join()
+        os.close(self.wake_fd)
+        os.close(self._wake_write)
+
+    def _run(self) -> None:
+        while (item := self._work.get()) is not None:
+            fence, plan = item
+            started = time.perf_counter()
+            try:
+                completion = self._execute(fence, plan, started)
+            except Exception as exc:  # a failed step fails its requests, never the engine
+                completion = Completion(fence, (), (), (), time.perf_counter() - started,
+                                        error=f"execution failed: {type(exc).__name__}: {exc}")
+            self._done.put((plan, completion))
+            os.write(self._wake_write, b"x")
+
+    @torch.inference_mode()
+    def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
+        step = build_inputs(plan, self.page_size, self.device)
+        input_ids = step.input_ids
+        if step.device_token_rows.numel():
+            input_ids[step.device_token_rows] = self.slot_tokens[step.device_token_slots]
+        hidden = self.model(input_ids, step.positions, self.kv_cache, step.meta)
+        tokens = sample(self.model.logits(hidden[step.sample_rows]), step.sampling)
+        self.slot_tokens[step.sample_slots] = tokens
+        sampled = [row for row in plan.rows if row.sample]
+        return Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
+                          tuple(tokens.tolist()), time.perf_counter() - started)

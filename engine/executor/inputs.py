@@ -1,0 +1,79 @@
+"""Turn a Plan into the tensors one model step reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.sampling import SamplingTensors
+from engine.scheduler.plan import Plan
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]; decode rows hold 0 until filled from the device-side slot tokens
+    positions: torch.Tensor  # [T]
+    device_token_rows: torch.Tensor  # [Bd] rows whose input is the slot's last sampled token
+    device_token_slots: torch.Tensor  # [Bd]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] step rows whose hidden state is sampled
+    sample_slots: torch.Tensor  # [S]
+    sampling: SamplingTensors
+
+
+def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    device_rows, device_slots = [], []
+    decode_rows, decode_tables, decode_lens = [], [], []
+    prefills: list[PrefillSpan] = []
+    sample_rows, sampled = [], []
+    for row in plan.rows:
+        first = len(ids)
+        end = row.start + row.length
+        if row.tokens is None:
+            device_rows.append(first)
+            device_slots.append(row.slot)
+            ids.append(0)
+        else:
+            ids.extend(row.tokens)
+        positions.extend(range(row.start, end))
+        slot_mapping.extend(row.page_table[p // page_size] * page_size + p % page_size for p in range(row.start, end))
+        if row.length == 1:
+            decode_rows.append(first)
+            decode_tables.append(row.page_table)
+            decode_lens.append(end)
+        else:
+            prefills.append(PrefillSpan(first, row.length, end, _tensor(list(row.page_table), torch.int64, device)))
+        if row.sample:
+            sample_rows.append(first + row.length - 1)
+            sampled.append(row)
+    width = max((len(t) for t in decode_tables), default=0)
+    padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
+    meta = AttentionMetadata(
+        slot_mapping=_tensor(slot_mapping, torch.int64, device),
+        decode_rows=_tensor(decode_rows, torch.int64, device),
+        decode_page_tables=_tensor(padded, torch.int64, device).view(len(padded), width),
+        decode_context_lens=_tensor(decode_lens, torch.int64, device),
+        prefills=tuple(prefills), page_size=page_size)
+    sampling = SamplingTensors(
+        temperature=_tensor([r.sampling.temperature for r in sampled], torch.float32, device),
+        top_p=_tensor([r.sampling.top_p for r in sampled], torch.float32, device),
+        top_k=_tensor([r.sampling.top_k for r in sampled], torch.int64, device),
+        min_p=_tensor([r.sampling.min_p for r in sampled], torch.float32, device),
+        seed=_tensor([r.seed for r in sampled], torch.int64, device),
+        position=_tensor([r.output_index for r in sampled], torch.int64, device),
+        all_greedy=all(r.sampling.temperature == 0 for r in sampled))
+    return StepInputs(
+        input_ids=_tensor(ids, torch.int64, device), positions=_tensor(positions, torch.int64, device),
+        device_token_rows=_tensor(device_rows, torch.int64, device),
+        device_token_slots=_tensor(device_slots, torch.int64, device), meta=meta,
+        sample_rows=_tensor(sample_rows, torch.int64, device),
+        sample_slots=_tensor([r.slot for r in sampled], torch.int64, device), sampling=sampling)

@@ -1,0 +1,40 @@
+"""Build a model from a core directory: manifest checked, weights hashed and loaded without a random init."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from common.errors import CoreError
+from common.manifest import Manifest, load_manifest
+from engine.model.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def weight_files(core: Path, manifest: Manifest) -> list[Path]:
+    return [core / name for name in sorted(manifest.files) if name.endswith(".safetensors")]
+
+
+def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
+               verify: bool = True) -> tuple[Manifest, LlamaForCausalLM]:
+    manifest = load_manifest(core, verify=verify)
+    config = LlamaConfig.from_hf(manifest.config)
+    dtype = dtype or DTYPES[manifest.dtype]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(core, manifest):
+        state.update(load_file(file, device=str(device)))
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise CoreError(f"{core}: weights missing from the core: {sorted(missing)[:4]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(config).to(device)
+    return manifest, model.eval()

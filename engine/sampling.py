@@ -1,0 +1,65 @@
+"""Token sampling on tensors, with no host synchronisation and no torch RNG state.
+
+Randomness is a counter-based hash of (request seed, output position, vocabulary id), so a seeded request draws the
+same numbers whatever else shares its batch, after a preemption, or inside a replayed CUDA graph. Sampling is the
+exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """One row per sampled request, all on the logits' device."""
+
+    temperature: torch.Tensor  # [B] float32; 0 means greedy
+    top_p: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64; 0 means off
+    min_p: torch.Tensor  # [B] float32
+    seed: torch.Tensor  # [B] int64
+    position: torch.Tensor  # [B] int64: index of the output token being drawn
+    all_greedy: bool  # known on the host from the requests, so no device check is needed
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # A well-mixed 32-bit integer hash; operands stay below 2**63 so int64 never overflows.
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _MASK32
+    return (x >> 16) ^ x
+
+
+def exponential_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] Exp(1) samples determined by (seed, position, token id) alone."""
+    key = _hash32(_hash32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
+    key = _hash32(key ^ (position & _MASK32))
+    ids = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    bits = _hash32((key[:, None] + ids[None, :] * 0x9E3779B1) & _MASK32) >> 8
+    uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] int64."""
+    greedy = logits.argmax(dim=-1)
+    if params.all_greedy:
+        return greedy
+    vocab = logits.shape[-1]
+    temperature = params.temperature.clamp_min(1e-5)[:, None]
+    probs = torch.softmax(logits / temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    top_k = torch.where(params.top_k > 0, params.top_k, vocab)[:, None]
+    keep = rank < top_k
+    keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < params.top_p[:, None]
+    keep &= sorted_probs >= params.min_p[:, None] * sorted_probs[:, :1]
+    keep[:, 0] = True
+    noise = exponential_noise(params.seed, params.position, vocab).gather(1, order)
+    choice = (sorted_probs * keep / noise).argmax(dim=-1, keepdim=True)
+    drawn = order.gather(1, choice).squeeze(1)
+    return torch.where(params.temperature > 0, drawn, greedy)

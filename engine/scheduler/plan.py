@@ -1,0 +1,50 @@
+"""What the scheduler hands the executor (a Plan) and what comes back (a Completion): both immutable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.protocol import SamplingParams
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of a step: positions [start, start + length) of its sequence."""
+
+    slot: int
+    generation: int
+    start: int
+    length: int
+    # Host tokens for prompt (or recompute) rows; None for a decode row, whose input is the token the previous
+    # step sampled for this slot, still on the device.
+    tokens: tuple[int, ...] | None
+    page_table: tuple[int, ...]  # every page up to start + length
+    sample: bool  # the last position yields an output token
+    output_index: int  # index of that output token (the RNG position)
+    sampling: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: tuple[Row, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(row.length for row in self.rows)
+
+    @property
+    def kind(self) -> str:
+        decode = any(row.tokens is None for row in self.rows)
+        prefill = any(row.tokens is not None for row in self.rows)
+        return "mixed" if decode and prefill else "decode" if decode else "prefill"
+
+
+@dataclass(frozen=True)
+class Completion:
+    fence: int
+    slots: tuple[int, ...]  # sampled rows, in plan order
+    generations: tuple[int, ...]
+    tokens: tuple[int, ...]
+    duration: float  # seconds the step took to execute
+    error: str | None = None  # the step failed; its requests fail with this message

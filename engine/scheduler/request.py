@@ -1,0 +1,49 @@
+"""A live request's state as the scheduler tracks it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from common.protocol import SamplingParams
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"  # no slot yet (new, or preempted for recompute)
+    PREFILL = "prefill"  # consuming its prompt
+    DECODE = "decode"  # generating
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    owner: bytes  # the frontend's identity
+    prompt_len: int
+    tokens: list[int]  # prompt, then committed output tokens
+    sampling: SamplingParams
+    seed: int
+    stop_ids: frozenset[int]  # ids that end generation (eos unless ignored, plus stop_token_ids)
+    max_outputs: int  # output tokens allowed (max_tokens capped by the context)
+    arrival: float
+    message_ends: list[int] = field(default_factory=list)
+    phase: Phase = Phase.WAITING
+    slot: int = -1
+    generation: int = 0
+    pages: list[int] = field(default_factory=list)
+    scheduled: int = 0  # positions whose KV has been submitted
+    prefill_target: int = 0  # positions to consume before decoding (prompt, plus outputs after a preemption)
+    last_fence: int = 0  # the last submitted step that uses this request's pages
+    in_flight: int = 0  # submitted steps not yet completed
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def outputs(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def outputs_scheduled(self) -> int:
+        """Output tokens that committed or submitted steps will have produced."""
+        return max(self.scheduled - self.prompt_len + 1, 0) if self.scheduled >= self.prefill_target else \
+            self.outputs

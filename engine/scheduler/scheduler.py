@@ -1,0 +1,195 @@
+"""RequestScheduler: live slots, page reservation, and the choice of what the next step runs.
+
+Policy: every decoding request advances one token per step; the remaining token budget of the step
+(`prefill_chunk_size`) goes to prompts in arrival order, so long prompts load in chunks while decode keeps flowing.
+When pages run out, the newest decoding request is preempted and later recomputed from its tokens (its sampling
+randomness depends only on seed and position, so the outcome is unchanged).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.plan import Completion, Plan, Row
+from engine.scheduler.request import Phase, Request
+
+
+@dataclass(frozen=True)
+class Finished:
+    request: Request
+    reason: str  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass
+class StepResult:
+    """What a completion changed: new tokens per request (in order) and requests that ended."""
+
+    tokens: list[tuple[Request, int]]
+    finished: list[Finished]
+
+
+class RequestScheduler:
+    def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
+                 prefill_chunk_size: int) -> None:
+        self.max_active = max_active
+        self.queue_capacity = queue_capacity
+        self.page_size = page_size
+        self.prefill_chunk_size = prefill_chunk_size
+        self.pages = PageAllocator(num_pages)
+        self.waiting: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * max_active
+        self._generations = [0] * max_active
+        self._by_id: dict[str, Request] = {}
+        self._admission_order = itertools.count()
+
+    # --- intake -------------------------------------------------------------------------------------------------
+    @property
+    def live(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def can_admit(self) -> bool:
+        return len(self.waiting) < self.queue_capacity
+
+    def add(self, request: Request) -> None:
+        request.prefill_target = len(request.tokens)
+        self.waiting.append(request)
+        self._by_id[request.request_id] = request
+
+    def get(self, request_id: str) -> Request | None:
+        return self._by_id.get(request_id)
+
+    def cancel(self, request: Request, reason: str = "abort") -> Finished:
+        """Stop scheduling at once; pages come back once the last step using them completes."""
+        if request.phase is Phase.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        return self._finish(request, reason)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.live > 0
+
+    # --- planning -----------------------------------------------------------------------------------------------
+    def plan(self) -> Plan | None:
+        rows: list[Row] = []
+        planned: set[int] = set()  # slots in this plan: never preempted by it
+        for request in self._decode_candidates():
+            if self._reserve(request, request.scheduled + 1, planned):
+                rows.append(self._row(request, 1))
+                planned.add(request.slot)
+        budget = self.prefill_chunk_size
+        for request in self._prefill_candidates():
+            if budget <= 0:
+                break
+            length = min(budget, request.prefill_target - request.scheduled)
+            if not self._reserve(request, request.scheduled + length, planned):
+                break
+            rows.append(self._row(request, length))
+            planned.add(request.slot)
+            budget -= length
+        return Plan(tuple(rows)) if rows else None
+
+    def commit(self, plan: Plan, fence: int) -> None:
+        for row in plan.rows:
+            request = self.slots[row.slot]
+            assert request is not None and request.generation == row.generation
+            request.scheduled = row.start + row.length
+            request.last_fence = fence
+            request.in_flight += 1
+            if request.phase is Phase.PREFILL and request.scheduled == request.prefill_target:
+                request.phase = Phase.DECODE
+
+    def _decode_candidates(self) -> list[Request]:
+        return [r for r in self.slots if r is not None and r.phase is Phase.DECODE
+                and r.outputs_scheduled < r.max_outputs]
+
+    def _prefill_candidates(self) -> list[Request]:
+        running = [r for r in self.slots if r is not None and r.phase is Phase.PREFILL]
+        running.sort(key=lambda r: r.arrival)
+        while self.waiting and None in self.slots:
+            request = self.waiting.popleft()
+            self._place(request)
+            running.append(request)
+        return running
+
+    def _place(self, request: Request) -> None:
+        slot = self.slots.index(None)
+        self._generations[slot] += 1
+        request.slot, request.generation = slot, self._generations[slot]
+        request.phase = Phase.PREFILL
+        request.scheduled = 0
+        self.slots[slot] = request
+
+    def _reserve(self, request: Request, positions: int, planned: set[int]) -> bool:
+        """Make sure the request owns pages for `positions` tokens, preempting others if pages run out."""
+        needed = -(-positions // self.page_size) - len(request.pages)
+        while needed > self.pages.free_count:
+            if not self._preempt_one(planned | {request.slot}):
+                return False
+        if needed > 0:
+            request.pages.extend(self.pages.allocate(needed))
+        return True
+
+    def _preempt_one(self, protected: set[int]) -> bool:
+        victims = [r for r in self.slots if r is not None and r.slot not in protected and r.in_flight == 0 and r.pages]
+        if not victims:
+            return False
+        victim = max(victims, key=lambda r: r.arrival)
+        self.pages.release(victim.pages, victim.last_fence)
+        victim.pages = []
+        victim.scheduled = 0
+        victim.prefill_target = len(victim.tokens)
+        victim.phase = Phase.WAITING
+        self.slots[victim.slot] = None
+        victim.slot = -1
+        self.waiting.appendleft(victim)
+        return True
+
+    def _row(self, request: Request, length: int) -> Row:
+        start = request.scheduled
+        end = start + length
+        prefill = request.phase is Phase.PREFILL
+        samples = not prefill or end == request.prefill_target
+        return Row(
+            slot=request.slot, generation=request.generation, start=start, length=length,
+            tokens=tuple(request.tokens[start:end]) if prefill else None,
+            page_table=tuple(request.pages[: -(-end // self.page_size)]),
+            sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed)
+
+    # --- completion ---------------------------------------------------------------------------------------------
+    def complete(self, completion: Completion, plan: Plan) -> StepResult:
+        self.pages.advance_completed(completion.fence)
+        result = StepResult([], [])
+        for row in plan.rows:
+            request = self.slots[row.slot]
+            if request is not None and request.generation == row.generation:
+                request.in_flight -= 1
+        if completion.error is not None:
+            for row in plan.rows:
+                request = self.slots[row.slot]
+                if request is not None and request.generation == row.generation:
+                    result.finished.append(self._finish(request, "error", completion.error))
+            return result
+        for slot, generation, token in zip(completion.slots, completion.generations, completion.tokens):
+            request = self.slots[slot]
+            if request is None or request.generation != generation or request.phase is Phase.FINISHED:
+                continue  # the request ended while this step was in flight
+            request.tokens.append(token)
+            result.tokens.append((request, token))
+            if token in request.stop_ids and request.outputs > request.sampling.min_tokens:
+                result.finished.append(self._finish(request, "stop"))
+            elif request.outputs >= request.max_outputs:
+                result.finished.append(self._finish(request, "length"))
+        return result
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
+        request.phase = Phase.FINISHED
+        request.finish_reason = reason
+        self.pages.release(request.pages, request.last_fence)
+        request.pages = []
+        if request.slot >= 0 and self.slots[request.slot] is request:
+            self.slots[request.slot] = None
+        self._by_id.pop(request.request_id, None)
+        return Finished(request, reason, error)

@@ -1,0 +1,122 @@
+"""One neutral generation, shared by every API dialect: submit, stream text deltas, finish with usage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from common.errors import ExecutionFailed
+from common.protocol import SamplingParams, Submit
+from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
+from frontend.engine_client import EngineClient
+from frontend.model import ServedModel
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    message_ends: list[int] = field(default_factory=list)
+    arrival: float = 0.0
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # "stop" | "length"
+    matched_stop: str | int | None  # the stop string or stop token id; None for end of sequence or length
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+async def generate(client: EngineClient, model: ServedModel, request: GenerationRequest
+                   ) -> AsyncIterator[Delta | Finish]:
+    """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
+    request_id = uuid.uuid4().hex
+    queue = await client.submit(Submit(request_id, request.prompt_ids, request.sampling, request.message_ends,
+                                       request.arrival))
+    detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids)
+    stops = StopMatcher(request.stop)
+    hidden_ids = set(request.sampling.stop_token_ids)
+    generated = 0
+    finished = False
+    try:
+        while True:
+            update = await queue.get()
+            if update.error is not None:
+                finished = True
+                raise update.error
+            generated += len(update.token_ids)
+            visible = [t for t in update.token_ids if t not in hidden_ids]
+            text = stops.feed(detokenizer.add(visible)) if visible else ""
+            if stops.matched is not None:
+                finished = True
+                client.abort(request_id)
+                yield Delta(text, update.token_ids)
+                yield Finish("stop", stops.matched, update.prompt_tokens, generated, update.cached_tokens)
+                return
+            if update.finish_reason is not None:
+                finished = True
+                if update.finish_reason not in ("stop", "length"):
+                    raise ExecutionFailed(f"generation ended: {update.finish_reason}")
+                text += stops.flush()
+                if text or update.token_ids:
+                    yield Delta(text, update.token_ids)
+                last = update.token_ids[-1] if update.token_ids else None
+                matched = last if update.finish_reason == "stop" and last in hidden_ids else None
+                yield Finish(update.finish_reason, matched, update.prompt_tokens, generated, update.cached_tokens)
+                return
+            if text or update.token_ids:
+                yield Delta(text, update.token_ids)
+    finally:
+        if finished:
+            client.release(request_id)
+        else:
+            client.abort(request_id)
+
+
+async def merge(client: EngineClient, model: ServedModel, requests: list[GenerationRequest]
+                ) -> AsyncIterator[tuple[int, Delta | Finish]]:
+    """Run several generations at once (n choices, several prompts); yield (choice index, event) as they come.
+    The first failure ends them all; leaving early cancels every one (and so aborts it in the engine)."""
+    if len(requests) == 1:
+        async with contextlib.aclosing(generate(client, model, requests[0])) as events:
+            async for event in events:
+                yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Delta | Finish | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, request: GenerationRequest) -> None:
+        try:
+            async with contextlib.aclosing(generate(client, model, request)) as events:
+                async for event in events:
+                    queue.put_nowait((index, event))
+            queue.put_nowait((index, None))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        running = len(tasks)
+        while running:
+            index, event = await queue.get()
+            if event is None:
+                running -= 1
+            elif isinstance(event, BaseException):
+                raise event
+            else:
+                yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

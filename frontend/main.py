@@ -1,0 +1,86 @@
+"""`flare-frontend --engine ADDR --core DIR --host H --port P`: one stateless HTTP frontend process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from common.errors import CoreError
+from frontend import openai_api
+from frontend.engine_client import EngineClient
+from frontend.model import ServedModel
+from frontend.server import FRONTEND_KEY, Frontend, guard, health
+
+log = logging.getLogger("flare.frontend")
+
+DRAIN_SECONDS = 5.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="flare-frontend", description=__doc__)
+    parser.add_argument("--engine", required=True, help="the engine's ZMQ address")
+    parser.add_argument("--core", type=Path, required=True, help="core directory (tokenizer, template, manifest)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=2, help="threads for template rendering and tokenization")
+    parser.add_argument("--capacity", type=int, help="requests admitted at once (default: engine queue + slots)")
+    parser.add_argument("--body-limit", type=int, default=32 << 20, help="largest request body, in bytes")
+    parser.add_argument("--api-key", help="require this bearer token (or x-api-key)")
+    return parser.parse_args(argv)
+
+
+def create_app(frontend: Frontend, body_limit: int) -> web.Application:
+    app = web.Application(middlewares=[guard], client_max_size=body_limit)
+    app[FRONTEND_KEY] = frontend
+    app.router.add_get("/health", health)
+    openai_api.add_routes(app)
+    return app
+
+
+async def serve(args: argparse.Namespace) -> None:
+    model = ServedModel(args.core)
+    client = EngineClient(args.engine)
+    welcome = await client.start()
+    capacity = args.capacity or welcome.queue_capacity + welcome.max_active
+    frontend = Frontend(model, client, args.workers, capacity, args.api_key)
+    runner = web.AppRunner(create_app(frontend, args.body_limit), handler_cancellation=True, access_log=None,
+                            shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port, reuse_port=True)
+    await site.start()
+    log.info("%s serving %s on http://%s:%d (engine %s)", client.frontend_id, model.name, args.host, args.port,
+             welcome.engine_id)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    frontend.draining = True
+    log.info("draining: %d open requests get up to %.0fs", frontend.in_use, DRAIN_SECONDS)
+    deadline = loop.time() + DRAIN_SECONDS
+    while frontend.in_use and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    await client.close()
+    frontend.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except CoreError as exc:
+        sys.exit(f"flare-frontend: error: {exc}")
+    except TimeoutError:
+        sys.exit(f"flare-frontend: error: no answer from the engine at {args.engine}")
+
+
+if __name__ == "__main__":
+    main()

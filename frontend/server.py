@@ -1,0 +1,121 @@
+"""The aiohttp application: admission before the body is read, auth, errors in the dialect's shape, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest,
+                           NotFound, Unauthorized)
+from frontend.engine_client import EngineClient
+from frontend.model import ServedModel
+
+log = logging.getLogger("flare.frontend")
+
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class Frontend:
+    """State shared by the handlers of one frontend process."""
+
+    def __init__(self, model: ServedModel, client: EngineClient, workers: int, capacity: int,
+                 api_key: str | None) -> None:
+        self.model = model
+        self.client = client
+        self.capacity = capacity
+        self.api_key = api_key
+        self.in_use = 0
+        self.draining = False
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontend-worker")
+
+    async def on_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """CPU work (template rendering, tokenization) on the bounded worker pool."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+
+FRONTEND_KEY = web.AppKey("frontend", Frontend)
+
+
+def frontend_of(request: web.Request) -> Frontend:
+    return request.app[FRONTEND_KEY]
+
+
+def openai_error(error: FlareError) -> web.Response:
+    body = {"error": {"message": error.display(), "type": error.kind, "param": error.param,
+                      "code": str(error.status)}}
+    return web.json_response(body, status=error.status)
+
+
+async def read_json(request: web.Request) -> dict:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise BodyTooLarge(f"the request body is over the limit of {exc.max_size} bytes",
+                           "body_limit: raise --body-limit of flare-frontend") from None
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                             f"{exc.colno}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return body
+
+
+@web.middleware
+async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Auth, admission, and errors: every failure leaves as the dialect's JSON, never a traceback."""
+    frontend = frontend_of(request)
+    admitted = False
+    try:
+        if frontend.api_key and request.path not in OPEN_PATHS:
+            check_api_key(request, frontend.api_key)
+        if request.method == "POST":
+            if frontend.draining:
+                raise EngineUnavailable("the server is draining and admits no new requests")
+            if frontend.in_use >= frontend.capacity:
+                raise FrontendBusy(f"the frontend is at its admission capacity ({frontend.capacity} requests)",
+                                   "capacity_hint: raise --capacity of flare-frontend or add frontends")
+            frontend.in_use += 1
+            admitted = True
+        return await handler(request)
+    except FlareError as exc:
+        return openai_error(exc)
+    except web.HTTPNotFound:
+        return openai_error(NotFound(f"no route for {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed:
+        return openai_error(InvalidRequest(f"{request.method} is not allowed on {request.path}"))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unexpected failure on %s", request.path)
+        return openai_error(FlareError("internal error while handling the request"))
+    finally:
+        if admitted:
+            frontend.in_use -= 1
+
+
+def check_api_key(request: web.Request, api_key: str) -> None:
+    header = request.headers.get("Authorization", "")
+    token = header[7:] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
+    if not hmac.compare_digest(token.encode(), api_key.encode()):
+        raise Unauthorized("missing or wrong API key")
+
+
+async def health(request: web.Request) -> web.Response:
+    frontend = frontend_of(request)
+    if frontend.client.connected and not frontend.draining:
+        return web.json_response({"status": "ok"})
+    raise EngineUnavailable("the engine is unreachable" if not frontend.client.connected else "draining")
