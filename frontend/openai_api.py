@@ -7,6 +7,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from aiohttp import web
 
@@ -95,17 +96,25 @@ def usage(finishes: list[Finish | None], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
 
 
-async def collect(events: AsyncIterator[tuple[int, Delta | Finish]], texts: list[str]
-                  ) -> tuple[list[str], list[Finish]]:
-    """Run a non-streaming request to its end: each choice's text (after its prefix) and finish."""
-    texts = list(texts)
-    finishes: list[Finish | None] = [None] * len(texts)
+@dataclass
+class Collected:
+    texts: list[str]
+    token_ids: list[list[int]]
+    finishes: list[Finish]
+
+
+async def collect(events: AsyncIterator[tuple[int, Delta | Finish]], prefixes: list[str]) -> Collected:
+    """Run a non-streaming request to its end: each choice's text (after its prefix), tokens and finish."""
+    result = Collected(list(prefixes), [[] for _ in prefixes], [])
+    finishes: list[Finish | None] = [None] * len(prefixes)
     async for index, event in events:
         if isinstance(event, Delta):
-            texts[index] += event.text
+            result.texts[index] += event.text
+            result.token_ids[index] += event.token_ids
         else:
             finishes[index] = event
-    return texts, finishes
+    result.finishes = [f for f in finishes if f is not None]
+    return result
 
 
 def sse(payload: dict | str) -> bytes:
@@ -195,12 +204,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:
         if stream:
             return await stream_chat(request, events, meta, n, include_usage)
-        texts, finishes = await collect(events, [""] * n)
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i], "refusal": None},
-                "logprobs": None, "finish_reason": finishes[i].reason, "stop_reason": finishes[i].matched_stop}
-               for i in range(n)]
-    return web.json_response({**meta, "object": "chat.completion", "choices": choices,
-                              "usage": usage(finishes, n)})
+        done = await collect(events, [""] * n)
+    choices = [{"index": i, "message": {"role": "assistant", "content": done.texts[i], "refusal": None},
+                "logprobs": None, "finish_reason": done.finishes[i].reason,
+                "stop_reason": done.finishes[i].matched_stop} for i in range(n)]
+    payload = {**meta, "object": "chat.completion", "choices": choices, "usage": usage(done.finishes, n)}
+    if get_bool(body, "return_token_ids", False):  # vLLM's extension, used by the parity tests
+        payload["prompt_token_ids"] = ids
+        for choice, token_ids in zip(choices, done.token_ids):
+            choice["token_ids"] = token_ids
+    return web.json_response(payload)
 
 
 async def stream_chat(request: web.Request, events: AsyncIterator[tuple[int, Delta | Finish]], meta: dict,
@@ -284,10 +297,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:
         if stream:
             return await stream_completions(request, events, meta, prefixes, n, include_usage)
-        texts, finishes = await collect(events, prefixes)
-    choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": finishes[i].reason,
-                "stop_reason": finishes[i].matched_stop} for i in range(len(requests))]
-    return web.json_response({**meta, "choices": choices, "usage": usage(finishes, n)})
+        done = await collect(events, prefixes)
+    choices = [{"index": i, "text": done.texts[i], "logprobs": None, "finish_reason": done.finishes[i].reason,
+                "stop_reason": done.finishes[i].matched_stop} for i in range(len(requests))]
+    if get_bool(body, "return_token_ids", False):
+        for choice, request_, token_ids in zip(choices, requests, done.token_ids):
+            choice["prompt_token_ids"] = request_.prompt_ids
+            choice["token_ids"] = token_ids
+    return web.json_response({**meta, "choices": choices, "usage": usage(done.finishes, n)})
 
 
 async def stream_completions(request: web.Request, events: AsyncIterator[tuple[int, Delta | Finish]], meta: dict,

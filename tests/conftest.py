@@ -1,0 +1,71 @@
+"""Shared fixtures: the default core, and a real `flare run` server started as a user starts it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_core() -> Path:
+    return Path(os.environ.get("FLARE_CORE", ROOT / "cores" / "smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def core_dir() -> Path:
+    core = default_core()
+    if not (core / "manifest.json").is_file():
+        pytest.skip(f"no default core at {core} (make core builds it)")
+    return core
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, core: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        flare = Path(sys.executable).with_name("flare")
+        self.process = subprocess.Popen([str(flare), "run", str(core), "--port", str(self.port), *extra],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"flare run exited early:\n{self.process.stdout.read()}")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError("flare run did not become healthy")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+@pytest.fixture(scope="session")
+def server(core_dir: Path):
+    server = Server(core_dir)
+    yield server
+    server.stop()
