@@ -1,0 +1,143 @@
+"""A Hugging Face checkpoint directory as an ignition source: config.json, safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from common.errors import CoreError
+from common.manifest import GenerationDefaults
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+_REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class HfSource:
+    """Opening reads the small JSON files and checks the architecture; weights are read lazily."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.config_file = path / "config.json"
+        self._raw = _read_json(self.config_file)
+        model_type = self._raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CoreError(f"{self.config_file}: unsupported architecture {model_type}")
+        self._tokenizer_config = _read_json(path / "tokenizer_config.json", required=False)
+        self.chat_template = self._find_chat_template()
+        self.default_dtype = str(self._raw.get("dtype") or self._raw.get("torch_dtype") or "float32")
+        name_or_path = str(self._raw.get("_name_or_path") or "")
+        self._repo = name_or_path if _REPO_ID.match(name_or_path) else None
+        self.checkpoint = self._repo or path.resolve().name
+        generation = _read_json(path / "generation_config.json", required=False)
+        sampling = {key: generation[key] for key in _SAMPLING_KEYS if generation.get(key) is not None}
+        try:
+            self.generation = msgspec.convert(sampling, GenerationDefaults, strict=False)
+        except msgspec.ValidationError as exc:
+            raise CoreError(f"{path / 'generation_config.json'}: {exc}") from None
+        self.generation_eos_ids = token_ids(generation.get("eos_token_id"))
+        self._shards = self._find_shards()
+
+    @property
+    def default_names(self) -> list[str]:
+        names = [self.path.resolve().name.lower()]
+        if self._repo and self._repo not in names:
+            names.append(self._repo)
+        return names
+
+    def config(self) -> dict[str, object]:
+        return dict(self._raw)
+
+    def write_tokenizer(self, target: Path) -> list[int]:
+        """Copy tokenizer.json after checking that `tokenizers` loads it; return the tokenizer's EOS ids."""
+        source = self.path / "tokenizer.json"
+        try:
+            tokenizer = Tokenizer.from_file(str(source))
+        except Exception as exc:  # tokenizers raises a bare Exception for a missing or malformed file
+            raise CoreError(f"{source}: cannot load with tokenizers: {exc}") from None
+        shutil.copyfile(source, target)
+        eos = self._tokenizer_config.get("eos_token")
+        content = eos.get("content") if isinstance(eos, dict) else eos
+        token_id = tokenizer.token_to_id(content) if isinstance(content, str) else None
+        return [token_id] if token_id is not None else []
+
+    def tensor_count(self) -> int:
+        count = 0
+        for shard in self._shards:
+            with _open_shard(shard) as handle:
+                count += len(handle.keys())
+        return count
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for shard in self._shards:
+            with _open_shard(shard) as handle:
+                for name in handle.keys():
+                    try:
+                        yield name, handle.get_tensor(name)
+                    except Exception as exc:
+                        raise CoreError(f"{shard}: cannot read tensor {name}: {exc}") from None
+
+    def _find_chat_template(self) -> str:
+        template = self._tokenizer_config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if isinstance(template, str) and template.strip():
+            return template
+        jinja = self.path / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        raise CoreError(f"{self.path}: no chat template (neither tokenizer_config.json's chat_template "
+                        "nor chat_template.jinja)")
+
+    def _find_shards(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CoreError(f"{index}: no weight_map")
+            shards = [self.path / name for name in sorted(set(weight_map.values()))]
+        else:
+            shards = sorted(self.path.glob("*.safetensors"))
+            if not shards:
+                raise CoreError(f"{self.path}: no *.safetensors weights")
+        for shard in shards:
+            if not shard.is_file():
+                raise CoreError(f"{shard}: missing (listed in {index.name})")
+        return shards
+
+
+def _open_shard(shard: Path):  # noqa: ANN202 (safetensors' handle has no public type)
+    try:
+        return safe_open(str(shard), framework="pt")
+    except Exception as exc:  # SafetensorError for a truncated header, OSError for an unreadable file
+        raise CoreError(f"{shard}: not a readable safetensors file: {exc}") from None
+
+
+def _read_json(path: Path, required: bool = True) -> dict:
+    if not path.is_file():
+        if required:
+            raise CoreError(f"{path}: missing")
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CoreError(f"{path}: invalid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise CoreError(f"{path}: expected a JSON object")
+    return data
+
+
+def token_ids(value: object) -> list[int]:
+    """A config's `eos_token_id`, which may be one id, a list of ids or absent."""
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value] if isinstance(value, list) else []
