@@ -27,6 +27,11 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
+    presence_penalty: float = 0.0  # on output tokens, as OpenAI defines it
+    frequency_penalty: float = 0.0  # on output tokens
+    repetition_penalty: float = 1.0  # on prompt and output tokens, as transformers defines it
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's logprob and the top k
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
 
 
 class Hello(_Wire, tag="hello"):
@@ -69,6 +74,15 @@ class Welcome(_Wire, tag="welcome"):
     heartbeat_interval: float
 
 
+class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Per token: its logprob, and the top-k alternatives (ids and logprobs, best first)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 class Outputs(_Wire, tag="outputs"):
     """One engine step's news for one frontend, columnar: index i of every list is one request."""
 
@@ -78,6 +92,8 @@ class Outputs(_Wire, tag="outputs"):
     errors: list[str | None]
     prompt_tokens: list[int]
     cached_tokens: list[int]
+    logprobs: list[Logprobs | None] = []  # per request, for its new tokens, when asked for
+    prompt_logprobs: list[Logprobs | None] = []  # per request, once, with its first tokens, when asked for
 
 
 class Rejected(_Wire, tag="rejected"):
