@@ -147,8 +147,11 @@ class Engine:
     # --- output -------------------------------------------------------------------------------------------------
     def _publish(self, result: StepResult) -> None:
         news: dict[Request, list[int]] = {}
-        for request, token in result.tokens:
+        logprobs: dict[Request, list[wire.Logprobs]] = defaultdict(list)
+        for request, token, lp in result.tokens:
             news.setdefault(request, []).append(token)
+            if lp is not None:
+                logprobs[request].append(lp)
         finished: dict[Request, Finished] = {f.request: f for f in result.finished}
         for request in finished:
             news.setdefault(request, [])
@@ -161,7 +164,9 @@ class Engine:
                 request_ids=[r.request_id for r in requests], token_ids=[news[r] for r in requests],
                 finish_reasons=[f.reason if f else None for f in ends],
                 errors=[f.error if f else None for f in ends],
-                prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests]))
+                prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests],
+                logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests],
+                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] else None for r in requests]))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
             self.counters[f"finished_{end.reason}"] += 1
@@ -185,3 +190,19 @@ class Engine:
                 del self._frontends[identity]
             else:
                 self._send(identity, wire.Heartbeat(self.engine_id, self.draining))
+
+
+def join_logprobs(pieces: list[wire.Logprobs]) -> wire.Logprobs | None:
+    if not pieces:
+        return None
+    if len(pieces) == 1:
+        return pieces[0]
+    return wire.Logprobs([t for p in pieces for t in p.token_ids], [x for p in pieces for x in p.logprobs],
+                         [t for p in pieces for t in p.top_ids], [x for p in pieces for x in p.top_logprobs])
+
+
+def take(pieces: list[wire.Logprobs]) -> list[wire.Logprobs]:
+    """Hand over the pieces gathered so far, leaving the list empty."""
+    taken = list(pieces)
+    pieces.clear()
+    return taken

@@ -24,7 +24,12 @@ class SamplingTensors:
     min_p: torch.Tensor  # [B] float32
     seed: torch.Tensor  # [B] int64
     position: torch.Tensor  # [B] int64: index of the output token being drawn
-    all_greedy: bool  # known on the host from the requests, so no device check is needed
+    presence_penalty: torch.Tensor  # [B] float32
+    frequency_penalty: torch.Tensor  # [B] float32
+    repetition_penalty: torch.Tensor  # [B] float32
+    # Known on the host from the requests, so the device is never asked:
+    all_greedy: bool
+    any_penalty: bool
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -44,8 +49,20 @@ def exponential_noise(seed: torch.Tensor, position: torch.Tensor, vocab_size: in
     return -torch.log(uniform)
 
 
+def apply_penalties(logits: torch.Tensor, params: SamplingTensors, output_counts: torch.Tensor,
+                    seen: torch.Tensor) -> torch.Tensor:
+    """OpenAI's presence/frequency penalties over output tokens; transformers' repetition penalty over prompt and
+    output tokens. output_counts [B, V] and seen [B, V] are the sampled rows' slot state."""
+    if not params.any_penalty:
+        return logits
+    rp = params.repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+    counts = output_counts.to(logits.dtype)
+    return logits - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] int64."""
+    """logits [B, V] float32 (penalties applied) -> token ids [B] int64."""
     greedy = logits.argmax(dim=-1)
     if params.all_greedy:
         return greedy
@@ -63,3 +80,13 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     choice = (sorted_probs * keep / noise).argmax(dim=-1, keepdim=True)
     drawn = order.gather(1, choice).squeeze(1)
     return torch.where(params.temperature > 0, drawn, greedy)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """The logprob of each chosen token under the model's distribution, and the `top` best alternatives:
+    ([B], [B, top] ids, [B, top] logprobs)."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    best, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], tokens[:, None][:, :0])
+    return chosen, ids, best

@@ -14,10 +14,11 @@ import time
 
 import torch
 
+from common.protocol import Logprobs
 from engine.executor.inputs import build_inputs
 from engine.model.llama import LlamaForCausalLM
-from engine.sampling import sample
-from engine.scheduler.plan import Completion, Plan
+from engine.sampling import apply_penalties, sample, token_logprobs
+from engine.scheduler.plan import Completion, Plan, Row
 
 MAX_IN_FLIGHT = 2
 
@@ -43,6 +44,10 @@ class EagerExecutor:
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=dtype, device=device)
         self.slot_tokens = torch.zeros(max_active, dtype=torch.int64, device=device)
+        vocab = model.config.vocab_size
+        # Penalty state per slot: output token counts, and every token seen (prompt and output).
+        self.output_counts = torch.zeros(max_active, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(max_active, vocab, dtype=torch.bool, device=device)
         self._fence = 0
         self._in_flight = 0
         self._work: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
@@ -101,9 +106,61 @@ class EagerExecutor:
         input_ids = step.input_ids
         if step.device_token_rows.numel():
             input_ids[step.device_token_rows] = self.slot_tokens[step.device_token_slots]
+        self._record_prompt_tokens(plan)
         hidden = self.model(input_ids, step.positions, self.kv_cache, step.meta)
-        tokens = sample(self.model.logits(hidden[step.sample_rows]), step.sampling)
+        logits = self.model.logits(hidden[step.sample_rows])
+        logits = apply_penalties(logits, step.sampling, self.output_counts[step.sample_slots],
+                                 self.seen[step.sample_slots])
+        tokens = sample(logits, step.sampling)
         self.slot_tokens[step.sample_slots] = tokens
+        self.output_counts.index_put_((step.sample_slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                                      accumulate=True)
+        self.seen[step.sample_slots, tokens] = True
         sampled = [row for row in plan.rows if row.sample]
         return Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
-                          tuple(tokens.tolist()), time.perf_counter() - started)
+                          tuple(tokens.tolist()), time.perf_counter() - started,
+                          logprobs=self._logprobs(sampled, logits, tokens),
+                          prompt_logprobs=self._prompt_logprobs(plan, hidden))
+
+    def _record_prompt_tokens(self, plan: Plan) -> None:
+        """Host-known tokens enter the slot's penalty state; a request's first row clears what the slot held."""
+        for row in plan.rows:
+            if row.tokens is None:
+                continue
+            known = list(row.tokens)
+            if row.history is not None:
+                self.output_counts[row.slot] = 0
+                self.seen[row.slot] = False
+                known = list(row.history) + known
+            first = row.start - (len(known) - row.length)
+            ids = torch.tensor(known, dtype=torch.int64, device=self.device)
+            self.seen[row.slot, ids] = True
+            outputs = ids[max(row.prompt_len - first, 0):]
+            if outputs.numel():  # a recomputed request's earlier outputs
+                self.output_counts[row.slot].index_put_((outputs,), torch.ones_like(outputs, dtype=torch.int32),
+                                                        accumulate=True)
+
+    def _logprobs(self, sampled: list[Row], logits: torch.Tensor, tokens: torch.Tensor
+                  ) -> tuple[Logprobs | None, ...]:
+        wanted = [r.sampling.logprobs for r in sampled if r.sampling.logprobs is not None]
+        if not wanted:
+            return ()
+        chosen, top_ids, top = token_logprobs(logits, tokens, max(wanted))
+        chosen, top_ids, top, ids = chosen.tolist(), top_ids.tolist(), top.tolist(), tokens.tolist()
+        return tuple(
+            Logprobs([ids[i]], [chosen[i]], [top_ids[i][:r.sampling.logprobs]], [top[i][:r.sampling.logprobs]])
+            if r.sampling.logprobs is not None else None for i, r in enumerate(sampled))
+
+    def _prompt_logprobs(self, plan: Plan, hidden: torch.Tensor) -> tuple[tuple[int, int, Logprobs], ...]:
+        result = []
+        first = 0
+        for row in plan.rows:
+            if row.prompt_targets:
+                count = len(row.prompt_targets)
+                targets = torch.tensor(row.prompt_targets, dtype=torch.int64, device=self.device)
+                k = row.sampling.prompt_logprobs or 0
+                chosen, top_ids, top = token_logprobs(self.model.logits(hidden[first:first + count]), targets, k)
+                result.append((row.slot, row.generation, Logprobs(list(row.prompt_targets), chosen.tolist(),
+                                                                  top_ids.tolist(), top.tolist())))
+            first += row.length
+        return tuple(result)

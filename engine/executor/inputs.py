@@ -7,8 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.attention import AttentionMetadata, PrefillSpan
+from common.protocol import SamplingParams
 from engine.sampling import SamplingTensors
 from engine.scheduler.plan import Plan
+
+
+def has_penalty(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,11 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
         min_p=_tensor([r.sampling.min_p for r in sampled], torch.float32, device),
         seed=_tensor([r.seed for r in sampled], torch.int64, device),
         position=_tensor([r.output_index for r in sampled], torch.int64, device),
-        all_greedy=all(r.sampling.temperature == 0 for r in sampled))
+        presence_penalty=_tensor([r.sampling.presence_penalty for r in sampled], torch.float32, device),
+        frequency_penalty=_tensor([r.sampling.frequency_penalty for r in sampled], torch.float32, device),
+        repetition_penalty=_tensor([r.sampling.repetition_penalty for r in sampled], torch.float32, device),
+        all_greedy=all(r.sampling.temperature == 0 for r in sampled),
+        any_penalty=any(has_penalty(r.sampling) for r in sampled))
     return StepInputs(
         input_ids=_tensor(ids, torch.int64, device), positions=_tensor(positions, torch.int64, device),
         device_token_rows=_tensor(device_rows, torch.int64, device),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import SamplingParams
+from common.protocol import Logprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,12 @@ class Row:
     output_index: int  # index of that output token (the RNG position)
     sampling: SamplingParams
     seed: int
+    prompt_len: int
+    # On a request's first row after (re)starting: the tokens before `start` (reused from the prefix cache), so the
+    # executor can rebuild the slot's penalty state. None on later rows.
+    history: tuple[int, ...] | None = None
+    # When the request asked for prompt logprobs: the prompt token each position of this row predicts.
+    prompt_targets: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -48,3 +54,5 @@ class Completion:
     tokens: tuple[int, ...]
     duration: float  # seconds the step took to execute
     error: str | None = None  # the step failed; its requests fail with this message
+    logprobs: tuple[Logprobs | None, ...] = ()  # per sampled row, when its request asked
+    prompt_logprobs: tuple[tuple[int, int, Logprobs], ...] = ()  # (slot, generation, logprobs) per row that asked

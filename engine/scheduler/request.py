@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.protocol import SamplingParams
+from common.protocol import Logprobs, SamplingParams
 
 
 class Phase(enum.Enum):
@@ -35,7 +35,9 @@ class Request:
     prefill_target: int = 0  # positions to consume before decoding (prompt, plus outputs after a preemption)
     last_fence: int = 0  # the last submitted step that uses this request's pages
     in_flight: int = 0  # submitted steps not yet completed
+    fresh: bool = False  # placed in a slot and not yet planned: its first row resets the slot's state
     cached_tokens: int = 0
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)  # pieces per prefill chunk, until published
     finish_reason: str | None = None
 
     @property

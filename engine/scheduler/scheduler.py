@@ -12,6 +12,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
+from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.plan import Completion, Plan, Row
 from engine.scheduler.request import Phase, Request
@@ -26,9 +27,10 @@ class Finished:
 
 @dataclass
 class StepResult:
-    """What a completion changed: new tokens per request (in order) and requests that ended."""
+    """What a completion changed: new tokens per request (in order, with logprobs when asked) and requests
+    that ended."""
 
-    tokens: list[tuple[Request, int]]
+    tokens: list[tuple[Request, int, Logprobs | None]]
     finished: list[Finished]
 
 
@@ -98,6 +100,7 @@ class RequestScheduler:
             request.scheduled = row.start + row.length
             request.last_fence = fence
             request.in_flight += 1
+            request.fresh = False
             if request.phase is Phase.PREFILL and request.scheduled == request.prefill_target:
                 request.phase = Phase.DECODE
 
@@ -120,6 +123,7 @@ class RequestScheduler:
         request.slot, request.generation = slot, self._generations[slot]
         request.phase = Phase.PREFILL
         request.scheduled = 0
+        request.fresh = True
         self.slots[slot] = request
 
     def _reserve(self, request: Request, positions: int, planned: set[int]) -> bool:
@@ -152,11 +156,16 @@ class RequestScheduler:
         end = start + length
         prefill = request.phase is Phase.PREFILL
         samples = not prefill or end == request.prefill_target
+        targets = ()
+        if prefill and request.sampling.prompt_logprobs is not None:
+            targets = tuple(request.tokens[start + 1:min(end + 1, request.prompt_len)])
         return Row(
             slot=request.slot, generation=request.generation, start=start, length=length,
             tokens=tuple(request.tokens[start:end]) if prefill else None,
             page_table=tuple(request.pages[: -(-end // self.page_size)]),
-            sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed)
+            sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
+            prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
+            prompt_targets=targets)
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
@@ -172,12 +181,17 @@ class RequestScheduler:
                 if request is not None and request.generation == row.generation:
                     result.finished.append(self._finish(request, "error", completion.error))
             return result
-        for slot, generation, token in zip(completion.slots, completion.generations, completion.tokens):
+        for slot, generation, logprobs in completion.prompt_logprobs:
+            request = self.slots[slot]
+            if request is not None and request.generation == generation:
+                request.prompt_logprobs.append(logprobs)
+        logprobs = completion.logprobs or (None,) * len(completion.tokens)
+        for slot, generation, token, lp in zip(completion.slots, completion.generations, completion.tokens, logprobs):
             request = self.slots[slot]
             if request is None or request.generation != generation or request.phase is Phase.FINISHED:
                 continue  # the request ended while this step was in flight
             request.tokens.append(token)
-            result.tokens.append((request, token))
+            result.tokens.append((request, token, lp))
             if token in request.stop_ids and request.outputs > request.sampling.min_tokens:
                 result.finished.append(self._finish(request, "stop"))
             elif request.outputs >= request.max_outputs:

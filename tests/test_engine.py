@@ -1,0 +1,111 @@
+"""The scheduler and eager executor together on a tiny random model: batching, preemption, sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.engine_harness import Harness, tiny_model
+
+PROMPTS = [[5, 6, 7], list(range(10, 60)), list(range(100, 190)), [42]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def reference_greedy(model, prompt: list[int], count: int) -> list[int]:
+    """Greedy decoding without any cache: the whole sequence through the model each step."""
+    from engine.model.attention import AttentionMetadata, PrefillSpan
+
+    tokens = list(prompt)
+    for _ in range(count):
+        n = len(tokens)
+        cache = torch.zeros(model.config.num_layers, 2, n, model.config.num_kv_heads, model.config.head_dim)
+        meta = AttentionMetadata(torch.arange(n), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
+                                 torch.zeros(0, dtype=torch.long), (PrefillSpan(0, n, n, torch.arange(n)),), 1)
+        with torch.no_grad():
+            hidden = model(torch.tensor(tokens), torch.arange(n), cache, meta)
+        tokens.append(int(model.logits(hidden[-1:]).argmax()))
+    return tokens[len(prompt):]
+
+
+def test_batched_chunked_greedy_equals_one_sequence_at_a_time(model) -> None:
+    harness = Harness(model)
+    requests = [harness.add(p, temperature=0.0, max_tokens=12) for p in PROMPTS]
+    harness.run()
+    for prompt, request in zip(PROMPTS, requests):
+        assert request.tokens[len(prompt):] == reference_greedy(model, prompt, 12)
+    assert harness.scheduler.pages.free_count == 64
+    harness.close()
+
+
+def test_preemption_under_page_pressure_keeps_greedy_results(model) -> None:
+    harness = Harness(model, num_pages=14, page_size=16)  # far fewer pages than the requests need at once
+    requests = [harness.add(p, temperature=0.0, max_tokens=40) for p in PROMPTS]
+    harness.run()
+    for prompt, request in zip(PROMPTS, requests):
+        assert request.tokens[len(prompt):] == reference_greedy(model, prompt, 40)
+    assert harness.scheduler.pages.free_count == 14
+    harness.close()
+
+
+def test_a_seeded_request_draws_the_same_tokens_in_any_batch(model) -> None:
+    alone = Harness(model)
+    solo = alone.add(PROMPTS[1], temperature=1.0, top_p=0.95, seed=77, max_tokens=16)
+    alone.run()
+    crowded = Harness(model)
+    for i, prompt in enumerate(PROMPTS):
+        crowded.add(prompt, temperature=0.8, seed=i, max_tokens=20)
+    again = crowded.add(PROMPTS[1], temperature=1.0, top_p=0.95, seed=77, max_tokens=16)
+    crowded.run()
+    assert solo.tokens == again.tokens
+    other = Harness(model)
+    different = other.add(PROMPTS[1], temperature=1.0, top_p=0.95, seed=78, max_tokens=16)
+    other.run()
+    assert different.tokens != solo.tokens
+    for h in (alone, crowded, other):
+        h.close()
+
+
+def test_top_k_one_is_greedy_and_a_huge_presence_penalty_never_repeats(model) -> None:
+    harness = Harness(model)
+    top1 = harness.add(PROMPTS[2], temperature=1.5, top_k=1, seed=3, max_tokens=10)
+    unique = harness.add(PROMPTS[0], temperature=0.0, presence_penalty=1e6, max_tokens=30)
+    harness.run()
+    assert top1.tokens[len(PROMPTS[2]):] == reference_greedy(model, PROMPTS[2], 10)
+    outputs = unique.tokens[len(PROMPTS[0]):]
+    assert len(set(outputs)) == len(outputs) == 30
+    harness.close()
+
+
+def test_logprobs_are_the_models_and_best_first(model) -> None:
+    harness = Harness(model)
+    request = harness.add(PROMPTS[0], temperature=0.0, max_tokens=3, logprobs=4, prompt_logprobs=2)
+    pieces, prompt_pieces = [], []
+    while harness.scheduler.has_work():
+        for result in harness.step():
+            pieces += [lp for r, _, lp in result.tokens if r is request]
+    prompt_pieces = request.prompt_logprobs
+    assert len(pieces) == 3 and all(len(p.top_ids[0]) == 4 for p in pieces)
+    first = pieces[0]
+    assert first.top_ids[0][0] == first.token_ids[0]  # greedy picks the best
+    assert first.top_logprobs[0] == sorted(first.top_logprobs[0], reverse=True)
+    assert math.isclose(first.logprobs[0], first.top_logprobs[0][0]) and first.logprobs[0] < 0
+    assert sum(math.exp(x) for x in first.top_logprobs[0]) <= 1.0 + 1e-5
+    assert [t for p in prompt_pieces for t in p.token_ids] == PROMPTS[0][1:]
+    harness.close()
+
+
+def test_cancel_returns_pages_only_after_in_flight_steps(model) -> None:
+    harness = Harness(model, num_pages=32)
+    request = harness.add(PROMPTS[2], temperature=0.0, max_tokens=50)
+    harness.step()
+    harness.scheduler.cancel(request)
+    assert not harness.scheduler.has_work()
+    harness.run()
+    assert harness.scheduler.pages.free_count == 32
+    harness.close()
