@@ -72,6 +72,7 @@ class Welcome(_Wire, tag="welcome"):
     max_active: int
     queue_capacity: int
     heartbeat_interval: float
+    telemetry_address: str = ""  # where the engine publishes Telemetry snapshots (ZMQ PUB)
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -108,6 +109,47 @@ class Heartbeat(_Wire, tag="heartbeat"):
     draining: bool = False
 
 
+class GraphStat(msgspec.Struct, array_like=True, gc=False):
+    """Completions of one graph (kind, capacity) over the dashboard's window."""
+
+    kind: str
+    capacity: int
+    calls: int
+    mean_ms: float
+    max_ms: float
+    requests_per_call: float
+
+
+class RequestRow(msgspec.Struct, array_like=True, gc=False):
+    slot: int
+    generation: int
+    phase: str
+    gap_ms: float  # since the request last committed a token (or arrived)
+    prompt_done: int
+    prompt_len: int
+    outputs: int
+    since_publish_ms: float  # -1 before the first publication
+    bursts: int
+
+
+class Telemetry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="telemetry"):
+    """The engine's state, published on its telemetry socket twice a second. Counters only grow."""
+
+    engine_id: str
+    uptime_s: float
+    counters: dict[str, int]
+    gauges: dict[str, float]
+    queue_time_buckets: list[int]  # cumulative counts at QUEUE_TIME_BUCKETS, then +Inf
+    queue_time_sum: float
+    graphs: list[GraphStat] = []  # only while a dashboard is attached
+    requests: list[RequestRow] = []  # only while a dashboard is attached
+    dropped_updates: int = 0
+
+
+TELEMETRY_METRICS_TOPIC = b"m"  # snapshots for /metrics
+TELEMETRY_DASHBOARD_TOPIC = b"d"  # the same with graph and request detail, recorded only while subscribed
+QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
 FrontendMessage = Hello | Submit | Abort | Goodbye
 EngineMessage = Welcome | Outputs | Rejected | Heartbeat
 
@@ -126,3 +168,18 @@ def decode_frontend_message(data: bytes) -> FrontendMessage:
 
 def decode_engine_message(data: bytes) -> EngineMessage:
     return _engine_decoder.decode(data)
+
+
+_telemetry_decoder = msgspec.msgpack.Decoder(Telemetry)
+
+
+def decode_telemetry(data: bytes) -> Telemetry:
+    return _telemetry_decoder.decode(data)
+
+
+def telemetry_address(listen: str) -> str:
+    """The engine's telemetry socket sits beside its request socket: the next TCP port, or a sibling ipc path."""
+    if listen.startswith("tcp://"):
+        host, port = listen[len("tcp://"):].rsplit(":", 1)
+        return f"tcp://{host}:{int(port) + 1}"
+    return listen + ".telemetry"

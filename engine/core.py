@@ -11,24 +11,30 @@ import zmq
 
 from common import protocol as wire
 from engine.executor.base import Executor
+from engine.scheduler.plan import Plan
+from engine.telemetry import EngineTelemetry
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Finished, RequestScheduler, StepResult
 
 log = logging.getLogger("flare.engine")
 
+FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "cancellations", "error": "failures"}
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 
 
 class Engine:
     def __init__(self, card: wire.ModelCard, executor: Executor, scheduler: RequestScheduler,
-                 vocab_size: int, socket: zmq.Socket, engine_id: str) -> None:
+                 vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str) -> None:
         self.card = card
         self.executor = executor
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.socket = socket
-        self.engine_id = engine_id
+        self.telemetry = telemetry
+        self.telemetry_address = telemetry_address
+        self.engine_id = telemetry.engine_id
+        self.counters = telemetry.counters
         self.draining = False
         self.stopping = False
         self._frontends: dict[bytes, float] = {}  # identity -> last time heard from
@@ -36,7 +42,6 @@ class Engine:
         self._steps_in_flight = 0
         self._seed = random.SystemRandom()
         self._last_heartbeat = 0.0
-        self.counters: dict[str, int] = defaultdict(int)
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -47,18 +52,32 @@ class Engine:
             self._ingest()
             for plan, completion in self.executor.poll():
                 self._steps_in_flight -= 1
+                if completion.error is None:
+                    self.telemetry.observe_step(plan, completion.duration)
                 self._publish(self.scheduler.complete(completion, plan))
             while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
+                self._count_start(plan)
                 self.scheduler.commit(plan, self.executor.next_fence())
                 self.executor.submit(plan)
                 self._steps_in_flight += 1
-                self.counters[f"steps_{plan.kind}"] += 1
             self._heartbeat()
+            self.telemetry.maybe_publish(self.scheduler)
             # Whatever could be submitted was; sleep until a message, a completion or the next heartbeat.
             poller.poll(self._sleep_ms())
 
     def _sleep_ms(self) -> int:
-        return max(int((self._last_heartbeat + HEARTBEAT_INTERVAL - time.monotonic()) * 1000), 1)
+        wake = min(self._last_heartbeat + HEARTBEAT_INTERVAL, self.telemetry.next_publish)
+        return max(int((wake - time.monotonic()) * 1000), 1)
+
+    def _count_start(self, plan: Plan) -> None:
+        now = time.monotonic()
+        for row in plan.rows:
+            request = self.scheduler.slots[row.slot]
+            if row.tokens is not None:
+                self.counters["prompt_tokens"] += max(min(row.start + row.length, row.prompt_len) - row.start, 0)
+            if request is not None and not request.started:
+                request.started = True
+                self.telemetry.observe_queue_time(now - request.arrival)
 
     def stop(self) -> None:
         """Abort what is left and leave the loop once steps in flight have completed."""
@@ -86,7 +105,8 @@ class Engine:
                 self._abort(identity, message.request_ids)
             elif isinstance(message, wire.Hello):
                 self._send(identity, wire.Welcome(self.engine_id, self.card, self.scheduler.max_active,
-                                                  self.scheduler.queue_capacity, HEARTBEAT_INTERVAL))
+                                                  self.scheduler.queue_capacity, HEARTBEAT_INTERVAL,
+                                                  self.telemetry_address))
             elif isinstance(message, wire.Goodbye):
                 self._abort(identity, list(self._owned.pop(identity, ())))
                 self._frontends.pop(identity, None)
@@ -95,7 +115,7 @@ class Engine:
         rejection = self._validate(submit)
         if rejection is not None:
             self._send(identity, rejection)
-            self.counters["rejected"] += 1
+            self.counters["rejections"] += 1
             return
         params = submit.sampling
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
@@ -106,9 +126,10 @@ class Engine:
             seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
             stop_ids=stop_ids, max_outputs=min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
             arrival=time.monotonic(), message_ends=list(submit.message_ends))
+        request.last_commit = request.arrival
         self.scheduler.add(request)
         self._owned[identity].add(request.request_id)
-        self.counters["admitted"] += 1
+        self.counters["admissions"] += 1
 
     def _validate(self, submit: wire.Submit) -> wire.Rejected | None:
         def reject(status: int, message: str, hint: str = "") -> wire.Rejected:
@@ -158,6 +179,12 @@ class Engine:
         by_owner: dict[bytes, list[Request]] = defaultdict(list)
         for request in news:
             by_owner[request.owner].append(request)
+        now = time.monotonic()
+        self.counters["output_tokens"] += len(result.tokens)
+        for request in news:
+            if news[request]:
+                request.last_publish = now
+                request.bursts += 1
         for owner, requests in by_owner.items():
             ends = [finished.get(r) for r in requests]
             self._send(owner, wire.Outputs(
@@ -169,7 +196,7 @@ class Engine:
                 prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] else None for r in requests]))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
-            self.counters[f"finished_{end.reason}"] += 1
+            self.counters[FINISH_COUNTERS[end.reason]] += 1
 
     def _send(self, identity: bytes, message: wire.EngineMessage) -> None:
         try:

@@ -15,11 +15,13 @@ import torch
 import zmq
 
 from common.errors import CoreError
+from common import protocol
 from common.protocol import ModelCard
 from engine.core import Engine
 from engine.executor.eager import EagerExecutor, pages_for_budget
 from engine.model.loader import DTYPES, load_model
 from engine.scheduler.scheduler import RequestScheduler
+from engine.telemetry import EngineTelemetry
 
 log = logging.getLogger("flare.engine")
 
@@ -64,7 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     socket.setsockopt(zmq.LINGER, 1000)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.bind(args.listen)
-    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, f"engine-{uuid.uuid4().hex[:8]}")
+    telemetry_socket = context.socket(zmq.XPUB)
+    telemetry_socket.setsockopt(zmq.XPUB_VERBOSE, 1)
+    telemetry_socket.setsockopt(zmq.LINGER, 0)
+    telemetry_address = protocol.telemetry_address(args.listen)
+    telemetry_socket.bind(telemetry_address)
+    telemetry = EngineTelemetry(telemetry_socket, f"engine-{uuid.uuid4().hex[:8]}")
+    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
     log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",
@@ -75,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         executor.close()
         socket.close()
+        telemetry_socket.close()
         context.term()
     log.info("stopped")
     os._exit(0)

@@ -12,6 +12,7 @@ from common.errors import ExecutionFailed
 from common.protocol import SamplingParams, Submit
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from frontend.engine_client import EngineClient
+from frontend.metrics import RequestTimer
 from frontend.model import ServedModel
 
 
@@ -50,6 +51,7 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
     hidden_ids = set(request.sampling.stop_token_ids)
     generated = 0
     finished = False
+    timer = RequestTimer()
     try:
         while True:
             update = await queue.get()
@@ -57,6 +59,7 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
                 finished = True
                 raise update.error
             generated += len(update.token_ids)
+            timer.delivered(len(update.token_ids))
             visible = [t for t in update.token_ids if t not in hidden_ids]
             text = stops.feed(detokenizer.add(visible)) if visible else ""
             if stops.matched is not None:
@@ -80,6 +83,7 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
                 yield Delta(text, update.token_ids)
     finally:
         if finished:
+            timer.finished()
             client.release(request_id)
         else:
             client.abort(request_id)

@@ -14,6 +14,7 @@ from aiohttp import web
 from common.errors import CoreError
 from frontend import openai_api
 from frontend.engine_client import EngineClient
+from frontend.metrics import EngineSnapshot, frontend_gauges, serve_metrics
 from frontend.model import ServedModel
 from frontend.server import FRONTEND_KEY, Frontend, guard, health
 
@@ -39,6 +40,7 @@ def create_app(frontend: Frontend, body_limit: int) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=body_limit)
     app[FRONTEND_KEY] = frontend
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", serve_metrics)
     openai_api.add_routes(app)
     return app
 
@@ -49,6 +51,9 @@ async def serve(args: argparse.Namespace) -> None:
     welcome = await client.start()
     capacity = args.capacity or welcome.queue_capacity + welcome.max_active
     frontend = Frontend(model, client, args.workers, capacity, args.api_key)
+    engine_snapshot = EngineSnapshot()
+    follow = asyncio.create_task(engine_snapshot.follow(welcome.telemetry_address))
+    frontend_gauges(lambda: (frontend.capacity, frontend.in_use), lambda: (args.workers, frontend.pool_busy))
     runner = web.AppRunner(create_app(frontend, args.body_limit), handler_cancellation=True, access_log=None,
                             shutdown_timeout=1.0)
     await runner.setup()
@@ -67,6 +72,7 @@ async def serve(args: argparse.Namespace) -> None:
     while frontend.in_use and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await runner.cleanup()
+    follow.cancel()
     await client.close()
     frontend.pool.shutdown(wait=False, cancel_futures=True)
 

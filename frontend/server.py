@@ -35,12 +35,17 @@ class Frontend:
         self.capacity = capacity
         self.api_key = api_key
         self.in_use = 0
+        self.pool_busy = 0
         self.draining = False
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontend-worker")
 
     async def on_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """CPU work (template rendering, tokenization) on the bounded worker pool."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        self.pool_busy += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        finally:
+            self.pool_busy -= 1
 
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)

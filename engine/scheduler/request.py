@@ -38,6 +38,10 @@ class Request:
     fresh: bool = False  # placed in a slot and not yet planned: its first row resets the slot's state
     cached_tokens: int = 0
     prompt_logprobs: list[Logprobs] = field(default_factory=list)  # pieces per prefill chunk, until published
+    started: bool = False  # scheduled at least once (its queue time is measured)
+    last_commit: float = 0.0  # monotonic time a token was last committed (or of arrival)
+    last_publish: float = 0.0  # monotonic time output was last published; 0 before the first
+    bursts: int = 0  # completed steps whose output was published
     finish_reason: str | None = None
 
     @property

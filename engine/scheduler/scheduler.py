@@ -8,7 +8,7 @@ randomness depends only on seed and position, so the outcome is unchanged).
 
 from __future__ import annotations
 
-import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -46,12 +46,20 @@ class RequestScheduler:
         self.slots: list[Request | None] = [None] * max_active
         self._generations = [0] * max_active
         self._by_id: dict[str, Request] = {}
-        self._admission_order = itertools.count()
+        self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
 
     # --- intake -------------------------------------------------------------------------------------------------
     @property
     def live(self) -> int:
         return sum(r is not None for r in self.slots)
+
+    @property
+    def retiring_count(self) -> int:
+        return len(self._retiring)
+
+    @property
+    def cached_pages(self) -> int:
+        return 0
 
     def can_admit(self) -> bool:
         return len(self.waiting) < self.queue_capacity
@@ -175,6 +183,8 @@ class RequestScheduler:
             request = self.slots[row.slot]
             if request is not None and request.generation == row.generation:
                 request.in_flight -= 1
+        for request in [r for r in self._retiring if r.last_fence <= completion.fence]:
+            self._retiring.discard(request)
         if completion.error is not None:
             for row in plan.rows:
                 request = self.slots[row.slot]
@@ -191,6 +201,7 @@ class RequestScheduler:
             if request is None or request.generation != generation or request.phase is Phase.FINISHED:
                 continue  # the request ended while this step was in flight
             request.tokens.append(token)
+            request.last_commit = time.monotonic()
             result.tokens.append((request, token, lp))
             if token in request.stop_ids and request.outputs > request.sampling.min_tokens:
                 result.finished.append(self._finish(request, "stop"))
@@ -201,6 +212,8 @@ class RequestScheduler:
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
         request.phase = Phase.FINISHED
         request.finish_reason = reason
+        if request.in_flight:
+            self._retiring.add(request)
         self.pages.release(request.pages, request.last_fence)
         request.pages = []
         if request.slot >= 0 and self.slots[request.slot] is request:

@@ -1,0 +1,139 @@
+"""Engine telemetry: counters and gauges for /metrics, and graph/request detail for an attached dashboard.
+
+Snapshots go out on an XPUB socket twice a second. Frontends subscribe to METRICS_TOPIC; dashboards to
+DASHBOARD_TOPIC, and only while one is subscribed does the engine record per-step detail (in a preallocated ring:
+recording never blocks the loop, and overflow between two snapshots is counted, not waited for).
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter, defaultdict, deque
+
+import zmq
+
+from common import protocol as wire
+from engine.scheduler.plan import Plan
+from engine.scheduler.scheduler import RequestScheduler
+
+METRICS_TOPIC = wire.TELEMETRY_METRICS_TOPIC
+DASHBOARD_TOPIC = wire.TELEMETRY_DASHBOARD_TOPIC
+PUBLISH_INTERVAL = 0.5
+RATE_SAMPLE_INTERVAL = 5.0
+GRAPH_WINDOW = 2.0
+RING_SIZE = 1024
+COUNTERS = ("admissions", "completions", "cancellations", "failures", "rejections", "prefix_lookups", "prefix_hits",
+            "prefix_misses", "reused_tokens", "checkpoint_publications", "checkpoint_evictions", "prompt_tokens",
+            "output_tokens", "launches_decode", "launches_prefill", "launches_mixed")
+MAX_REQUEST_ROWS = 128
+
+
+class EngineTelemetry:
+    def __init__(self, socket: zmq.Socket, engine_id: str) -> None:
+        self.socket = socket
+        self.engine_id = engine_id
+        self.started = time.monotonic()
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._queue_buckets = [0] * (len(wire.QUEUE_TIME_BUCKETS) + 1)
+        self._queue_sum = 0.0
+        self._rate_samples: deque[tuple[float, int]] = deque(maxlen=int(60 / RATE_SAMPLE_INTERVAL) + 1)
+        self._last_publish = 0.0
+        self._dashboards = 0
+        self._ring: list[tuple[float, str, int, int, float] | None] = [None] * RING_SIZE
+        self._ring_next = 0
+        self._ring_since_publish = 0
+        self.dropped = 0
+
+    @property
+    def next_publish(self) -> float:
+        return self._last_publish + PUBLISH_INTERVAL
+
+    @property
+    def detailed(self) -> bool:
+        return self._dashboards > 0
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._queue_buckets[bisect.bisect_left(wire.QUEUE_TIME_BUCKETS, seconds)] += 1
+        self._queue_sum += seconds
+
+    def observe_step(self, plan: Plan, duration: float) -> None:
+        self.counters[f"launches_{plan.kind}"] += 1
+        if not self.detailed:
+            return
+        if self._ring_since_publish >= RING_SIZE:
+            self.dropped += 1
+            return
+        capacity = plan.num_tokens if plan.kind != "decode" else 1 << (len(plan.rows) - 1).bit_length()
+        self._ring[self._ring_next] = (time.monotonic(), plan.kind, capacity, len(plan.rows), duration)
+        self._ring_next = (self._ring_next + 1) % RING_SIZE
+        self._ring_since_publish += 1
+
+    def maybe_publish(self, scheduler: RequestScheduler) -> None:
+        now = time.monotonic()
+        self._track_subscriptions()
+        if now - self._last_publish < PUBLISH_INTERVAL:
+            return
+        self._last_publish = now
+        if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_INTERVAL:
+            self._rate_samples.append((now, self.counters["output_tokens"]))
+        snapshot = wire.Telemetry(
+            engine_id=self.engine_id, uptime_s=now - self.started, counters=dict(self.counters),
+            gauges=self._gauges(scheduler, now), queue_time_buckets=self._cumulative_buckets(),
+            queue_time_sum=self._queue_sum, dropped_updates=self.dropped)
+        self._send(METRICS_TOPIC, snapshot)
+        if self.detailed:
+            snapshot.graphs = self._graph_stats(now)
+            snapshot.requests = self._request_rows(scheduler, now)
+            self._send(DASHBOARD_TOPIC, snapshot)
+        self._ring_since_publish = 0
+
+    def _send(self, topic: bytes, snapshot: wire.Telemetry) -> None:
+        try:
+            self.socket.send_multipart([topic, wire.encode(snapshot)], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # a slow subscriber misses a snapshot; the next one supersedes it
+
+    def _track_subscriptions(self) -> None:
+        while True:
+            try:
+                event = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event[1:] == DASHBOARD_TOPIC:
+                self._dashboards += 1 if event[0] == 1 else -1
+
+    def _cumulative_buckets(self) -> list[int]:
+        total, out = 0, []
+        for count in self._queue_buckets:
+            total += count
+            out.append(total)
+        return out
+
+    def _gauges(self, scheduler: RequestScheduler, now: float) -> dict[str, float]:
+        live = scheduler.live
+        oldest = self._rate_samples[0] if self._rate_samples else (now, 0)
+        return {
+            "live_requests": live, "free_slots": scheduler.max_active - live,
+            "retiring_slots": scheduler.retiring_count, "free_pages": scheduler.pages.free_count,
+            "retiring_pages": scheduler.pages.retiring_count, "cached_pages": scheduler.cached_pages,
+            "pending_requests": len(scheduler.waiting), "uptime_seconds": now - self.started,
+            "tokens_last_minute": self.counters["output_tokens"] - oldest[1],
+        }
+
+    def _graph_stats(self, now: float) -> list[wire.GraphStat]:
+        groups: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+        for entry in self._ring:
+            if entry is not None and now - entry[0] <= GRAPH_WINDOW:
+                groups[(entry[1], entry[2])].append((entry[3], entry[4]))
+        return [wire.GraphStat(kind, capacity, len(calls), 1000 * sum(d for _, d in calls) / len(calls),
+                               1000 * max(d for _, d in calls), sum(n for n, _ in calls) / len(calls))
+                for (kind, capacity), calls in sorted(groups.items())]
+
+    def _request_rows(self, scheduler: RequestScheduler, now: float) -> list[wire.RequestRow]:
+        live = [r for r in scheduler.slots if r is not None] + list(scheduler.waiting)
+        return [wire.RequestRow(
+            slot=r.slot, generation=r.generation, phase=r.phase.value, gap_ms=1000 * (now - r.last_commit),
+            prompt_done=min(r.scheduled, r.prompt_len), prompt_len=r.prompt_len, outputs=r.outputs,
+            since_publish_ms=1000 * (now - r.last_publish) if r.last_publish else -1.0, bursts=r.bursts)
+            for r in live[:MAX_REQUEST_ROWS]]
