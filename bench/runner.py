@@ -1,0 +1,83 @@
+"""Drive a workload against one server: Poisson arrivals or a concurrency cap, a progress bar, the records."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.client import RequestRecord, fetch_model, send
+from bench.datasets import Prompt
+from bench.tokens import Tokens
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str
+    endpoint: str
+    model: str | None
+    label: str
+
+
+@dataclass(frozen=True)
+class Traffic:
+    request_rate: float          # requests per second, Poisson; inf sends everything at once
+    max_concurrency: int | None  # in-flight cap, None for none
+    ignore_eos: bool
+    seed: int
+
+
+@dataclass
+class Run:
+    target: Target
+    model: str
+    duration: float
+    records: list[RequestRecord]
+
+
+def arrival_gaps(rate: float, n: int, seed: int) -> list[float]:
+    """Seconds to wait before each request: the first goes at once, the rest follow a Poisson process."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    return [0.0] + [rng.expovariate(rate) for _ in range(n - 1)]
+
+
+async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tokens: Tokens) -> Run:
+    # No connection cap: the workload's own concurrency is the only limit.
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        model = target.model or await fetch_model(session, target.base_url)
+        # One request first, outside the timing: it proves the endpoint works and pays any lazy start-up cost.
+        probe = await send(session, target.base_url, target.endpoint, model, prompts[0], -1, traffic.ignore_eos,
+                           tokens, time.perf_counter())
+        if not probe.ok:
+            raise RuntimeError(f"{target.label}: the first request failed: {probe.error}")
+        limit = asyncio.Semaphore(traffic.max_concurrency or len(prompts))
+        bar = tqdm(total=len(prompts), desc=target.label, unit="req", disable=None)
+
+        async def one(index: int, t0: float) -> RequestRecord:
+            async with limit:
+                record = await send(session, target.base_url, target.endpoint, model, prompts[index], index,
+                                    traffic.ignore_eos, tokens, t0)
+            bar.update()
+            return record
+
+        t0 = time.perf_counter()
+        tasks = []
+        for index, gap in enumerate(arrival_gaps(traffic.request_rate, len(prompts), traffic.seed)):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(index, t0)))
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - t0
+        bar.close()
+    return Run(target, model, duration, records)
+
+
+def run(target: Target, prompts: list[Prompt], traffic: Traffic, tokens: Tokens) -> Run:
+    return asyncio.run(run_async(target, prompts, traffic, tokens))
