@@ -1,4 +1,9 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral) over a paged KV cache, with Hugging Face weight names."""
+"""The Llama family (Llama 2/3, SmolLM2, Mistral) over a paged KV cache, with Hugging Face weight names.
+
+Two paths compute the same function: plain torch (the reference, and the CPU's), and the kernel path
+(`use_kernels`: fused q/k/v and gate/up projections, Triton attention, RMSNorm, rotary and SiLU-and-mul), which is
+the GPU's and the one CUDA graphs capture.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model.attention import AttentionMetadata, PagedAttention
+from engine.model.attention import AttentionMetadata, KernelMetadata, PagedAttention, kernel_attention
+from engine.parallel import layers as parallel
+from engine.parallel.group import TensorParallel
 
 
 @dataclass(frozen=True)
@@ -82,13 +89,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.c = c
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.o_proj = parallel.row_linear(c.num_heads * c.head_dim, c.hidden_size, c.attention_bias, tp)
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -102,23 +109,59 @@ class Attention(nn.Module):
         out = self.attn(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.flatten(1))
 
+    def fuse(self) -> None:
+        """One [q; k; v] weight, with the three projections left as views of it (the weight names stay)."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) \
+            if self.c.attention_bias else None
+
+    def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+        from engine.kernels.rotary import rope_and_store
+
+        c = self.c
+        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads)
+        out = kernel_attention(q, k_cache, v_cache, meta, self.attn.scale)
+        return self.o_proj(out.flatten(1))
+
 
 class MLP(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.down_proj = parallel.row_linear(c.intermediate_size, c.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def fuse(self) -> None:
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.activation import silu_and_mul
+
+        return self.down_proj(silu_and_mul(nn.functional.linear(x, self.gate_up_weight)))
+
+
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights along the output dimension and re-point each layer at its slice, so the fused
+    weight costs no extra memory and one matrix product replaces several."""
+    fused = torch.cat([linear.weight for linear in linears])
+    first = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[first:first + rows], requires_grad=False)
+        first += rows
+    return fused
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(c)
-        self.mlp = MLP(c)
+        self.self_attn = Attention(c, tp)
+        self.mlp = MLP(c, tp)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -129,26 +172,41 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.embed_tokens = parallel.embedding(c.vocab_size, c.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(c, tp) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, c: LlamaConfig) -> None:
+    def __init__(self, c: LlamaConfig, tp: TensorParallel | None = None) -> None:
+        """With a tensor-parallel group, `c` is this rank's part of the model (engine/model/sharding.py)."""
         super().__init__()
         self.config = c
-        self.model = Backbone(c)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.model = Backbone(c, tp)
+        self.lm_head = parallel.lm_head(c.hidden_size, c.vocab_size, tp)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)
+        self.kernels = False
+
+    def use_kernels(self, max_positions: int) -> None:
+        """Switch to the kernel path (the GPU's; the CPU runs it only under TRITON_INTERPRET, in tests)."""
+        from engine.kernels.rotary import rope_table
+
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.register_buffer("rope", rope_table(self.inv_freq, max_positions), persistent=False)
+        self.kernels = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | KernelMetadata) -> torch.Tensor:
         """input_ids, positions [T]; kv_cache [layers, 2, slots, KVH, D]; returns final hidden states [T, E]."""
+        if self.kernels:
+            return self._forward_kernels(input_ids, positions, kv_cache,
+                                         meta.kernel if isinstance(meta, AttentionMetadata) else meta)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         dtype = self.model.embed_tokens.weight.dtype
@@ -157,6 +215,19 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         return self.model.norm(x)
+
+    def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: KernelMetadata) -> torch.Tensor:
+        from engine.kernels.rmsnorm import add_rms_norm
+
+        eps = self.config.rms_norm_eps
+        x, residual = self.model.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = add_rms_norm(x, residual, layer.input_layernorm.weight, eps)
+            x = layer.self_attn.forward_kernels(h, positions, self.rope, kv_cache[i, 0], kv_cache[i, 1], meta)
+            h, residual = add_rms_norm(x, residual, layer.post_attention_layernorm.weight, eps)
+            x = layer.mlp.forward_kernels(h)
+        return add_rms_norm(x, residual, self.model.norm.weight, eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
 from engine.model.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from engine.model.sharding import Shard, read_weights
+from engine.parallel.group import TensorParallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,15 +20,19 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 
 
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
-               verify: bool = True) -> tuple[Manifest, LlamaForCausalLM]:
+               verify: bool = True, tp: TensorParallel | None = None) -> tuple[Manifest, LlamaForCausalLM]:
+    """On CUDA the model runs the kernel path (Triton, fused projections); elsewhere the torch reference."""
     manifest = load_manifest(core, verify=verify)
     config = LlamaConfig.from_hf(manifest.config)
+    shard = Shard.of(config, tp.rank, tp.world_size) if tp else None  # with a group, only this rank's part
+    if shard:
+        config = shard.local_config(config)
     dtype = dtype or DTYPES[manifest.dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(core, manifest):
-        state.update(load_file(file, device=str(device)))
+        state.update(read_weights(file, device, shard))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
@@ -37,4 +42,6 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(config).to(device)
+    if device.type == "cuda":
+        model.use_kernels(manifest.context_limit)
     return manifest, model.eval()

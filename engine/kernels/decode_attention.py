@@ -1,0 +1,140 @@
+"""Paged decode attention: one new token per sequence against its cached keys, split over the context (split-KV).
+
+The cache of one layer is `[slots, kv_heads, head_dim]` for K and again for V, slot = page * page_size + offset.
+`page_tables[seq_table[b]]` lists sequence b's pages: the graph executor keeps one table row per request slot, so a
+step names rows instead of uploading tables. One program takes one (sequence, kv head, split) and every query head
+of that group, so each key is read once per group; a second kernel merges the splits by their log-sum-exp. Short
+batches use many splits so that the GPU's multiprocessors all have work.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+BLOCK_N = 64
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr,
+                  stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2,
+                  HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + seq)
+    table = tables_ptr + tl.load(seq_table_ptr + seq).to(tl.int64) * stride_table
+    per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
+    begin = split * per_split
+    end = tl.minimum(begin + per_split, ctx)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(begin, end, BLOCK_N):
+        pos = start + n
+        valid = pos < end
+        page = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        offs = (page * PAGE + pos % PAGE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    out = acc / tl.maximum(l, 1e-30)[:, None]  # an empty split (or an empty padding row) leaves zeros
+    if SPLITS == 1:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        row = (seq * HEADS + heads) * SPLITS + split
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
+        lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + row, lse, mask=g < GROUP)
+
+
+@triton.jit
+def _decode_merge(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    row = (seq * HEADS + head) * SPLITS + s
+    lse = tl.load(lse_ptr + row)
+    top = tl.maximum(tl.max(lse, 0), -1e30)  # finite even when every split is empty
+    weight = tl.exp2(lse - top)
+    part = tl.load(part_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def num_splits(batch: int, kv_heads: int, multiprocessors: int) -> int:
+    """Enough (sequence, head, split) programs for two waves over the multiprocessors, as a power of two."""
+    want = max(1, -(-2 * multiprocessors // max(batch * kv_heads, 1)))
+    return min(MAX_SPLITS, triton.next_power_of_2(want))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 models keep float32 products (the CPU reference's numbers); half types use the tensor cores anyway.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
+                     seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
+                     splits: int) -> torch.Tensor:
+    """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    group = heads // kv_heads
+    out = torch.empty_like(q)
+    part = torch.empty(batch * heads * splits * head_dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_split[(batch, kv_heads, splits)](
+        q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
+        out.stride(0), out.stride(1), scale * LOG2E,
+        HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype),
+        num_warps=4, num_stages=2)
+    if splits > 1:
+        _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
+                                      BLOCK_D=block_d, SPLITS=splits, num_warps=4)
+    return out
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               page_tables: torch.Tensor, seq_table: torch.Tensor, context_lens: torch.Tensor,
+                               page_size: int, scale: float) -> torch.Tensor:
+    """The same function in float32 torch, one sequence at a time."""
+    batch, heads, head_dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        ctx = int(context_lens[b])
+        if ctx == 0:
+            continue
+        pos = torch.arange(ctx, device=q.device)
+        slots = page_tables[int(seq_table[b])][pos // page_size].long() * page_size + pos % page_size
+        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [ctx, H, D]
+        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), keys) * scale, dim=-1)
+        out[b] = torch.einsum("ht,thd->hd", weights, values)
+    return out.to(q.dtype)

@@ -1,0 +1,159 @@
+"""Each Triton kernel against its torch reference on fresh random inputs: on the GPU when there is one, otherwise
+under TRITON_INTERPRET=1 on the CPU at small sizes (the interpreter has no bfloat16 dot, so float16 stands in)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
+pytest.importorskip("triton")
+
+from engine.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from engine.kernels.decode_attention import (decode_attention, decode_attention_reference,  # noqa: E402
+                                             num_splits)
+from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
+                                             extend_blocks)
+from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
+from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
+from engine.kernels.rotary import rope_and_store, rope_and_store_reference, rope_table  # noqa: E402
+
+DEVICE = torch.device("cuda" if GPU else "cpu")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32] if GPU else [torch.float16, torch.float32]
+# (heads, kv heads, head dim, page size): Llama-3.1-8B's shape on the GPU, a small grouped one on the CPU.
+SHAPES = [(32, 8, 128, 64), (9, 3, 64, 64)] if GPU else [(4, 2, 32, 16), (3, 1, 16, 16)]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def random_pages(contexts: list[int], page_size: int, generator: torch.Generator) -> torch.Tensor:
+    """One row of shuffled, distinct pages per sequence, padded with page 0."""
+    needed = [-(-c // page_size) for c in contexts]
+    order = torch.randperm(sum(needed) + 3, generator=generator)
+    width = max(max(needed), 1)
+    tables = torch.zeros(len(contexts), width, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    return tables
+
+
+def random_cache(slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = torch.randn(2, slots, kv_heads, head_dim, generator=generator).to(dtype)
+    return kv[0].to(DEVICE), kv[1].to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_attention_matches_reference(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    heads, kv_heads, head_dim, page = shape
+    g = torch.Generator().manual_seed(hash((dtype, shape)) % 2**31)
+    contexts = [1, page - 1, page, 3 * page + 5, 0, 2 * page + 1] if not GPU else [1, 63, 64, 1000, 0, 4097, 300, 2]
+    tables = random_pages(contexts, page, g)
+    k_cache, v_cache = random_cache((int(tables.max()) + 1) * page, kv_heads, head_dim, dtype, g)
+    q = torch.randn(len(contexts), heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    # Rows of the table are named through seq_table, as the graph executor names slots: reverse them.
+    seq_table = torch.arange(len(contexts) - 1, -1, -1, dtype=torch.int32)
+    tables = tables.flip(0).contiguous()
+    args = (q, k_cache, v_cache, tables.to(DEVICE), seq_table.to(DEVICE),
+            torch.tensor(contexts, dtype=torch.int32, device=DEVICE), page, head_dim**-0.5)
+    ref = decode_attention_reference(*args)
+    for splits in sorted({1, 4, num_splits(len(contexts), kv_heads, 132 if GPU else 2)}):
+        out = decode_attention(*args, splits=splits)
+        assert relative_error(out, ref) < tolerance(dtype), splits
+        assert torch.equal(out[contexts.index(0)], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+    heads, kv_heads, head_dim, page = shape
+    g = torch.Generator().manual_seed(hash((dtype, shape, "extend")) % 2**31)
+    # (new tokens, cached prefix) per sequence: a fresh prompt, a chunk after a cached prefix, decode rows.
+    spans = [(5, 0), (70, page), (1, 2 * page + 3), (130, 7), (1, 0)] if not GPU else \
+        [(512, 0), (300, 1024), (1, 77), (64, 64), (1000, 33), (1, 0)]
+    lengths = [n for n, _ in spans]
+    contexts = [n + cached for n, cached in spans]
+    tables = random_pages(contexts, page, g)
+    k_cache, v_cache = random_cache((int(tables.max()) + 1) * page, kv_heads, head_dim, dtype, g)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    tokens = sum(lengths) + 3  # rows past the last sequence belong to nobody and stay as they were
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    block_seq, block_first = extend_blocks(lengths)
+    padding = 2  # padding blocks (sequence -1) do nothing
+    block_seq, block_first = block_seq + [-1] * padding, block_first + [0] * padding
+    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    meta = (tables.to(DEVICE), as_int(list(range(len(spans)))), as_int(starts.tolist()), as_int(lengths),
+            as_int(contexts))
+    out = torch.full_like(q, 7.0)
+    extend_attention(q, k_cache, v_cache, out, *meta, as_int(block_seq), as_int(block_first), page, head_dim**-0.5)
+    ref = extend_attention_reference(q, k_cache, v_cache, *meta, page, head_dim**-0.5)
+    assert relative_error(out[:sum(lengths)], ref[:sum(lengths)]) < tolerance(dtype)
+    assert (out[sum(lengths):] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_and_store_matches_reference(dtype: torch.dtype) -> None:
+    heads, kv_heads, head_dim = (32, 8, 128) if GPU else (4, 2, 32)
+    g = torch.Generator().manual_seed(3)
+    tokens, slots = 37, 64
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    table = rope_table(inv_freq, 4096).to(DEVICE)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEVICE)
+    slot_mapping = torch.randperm(slots, generator=g)[:tokens].to(torch.int32)
+    slot_mapping[::5] = -1  # padding tokens write nowhere
+    slot_mapping = slot_mapping.to(DEVICE)
+    cache = torch.randn(2, slots, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    caches = [cache, cache.clone()]
+    q = rope_and_store(qkv, positions, table, slot_mapping, caches[0][0], caches[0][1], heads, kv_heads)
+    q_ref = rope_and_store_reference(qkv, positions, table, slot_mapping, caches[1][0], caches[1][1], heads,
+                                     kv_heads)
+    assert relative_error(q, q_ref) < tolerance(dtype) / 10
+    assert relative_error(caches[0], caches[1]) < tolerance(dtype) / 10
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    size = 4096 if GPU else 576
+    x, residual, weight = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in
+                           ((9, size), (9, size), (size,)))
+    for res in (None, residual):
+        out, summed = add_rms_norm(x, res, weight, 1e-5)
+        ref, ref_summed = add_rms_norm_reference(x, res, weight, 1e-5)
+        assert relative_error(out, ref) < tolerance(dtype) / 10
+        assert torch.equal(summed, ref_summed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 2 * (14336 if GPU else 1536), generator=g).to(dtype).to(DEVICE)
+    assert relative_error(silu_and_mul(x), silu_and_mul_reference(x)) < tolerance(dtype) / 10
+
+
+def test_apply_patches_matches_reference() -> None:
+    g = torch.Generator().manual_seed(6)
+    table = torch.randint(0, 100, (65, 129), generator=g, dtype=torch.int32).to(DEVICE)
+    index = torch.randperm(table.numel(), generator=g)[:3000].to(torch.int32)
+    pairs = torch.stack((index, torch.randint(0, 10**6, (3000,), generator=g, dtype=torch.int32)), 1).flatten()
+    patches = torch.cat((pairs, torch.full((50,), 5, dtype=torch.int32))).to(DEVICE)  # stale entries past count
+    count = torch.tensor([2500], dtype=torch.int32, device=DEVICE)
+    expected = table.clone()
+    apply_patches_reference(expected, patches, count)
+    apply_patches(table, patches, count)
+    assert torch.equal(table, expected)
