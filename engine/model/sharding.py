@@ -1,0 +1,107 @@
+"""Which slice of each weight a tensor-parallel rank holds, and reading only that slice from the core.
+
+Column-parallel (output rows split): q/k/v_proj by heads, gate/up_proj by MLP columns. Row-parallel (input columns
+split, partial sums all-reduced): o_proj by heads, down_proj by MLP columns. Vocabulary-parallel: embed_tokens and
+lm_head by rows. Norms are replicated.
+
+Heads are split by KV group, so that every query head sits on the rank of its KV head:
+- R <= KV heads: each rank takes a contiguous run of whole KV groups. Runs are balanced and differ by at most one
+  group, so SmolLM2's 3 groups (9 heads, 3 KV heads) go 2 + 1 over 2 ranks: correct, but rank 0 does twice the
+  attention work of rank 1.
+- R > KV heads: each KV head is replicated on R / KV ranks, which split its group's query heads; this needs R to be
+  a multiple of the KV heads and to divide the query heads.
+MLP columns and vocabulary rows split into balanced contiguous runs for any R.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+
+from common.errors import CoreError
+
+if TYPE_CHECKING:
+    from engine.model.llama import LlamaConfig
+
+
+def balanced(n: int, parts: int, index: int) -> range:
+    """Part `index` of `parts` contiguous runs covering range(n), sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
+def supported_world_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+    return [r for r in range(1, num_heads + 1)
+            if r <= num_kv_heads or (r % num_kv_heads == 0 and num_heads % r == 0)]
+
+
+# Weight name suffix -> (the dimension split, what it is split by). Names absent here are replicated.
+SPLITS = {
+    "q_proj.weight": (0, "heads"), "q_proj.bias": (0, "heads"),
+    "k_proj.weight": (0, "kv_heads"), "k_proj.bias": (0, "kv_heads"),
+    "v_proj.weight": (0, "kv_heads"), "v_proj.bias": (0, "kv_heads"),
+    "o_proj.weight": (1, "heads"),
+    "gate_proj.weight": (0, "intermediate"), "up_proj.weight": (0, "intermediate"),
+    "down_proj.weight": (1, "intermediate"),
+    "embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab"),
+}
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    world_size: int
+    heads: range  # query heads
+    kv_heads: range
+    intermediate: range  # MLP columns
+    vocab: range
+    head_dim: int
+
+    @classmethod
+    def of(cls, config: LlamaConfig, rank: int, world_size: int) -> Shard:
+        heads, kv = config.num_heads, config.num_kv_heads
+        group = heads // kv
+        if world_size <= kv:
+            kv_heads = balanced(kv, world_size, rank)
+            own = range(kv_heads.start * group, kv_heads.stop * group)
+        elif world_size in supported_world_sizes(heads, kv):
+            own = balanced(heads, world_size, rank)
+            kv_heads = range(own.start // group, own.start // group + 1)
+        else:
+            sizes = ", ".join(map(str, supported_world_sizes(heads, kv)))
+            raise CoreError(f"tensor parallelism over {world_size} ranks does not fit this model's {heads} attention "
+                            f"heads and {kv} KV heads; supported world sizes: {sizes}")
+        return cls(rank, world_size, own, kv_heads, balanced(config.intermediate_size, world_size, rank),
+                   balanced(config.vocab_size, world_size, rank), config.head_dim)
+
+    def local_config(self, config: LlamaConfig) -> LlamaConfig:
+        """The config of this rank's part: its heads, KV heads and MLP columns; the vocabulary stays whole, since
+        logits are gathered before sampling."""
+        return replace(config, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
+                       intermediate_size=len(self.intermediate))
+
+    def span(self, by: str) -> slice:
+        """The rows (or columns) of a weight split `by` heads, KV heads, MLP columns or vocabulary."""
+        part: range = getattr(self, by)
+        unit = self.head_dim if by in ("heads", "kv_heads") else 1
+        return slice(part.start * unit, part.stop * unit)
+
+
+def read_weights(path: Path, device: torch.device, shard: Shard | None) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; with a shard, only this rank's slice of each is read from disk."""
+    state = {}
+    with safe_open(path, framework="pt", device=str(device)) as file:
+        for name in file.keys():
+            split = next((s for suffix, s in SPLITS.items() if name.endswith(suffix)), None)
+            if shard is None or split is None:
+                state[name] = file.get_tensor(name)
+                continue
+            dim, by = split
+            part = file.get_slice(name)
+            state[name] = part[shard.span(by)] if dim == 0 else part[:, shard.span(by)]
+    return state
