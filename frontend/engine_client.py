@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from common import protocol as wire
 from common.errors import EngineUnavailable, FlareError, error_for_status
@@ -28,6 +29,12 @@ class Update:
     error: FlareError | None
     prompt_tokens: int
     cached_tokens: int
+    logprobs: wire.Logprobs | None = None
+    prompt_logprobs: wire.Logprobs | None = None
+
+
+def failure(error: FlareError) -> Update:
+    return Update([], "error", error, 0, 0)
 
 
 class EngineClient:
@@ -40,6 +47,13 @@ class EngineClient:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
         self._socket.setsockopt(zmq.LINGER, 0)
+        # Queue nothing for an engine that is not there: a Submit held back while the engine was down would reach
+        # its successor, which would then run a request nobody waits for.
+        self._socket.setsockopt(zmq.IMMEDIATE, 1)
+        # Sends never wait (they go out from request handlers and generator finalizers): a plain socket sharing
+        # the same underlying one, used with NOBLOCK.
+        self._sender = zmq.Socket.shadow(self._socket.underlying)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._queues: dict[str, asyncio.Queue[Update]] = {}
         self._last_heard = 0.0
         self._welcomed = asyncio.Event()
@@ -55,16 +69,19 @@ class EngineClient:
 
     async def start(self, timeout: float = 600.0) -> wire.Welcome:
         self._socket.connect(self.address)
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._keepalive())]
-        await self._send(wire.Hello(wire.PROTOCOL_VERSION, self.frontend_id))
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._keepalive()),
+                       asyncio.create_task(self._watch())]
         await asyncio.wait_for(self._welcomed.wait(), timeout)
         assert self.welcome is not None
         return self.welcome
 
     async def close(self) -> None:
-        await self._send(wire.Goodbye(self.frontend_id))
+        self._send(wire.Goodbye(self.frontend_id))
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._socket.disable_monitor()
+        self._monitor.close()
         self._socket.close()
         self._context.term()
 
@@ -73,22 +90,40 @@ class EngineClient:
             raise EngineUnavailable("the engine is unreachable")
         if self.draining:
             raise EngineUnavailable("the engine is draining and admits no new requests")
+        if not self._send(submit):
+            raise EngineUnavailable("the engine is unreachable (its socket is not accepting messages)")
         queue: asyncio.Queue[Update] = asyncio.Queue()
         self._queues[submit.request_id] = queue
-        await self._send(submit)
         return queue
 
     def abort(self, request_id: str) -> None:
         """Cancel a request. Synchronous, so it also works from a generator being closed or cancelled."""
         if self._queues.pop(request_id, None) is not None:
-            self._socket.send(wire.encode(wire.Abort([request_id])))
+            self._send(wire.Abort([request_id]))
 
     def release(self, request_id: str) -> None:
         """The request finished: forget its queue."""
         self._queues.pop(request_id, None)
 
-    async def _send(self, message: wire.FrontendMessage) -> None:
-        await self._socket.send(wire.encode(message))
+    def _send(self, message: wire.FrontendMessage) -> bool:
+        """False when no engine is connected (or its pipe is full); the message is then dropped."""
+        try:
+            self._sender.send(wire.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def _fail_all(self, error: FlareError) -> None:
+        if self._queues:
+            log.warning("failing %d in-flight requests: %s", len(self._queues), error.message)
+        for queue in self._queues.values():
+            queue.put_nowait(failure(error))
+        self._queues.clear()
+
+    def _lose_engine(self, why: str) -> None:
+        """Until the engine (or its successor) welcomes us again, requests get 503; open ones end now."""
+        self.welcome = None
+        self._fail_all(EngineUnavailable(f"the engine is unreachable: {why}"))
 
     async def _read(self) -> None:
         while True:
@@ -104,33 +139,55 @@ class EngineClient:
             elif isinstance(message, wire.Rejected):
                 queue = self._queues.pop(message.request_id, None)
                 if queue is not None:
-                    error = error_for_status(message.status, message.message, message.hint)
-                    queue.put_nowait(Update([], "error", error, 0, 0))
+                    queue.put_nowait(failure(error_for_status(message.status, message.message, message.hint)))
             elif isinstance(message, wire.Heartbeat):
                 self.draining = message.draining
             elif isinstance(message, wire.Welcome):
-                self.welcome = message
-                self._welcomed.set()
+                self._welcome(message)
+
+    def _welcome(self, welcome: wire.Welcome) -> None:
+        previous = self.welcome
+        if previous is not None and previous.engine_id != welcome.engine_id:
+            # A restarted engine knows nothing of what its predecessor was running.
+            self._fail_all(EngineUnavailable(f"the engine restarted (now {welcome.engine_id})"))
+        if previous is None or previous.engine_id != welcome.engine_id:
+            log.info("connected to engine %s", welcome.engine_id)
+        self.welcome = welcome
+        self.draining = False
+        self._welcomed.set()
 
     def _dispatch(self, outputs: wire.Outputs) -> None:
         for i, request_id in enumerate(outputs.request_ids):
             queue = self._queues.get(request_id)
             if queue is None:
                 continue
-            reason = outputs.finish_reasons[i]
             message = outputs.errors[i]
-            error = error_for_status(500, message) if message else None
-            queue.put_nowait(Update(outputs.token_ids[i], reason, error, outputs.prompt_tokens[i],
-                                    outputs.cached_tokens[i]))
+            queue.put_nowait(Update(
+                outputs.token_ids[i], outputs.finish_reasons[i], error_for_status(500, message) if message else None,
+                outputs.prompt_tokens[i], outputs.cached_tokens[i],
+                outputs.logprobs[i] if i < len(outputs.logprobs) else None,
+                outputs.prompt_logprobs[i] if i < len(outputs.prompt_logprobs) else None))
 
     async def _keepalive(self) -> None:
-        """Say hello every interval (the engine's liveness check of us); fail requests if the engine went quiet."""
+        """Say hello every interval: the engine's liveness check of us, and how a restarted engine learns of us.
+        An engine silent for several intervals is treated as gone."""
         while True:
-            interval = self.welcome.heartbeat_interval if self.welcome else 1.0
-            await asyncio.sleep(interval)
-            await self._send(wire.Hello(wire.PROTOCOL_VERSION, self.frontend_id))
-            if self.welcome is not None and not self._alive() and self._queues:
-                log.warning("the engine stopped answering; failing %d requests", len(self._queues))
-                for queue in self._queues.values():
-                    queue.put_nowait(Update([], "error", EngineUnavailable("the engine is unreachable"), 0, 0))
-                self._queues.clear()
+            self._send(wire.Hello(wire.PROTOCOL_VERSION, self.frontend_id))
+            await asyncio.sleep(self.welcome.heartbeat_interval if self.welcome else 1.0)
+            if self.welcome is not None and not self._alive():
+                self._lose_engine("no heartbeat")
+
+    def _confirm_loss(self, disconnected_at: float) -> None:
+        if self.welcome is not None and self._last_heard < disconnected_at:
+            self._lose_engine("the connection closed")
+
+    async def _watch(self) -> None:
+        """The socket's own events: a dead engine is noticed within an interval, a new one is greeted at once."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED and self.welcome is not None:
+                # Confirmed by silence: a live engine heartbeats every interval on whatever connection is left.
+                asyncio.get_running_loop().call_later(self.welcome.heartbeat_interval * 1.5, self._confirm_loss,
+                                                      time.monotonic())
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._send(wire.Hello(wire.PROTOCOL_VERSION, self.frontend_id))

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import ExecutionFailed
-from common.protocol import SamplingParams, Submit
+from common.protocol import Logprobs, SamplingParams, Submit
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from frontend.engine_client import EngineClient
 from frontend.metrics import RequestTimer
+from frontend.logprobs import TokenLogprob, unpack
 from frontend.model import ServedModel
+from frontend.tools import ToolCall, ToolCallParser
 
 
 @dataclass
@@ -29,6 +32,8 @@ class GenerationRequest:
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: Logprobs | None = None  # for token_ids, when the request asked for them
+    prompt_logprobs: Logprobs | None = None  # once, on the first Delta, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -62,10 +67,11 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
             timer.delivered(len(update.token_ids))
             visible = [t for t in update.token_ids if t not in hidden_ids]
             text = stops.feed(detokenizer.add(visible)) if visible else ""
+            delta = Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
             if stops.matched is not None:
                 finished = True
                 client.abort(request_id)
-                yield Delta(text, update.token_ids)
+                yield delta
                 yield Finish("stop", stops.matched, update.prompt_tokens, generated, update.cached_tokens)
                 return
             if update.finish_reason is not None:
@@ -74,13 +80,13 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
                     raise ExecutionFailed(f"generation ended: {update.finish_reason}")
                 text += stops.flush()
                 if text or update.token_ids:
-                    yield Delta(text, update.token_ids)
+                    yield Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
                 last = update.token_ids[-1] if update.token_ids else None
                 matched = last if update.finish_reason == "stop" and last in hidden_ids else None
                 yield Finish(update.finish_reason, matched, update.prompt_tokens, generated, update.cached_tokens)
                 return
             if text or update.token_ids:
-                yield Delta(text, update.token_ids)
+                yield delta
     finally:
         if finished:
             timer.finished()
@@ -124,3 +130,59 @@ async def merge(client: EngineClient, model: ServedModel, requests: list[Generat
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def with_tool_calls(events: AsyncIterator[tuple[int, Delta | Finish]], tools: list[dict] | None
+                          ) -> AsyncIterator[tuple[int, Delta | ToolCall | Finish]]:
+    """Generation events with tool calls taken out of the text. A choice that called a tool finishes with
+    reason "tool_calls" (unless it ran out of tokens). Without tools, events pass through unchanged."""
+    if not tools:
+        async for index, event in events:
+            yield index, event
+        return
+    names = {t["function"]["name"] for t in tools}
+    parsers: dict[int, ToolCallParser] = {}
+    async for index, event in events:
+        parser = parsers.setdefault(index, ToolCallParser(names))
+        pieces = parser.feed(event.text) if isinstance(event, Delta) else parser.finish()
+        text = "".join(p for p in pieces if isinstance(p, str))
+        if isinstance(event, Delta):
+            yield index, dataclasses.replace(event, text=text)
+        elif text:
+            yield index, Delta(text, [])
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                yield index, piece
+        if isinstance(event, Finish):
+            yield index, dataclasses.replace(event, reason="tool_calls") if parser.calls and event.reason == "stop" \
+                else event
+
+
+@dataclass
+class Outcome:
+    """One choice, gathered whole (what a non-streaming response reports)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: Logprobs | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish: Finish | None = None
+
+    def add(self, event: Delta | ToolCall | Finish) -> None:
+        if isinstance(event, Delta):
+            self.text += event.text
+            self.token_ids += event.token_ids
+            self.logprobs += unpack(event.logprobs)
+            self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs
+        elif isinstance(event, ToolCall):
+            self.tool_calls.append(event)
+        else:
+            self.finish = event
+
+
+async def collect(events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]], n: int) -> list[Outcome]:
+    outcomes = [Outcome() for _ in range(n)]
+    async for index, event in events:
+        outcomes[index].add(event)
+    return outcomes

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from bisect import bisect_right
+from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -10,6 +13,7 @@ from tokenizers import Tokenizer
 from common.errors import InvalidRequest
 from common.manifest import Manifest, load_manifest
 from frontend.templates import ChatTemplate, TemplateError
+from frontend.tools import for_template, template_supports_tools
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -18,6 +22,7 @@ TEMPLATE_FILE = "chat_template.jinja"
 class ServedModel:
     def __init__(self, core: Path) -> None:
         self.manifest: Manifest = load_manifest(core, verify=True, only=(TOKENIZER_FILE, TEMPLATE_FILE))
+        self.core = core
         self.tokenizer = Tokenizer.from_file(str(core / TOKENIZER_FILE))
         self.name = self.manifest.served_names[0]
         template = core / TEMPLATE_FILE
@@ -26,26 +31,70 @@ class ServedModel:
         self.template = ChatTemplate(
             template.read_text(), bos_token=self.tokenizer.id_to_token(bos) if bos is not None else "",
             eos_token=self.tokenizer.id_to_token(eos[0]) if eos else "") if template.is_file() else None
+        self.template_source = template.read_text() if template.is_file() else ""
+        self.supports_tools = template_supports_tools(self.template_source)
+        self.token_bytes: Callable[[int], bytes] = lru_cache(maxsize=1 << 16)(token_bytes_reader(self.tokenizer))
 
     def knows(self, name: str) -> bool:
         return name in self.manifest.served_names or name == self.manifest.checkpoint
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
-                    extra: dict) -> tuple[list[int], list[int]]:
-        """Render and tokenize a conversation: (token ids, token positions where a message ended)."""
+                    extra: dict, continue_final: bool = False) -> tuple[list[int], list[int]]:
+        """Render and tokenize a conversation: (token ids, token positions where a message ended).
+        `continue_final`: the last message is the start of the reply (Anthropic's prefill), so the prompt stops
+        right after its text instead of closing it."""
         if self.template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
+        messages, tools = for_template(messages, tools, self.supports_tools)
         try:
-            rendered = self.template.render(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            rendered = self.template.render(messages, tools=tools,
+                                            add_generation_prompt=add_generation_prompt and not continue_final,
                                             **extra)
         except TemplateError as exc:
             raise InvalidRequest(f"the chat template rejected the conversation: {exc}", param="messages") from None
-        encoding = self.tokenizer.encode(rendered.text, add_special_tokens=False)
+        text, ends = rendered.text, rendered.message_ends
+        if continue_final:
+            final = messages[-1]["content"]
+            cut = text.rfind(final) + len(final) if final else -1
+            if cut < len(final):
+                raise InvalidRequest("the final assistant message cannot be continued with this chat template",
+                                     param="messages")
+            text, ends = text[:cut], [end for end in ends if end <= cut]
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
         token_ends = [end for _, end in encoding.offsets]
-        return encoding.ids, [bisect_right(token_ends, offset) for offset in rendered.message_ends]
+        return encoding.ids, [bisect_right(token_ends, offset) for offset in ends]
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE spells each byte as one printable character; this maps them back."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return {chr(b if b in printable else next(extra)): b for b in range(256)}
+
+
+def token_bytes_reader(tokenizer: Tokenizer) -> Callable[[int], bytes]:
+    """The exact bytes of one token (logprobs report them): decoding a lone token would turn a piece of a
+    multi-byte character into U+FFFD."""
+    decoder = json.loads(tokenizer.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder]) if isinstance(d, dict)}
+    if "ByteLevel" in kinds:
+        alphabet = _byte_level_alphabet()
+
+        def byte_level(token_id: int) -> bytes:
+            piece = tokenizer.id_to_token(token_id) or ""
+            return b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode() for c in piece)
+        return byte_level
+    if "ByteFallback" in kinds or "Metaspace" in kinds or "Replace" in kinds:
+        def sentencepiece(token_id: int) -> bytes:
+            piece = tokenizer.id_to_token(token_id) or ""
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode()
+        return sentencepiece
+    return lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False).encode()

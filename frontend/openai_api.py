@@ -1,134 +1,44 @@
-"""The OpenAI dialect: /v1/models, /v1/chat/completions and /v1/completions, streaming and not."""
+"""The OpenAI chat dialect: /v1/chat/completions, streaming and not, with n choices, tools and logprobs; and what
+the other OpenAI routes share with it (usage, stream options, tool lists)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from common.errors import FlareError, InvalidRequest, NotFound
-from common.protocol import SamplingParams
-from frontend.generation import Delta, Finish, GenerationRequest, merge
-from frontend.params import get_bool, get_int, get_int_list, get_number, get_stop, get_str
-from frontend.server import Frontend, frontend_of, openai_error, read_json
+from common.errors import InvalidRequest
+from frontend.errors_render import as_flare_error, openai_error_event
+from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge, with_tool_calls
+from frontend.logprobs import token_logprobs, unpack
+from frontend.models_api import requested_model
+from frontend.params import get_bool, get_int, get_stop
+from frontend.sampling import choice_params, requested_max_tokens, sampling_params, top_logprobs
+from frontend.server import Frontend, frontend_of, read_json
+from frontend.streaming import open_stream, primed, sse
+from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_CHOICES = 16
+# Arguments the server itself passes to the template; chat_template_kwargs may not replace them.
+TEMPLATE_ARGS = {"messages", "tools", "add_generation_prompt"}
 
 
-# --- models -------------------------------------------------------------------------------------------------------
-def model_card(frontend: Frontend) -> dict:
-    manifest = frontend.model.manifest
-    return {"id": frontend.model.name, "object": "model", "created": manifest.created, "owned_by": "flare",
-            "root": manifest.checkpoint, "max_model_len": manifest.context_limit,
-            "aliases": manifest.served_names[1:], "capabilities": ["completion", "chat"]}
-
-
-async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [model_card(frontend_of(request))]})
-
-
-async def get_model(request: web.Request) -> web.Response:
-    frontend = frontend_of(request)
-    name = request.match_info["model"]
-    if not frontend.model.knows(name):
-        raise NotFound(f"The model '{name}' does not exist", param="model")
-    return web.json_response(model_card(frontend))
-
-
-# --- shared request reading ---------------------------------------------------------------------------------------
-def check_model(frontend: Frontend, body: dict) -> str:
-    name = get_str(body, "model", required=True)
-    if not frontend.model.knows(name):
-        raise NotFound(f"The model '{name}' does not exist", param="model")
-    return name
-
-
-def sampling_params(frontend: Frontend, body: dict, prompt_len: int, max_tokens: int | None) -> SamplingParams:
-    defaults = frontend.model.manifest.generation
-    context = frontend.model.manifest.context_limit
-    top_k = get_int(body, "top_k", defaults.top_k, -1, 1 << 31)
-    params = SamplingParams(
-        temperature=get_number(body, "temperature", defaults.temperature, 0.0, 100.0),
-        top_p=get_number(body, "top_p", defaults.top_p, 1e-9, 1.0),
-        top_k=max(top_k, 0),
-        min_p=get_number(body, "min_p", defaults.min_p, 0.0, 1.0),
-        seed=get_int(body, "seed", None),
-        max_tokens=max_tokens if max_tokens is not None else max(context - prompt_len, 1),
-        min_tokens=get_int(body, "min_tokens", 0, 0, context),
-        ignore_eos=get_bool(body, "ignore_eos", False),
-        stop_token_ids=get_int_list(body, "stop_token_ids"))
-    if prompt_len + params.max_tokens > context:
-        raise InvalidRequest(
-            f"This model's maximum context length is {context} tokens. However, you requested "
-            f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in the "
-            f"completion). Please reduce the length of the messages or completion.", param="max_tokens")
-    return params
-
-
-def requested_max_tokens(body: dict, *names: str) -> int | None:
-    for name in names:
-        value = get_int(body, name, None, 1, 1 << 31)
-        if value is not None:
-            return value
-    return None
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice i of n draws with seed + i, so a seeded n > 1 request stays reproducible."""
-    if params.seed is None or index == 0:
-        return params
-    return SamplingParams(**{**{f: getattr(params, f) for f in params.__struct_fields__},
-                             "seed": params.seed + index})
-
-
-def usage(finishes: list[Finish | None], n: int) -> dict:
+# --- shared by the OpenAI routes ----------------------------------------------------------------------------------
+def usage(outcomes: list[Outcome], n: int) -> dict:
     """Choices are prompt-major, n per prompt: each prompt counts once, every choice's output counts."""
-    firsts = [f for f in finishes[::n] if f]
+    firsts = [o.finish for o in outcomes[::n] if o.finish]
     prompt = sum(f.prompt_tokens for f in firsts)
-    completion = sum(f.completion_tokens for f in finishes if f)
+    completion = sum(o.finish.completion_tokens for o in outcomes if o.finish)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
 
 
-@dataclass
-class Collected:
-    texts: list[str]
-    token_ids: list[list[int]]
-    finishes: list[Finish]
-
-
-async def collect(events: AsyncIterator[tuple[int, Delta | Finish]], prefixes: list[str]) -> Collected:
-    """Run a non-streaming request to its end: each choice's text (after its prefix), tokens and finish."""
-    result = Collected(list(prefixes), [[] for _ in prefixes], [])
-    finishes: list[Finish | None] = [None] * len(prefixes)
-    async for index, event in events:
-        if isinstance(event, Delta):
-            result.texts[index] += event.text
-            result.token_ids[index] += event.token_ids
-        else:
-            finishes[index] = event
-    result.finishes = [f for f in finishes if f is not None]
-    return result
-
-
-def sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
-
-
-async def open_stream(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await response.prepare(request)
-    return response
-
-
 def stream_options(body: dict, stream: bool) -> bool:
+    """Whether a stream ends with a usage chunk."""
     options = body.get("stream_options")
     if options is None:
         return False
@@ -139,213 +49,214 @@ def stream_options(body: dict, stream: bool) -> bool:
     return get_bool(options, "include_usage", False)
 
 
-def reject_unsupported(body: dict) -> None:
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") is not None:
-        raise InvalidRequest("logprobs are not supported yet", param="logprobs")
+def text_format(value: object, name: str) -> None:
+    """Plain text is all this server produces; structured output is refused rather than silently ignored."""
+    kind = value.get("type") if isinstance(value, dict) else value
+    if value is not None and kind != "text":
+        raise InvalidRequest(f"'{name}' of type {str(kind)[:40]!r} is not supported; only 'text' is",
+                             param=name)
+
+
+def choices_count(body: dict) -> int:
+    n = get_int(body, "n", 1, 1, MAX_CHOICES)
+    best_of = get_int(body, "best_of", None, 1, MAX_CHOICES)
+    if best_of is not None and best_of != n:
+        raise InvalidRequest("'best_of' different from 'n' is not supported", param="best_of")
+    return n
+
+
+def request_tools(body: dict, flat: bool) -> tuple[list[dict] | None, bool]:
+    """The tools to render, and whether calls are parsed from the output. Chat nests each function under
+    "function"; Responses (`flat`) puts its fields on the tool itself."""
+    raw = body.get("tools")
+    if raw is not None and not isinstance(raw, list):
+        raise InvalidRequest("'tools' must be a list", param="tools")
+    tools = []
+    for i, tool in enumerate(raw or []):
+        function = tool if flat else (tool.get("function") if isinstance(tool, dict) else None)
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            shape = '"name": ...' if flat else '"function": {"name": ...}'
+            raise InvalidRequest(f'tools[{i}] must be a function tool: {{"type": "function", {shape}}}',
+                                 param="tools")
+        tools.append(function_tool(function.get("name"), function.get("description"), function.get("parameters"),
+                                   f"tools[{i}]"))
+    choice = body.get("tool_choice")
+    if not tools and choice not in (None, "none"):
+        raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+    return check_tools(tools), bool(tools) and tools_enabled(choice)
 
 
 # --- chat ---------------------------------------------------------------------------------------------------------
+def message_text(content: object, where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
+                    or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequest(f"{where}.content: part type {str(kind)[:40]!r} is not supported by this model",
+                                     param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise InvalidRequest(f"{where}.content must be a string or a list of parts", param="messages")
+
+
+def past_tool_calls(calls: object, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise InvalidRequest(f"{where}.tool_calls must be a list", param="messages")
+    result = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), (str, dict)):
+            raise InvalidRequest(f"{where}.tool_calls[{j}] must be {{\"id\", \"type\": \"function\", \"function\": "
+                                 f"{{\"name\", \"arguments\"}}}}", param="messages")
+        result.append(assistant_tool_call(str(call.get("id") or ""), function["name"], function.get("arguments")))
+    return result
+
+
 def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")
     result = []
     for i, message in enumerate(messages):
+        where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object", param="messages")
+            raise InvalidRequest(f"{where} must be an object", param="messages")
         role = message.get("role")
         if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+            raise InvalidRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {str(role)[:40]!r}",
                                  param="messages")
-        content = message_text(message.get("content"), i)
-        if content is None and not (role == "assistant" and message.get("tool_calls")):
-            raise InvalidRequest(f"messages[{i}].content is required", param="messages")
-        result.append({**message, "role": "system" if role == "developer" else role, "content": content or ""})
+        content = message_text(message.get("content"), where)
+        converted = {"role": "system" if role == "developer" else role, "content": content or ""}
+        if role == "assistant" and message.get("tool_calls"):
+            converted["tool_calls"] = past_tool_calls(message["tool_calls"], where)
+        elif content is None:
+            raise InvalidRequest(f"{where}.content is required", param="messages")
+        if role == "tool":
+            converted["tool_call_id"] = str(message.get("tool_call_id") or "")
+        if isinstance(message.get("name"), str):
+            converted["name"] = message["name"]
+        result.append(converted)
     return result
 
 
-def message_text(content: object, i: int) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"messages[{i}].content: part type {kind!r} is not supported by this model",
-                                     param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InvalidRequest(f"messages[{i}].content must be a string or a list of parts", param="messages")
+def chat_logprobs(body: dict) -> int | None:
+    wanted = get_bool(body, "logprobs", False)
+    top = top_logprobs(body, "top_logprobs")
+    if top is not None and not wanted:
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def template_kwargs(body: dict) -> dict:
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict) or TEMPLATE_ARGS & extra.keys():
+        raise InvalidRequest(f"'chat_template_kwargs' must be an object without {sorted(TEMPLATE_ARGS)}",
+                             param="chat_template_kwargs")
+    return extra
+
+
+def tool_call_json(call: ToolCall) -> dict:
+    return {"id": f"call_{call.id}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     frontend = frontend_of(request)
     body = await read_json(request)
-    name = check_model(frontend, body)
+    name = requested_model(frontend.model, body)
     messages = chat_messages(body)
-    reject_unsupported(body)
+    logprobs = chat_logprobs(body)
+    text_format(body.get("response_format"), "response_format")
     stream = get_bool(body, "stream", False)
     include_usage = stream_options(body, stream)
-    n = get_int(body, "n", 1, 1, MAX_CHOICES)
-    tools = body.get("tools") or None
-    extra = body.get("chat_template_kwargs") or {}
-    if not isinstance(extra, dict):
-        raise InvalidRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    n = choices_count(body)
+    tools, parse_tools = request_tools(body, flat=False)
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     ids, message_ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
-                                               extra)
-    params = sampling_params(frontend, body, len(ids),
-                             requested_max_tokens(body, "max_completion_tokens", "max_tokens"))
+                                               template_kwargs(body))
+    params = sampling_params(frontend.model, body, len(ids),
+                             requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")
     arrival = time.time()
     requests = [GenerationRequest(ids, choice_params(params, i), stop, message_ends, arrival) for i in range(n)]
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:
+        events = with_tool_calls(events, tools if parse_tools else None)
         if stream:
-            return await stream_chat(request, events, meta, n, include_usage)
-        done = await collect(events, [""] * n)
-    choices = [{"index": i, "message": {"role": "assistant", "content": done.texts[i], "refusal": None},
-                "logprobs": None, "finish_reason": done.finishes[i].reason,
-                "stop_reason": done.finishes[i].matched_stop} for i in range(n)]
-    payload = {**meta, "object": "chat.completion", "choices": choices, "usage": usage(done.finishes, n)}
+            return await stream_chat(request, frontend, await primed(events), meta, n, include_usage,
+                                     logprobs is not None)
+        outcomes = await collect(events, n)
+    choices = []
+    for i, outcome in enumerate(outcomes):
+        message = {"role": "assistant", "content": outcome.text if outcome.text or not outcome.tool_calls else None,
+                   "refusal": None}
+        if outcome.tool_calls:
+            message["tool_calls"] = [tool_call_json(c) for c in outcome.tool_calls]
+        choices.append({"index": i, "message": message, "finish_reason": outcome.finish.reason,
+                        "stop_reason": outcome.finish.matched_stop,
+                        "logprobs": {"content": token_logprobs(frontend.model, outcome.logprobs), "refusal": None}
+                        if logprobs is not None else None})
+    payload = {**meta, "object": "chat.completion", "choices": choices, "usage": usage(outcomes, n)}
     if get_bool(body, "return_token_ids", False):  # vLLM's extension, used by the parity tests
         payload["prompt_token_ids"] = ids
-        for choice, token_ids in zip(choices, done.token_ids):
-            choice["token_ids"] = token_ids
+        for choice, outcome in zip(choices, outcomes):
+            choice["token_ids"] = outcome.token_ids
     return web.json_response(payload)
 
 
-async def stream_chat(request: web.Request, events: AsyncIterator[tuple[int, Delta | Finish]], meta: dict,
-                      n: int, include_usage: bool) -> web.StreamResponse:
+async def stream_chat(request: web.Request, frontend: Frontend,
+                      events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]], meta: dict, n: int,
+                      include_usage: bool, logprobs: bool) -> web.StreamResponse:
     response = await open_stream(request)
 
-    def chunk(choices: list[dict]) -> bytes:
-        payload = {**meta, "object": "chat.completion.chunk", "choices": choices}
+    def chunk(index: int, delta: dict, finish: Finish | None = None, logprobs_: dict | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs_,
+                  "finish_reason": finish.reason if finish else None}
+        if finish:
+            choice["stop_reason"] = finish.matched_stop
+        payload = {**meta, "object": "chat.completion.chunk", "choices": [choice]}
         if include_usage:
             payload["usage"] = None
         return sse(payload)
 
     for i in range(n):
-        await response.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}]))
-    finishes: list[Finish | None] = [None] * n
+        await response.write(chunk(i, {"role": "assistant", "content": ""}))
+    outcomes = [Outcome() for _ in range(n)]
+    calls = [0] * n
     try:
         async for index, event in events:
+            outcomes[index].add(event)
             if isinstance(event, Delta):
-                if event.text:
-                    await response.write(chunk([{"index": index, "delta": {"content": event.text},
-                                                 "logprobs": None, "finish_reason": None}]))
+                entries = unpack(event.logprobs) if logprobs else []
+                if event.text or entries:
+                    await response.write(chunk(index, {"content": event.text}, None, {
+                        "content": token_logprobs(frontend.model, entries), "refusal": None} if logprobs else None))
+            elif isinstance(event, ToolCall):
+                # As OpenAI streams a call: its id and name with empty arguments, then the arguments.
+                call = {"index": calls[index], **tool_call_json(event)}
+                arguments, call["function"]["arguments"] = call["function"]["arguments"], ""
+                await response.write(chunk(index, {"tool_calls": [call]}))
+                await response.write(chunk(index, {"tool_calls": [{"index": calls[index],
+                                                                   "function": {"arguments": arguments}}]}))
+                calls[index] += 1
             else:
-                finishes[index] = event
-                await response.write(chunk([{"index": index, "delta": {}, "logprobs": None,
-                                             "finish_reason": event.reason, "stop_reason": event.matched_stop}]))
+                await response.write(chunk(index, {}, event))
         if include_usage:
             await response.write(sse({**meta, "object": "chat.completion.chunk", "choices": [],
-                                      "usage": usage(finishes, n)}))
-    except FlareError as exc:
-        await response.write(sse({"error": {"message": exc.display(), "type": exc.kind, "param": exc.param,
-                                            "code": str(exc.status)}}))
-    await response.write(sse("[DONE]"))
-    await response.write_eof()
-    return response
-
-
-# --- completions --------------------------------------------------------------------------------------------------
-def completion_prompts(frontend: Frontend, body: dict) -> list[list[int] | str]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return list(prompt)
-        vocab = frontend.model.tokenizer.get_vocab_size()
-        def valid_ids(p: object) -> bool:
-            return isinstance(p, list) and bool(p) and all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in p)
-        if valid_ids(prompt):
-            return [list(prompt)]
-        if all(valid_ids(p) for p in prompt):
-            return [list(p) for p in prompt]
-    raise InvalidRequest("'prompt' must be a non-empty string, list of strings, or list of token ids "
-                         f"(each below the vocabulary size {frontend.model.tokenizer.get_vocab_size()})",
-                         param="prompt")
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    frontend = frontend_of(request)
-    body = await read_json(request)
-    name = check_model(frontend, body)
-    reject_unsupported(body)
-    prompts = completion_prompts(frontend, body)
-    stream = get_bool(body, "stream", False)
-    include_usage = stream_options(body, stream)
-    echo = get_bool(body, "echo", False)
-    n = get_int(body, "n", 1, 1, MAX_CHOICES)
-    if len(prompts) * n > MAX_CHOICES * 4:
-        raise InvalidRequest(f"at most {MAX_CHOICES * 4} choices per request", param="prompt")
-    encoded = [p if isinstance(p, list) else await frontend.on_pool(frontend.model.encode_text, p) for p in prompts]
-    max_tokens = requested_max_tokens(body, "max_tokens")
-    stop = get_stop(body, "stop")
-    arrival = time.time()
-    requests = []
-    for ids in encoded:
-        params = sampling_params(frontend, body, len(ids), max_tokens if max_tokens is not None else 16)
-        requests.extend(GenerationRequest(ids, choice_params(params, i), stop, [], arrival) for i in range(n))
-    prefixes = [(frontend.model.decode(r.prompt_ids) if echo else "") for r in requests]
-    meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(arrival), "model": name}
-    async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:
-        if stream:
-            return await stream_completions(request, events, meta, prefixes, n, include_usage)
-        done = await collect(events, prefixes)
-    choices = [{"index": i, "text": done.texts[i], "logprobs": None, "finish_reason": done.finishes[i].reason,
-                "stop_reason": done.finishes[i].matched_stop} for i in range(len(requests))]
-    if get_bool(body, "return_token_ids", False):
-        for choice, request_, token_ids in zip(choices, requests, done.token_ids):
-            choice["prompt_token_ids"] = request_.prompt_ids
-            choice["token_ids"] = token_ids
-    return web.json_response({**meta, "choices": choices, "usage": usage(done.finishes, n)})
-
-
-async def stream_completions(request: web.Request, events: AsyncIterator[tuple[int, Delta | Finish]], meta: dict,
-                             prefixes: list[str], n: int, include_usage: bool) -> web.StreamResponse:
-    response = await open_stream(request)
-
-    def chunk(index: int, text: str, finish: Finish | None) -> bytes:
-        payload = {**meta, "choices": [{"index": index, "text": text, "logprobs": None,
-                                        "finish_reason": finish.reason if finish else None,
-                                        "stop_reason": finish.matched_stop if finish else None}]}
-        if include_usage:
-            payload["usage"] = None
-        return sse(payload)
-
-    for index, prefix in enumerate(prefixes):
-        if prefix:
-            await response.write(chunk(index, prefix, None))
-    finishes: list[Finish | None] = [None] * len(prefixes)
-    try:
-        async for index, event in events:
-            if isinstance(event, Delta):
-                if event.text:
-                    await response.write(chunk(index, event.text, None))
-            else:
-                finishes[index] = event
-                await response.write(chunk(index, "", event))
-        if include_usage:
-            await response.write(sse({**meta, "choices": [], "usage": usage(finishes, n)}))
-    except FlareError as exc:
-        await response.write(sse({"error": {"message": exc.display(), "type": exc.kind, "param": exc.param,
-                                            "code": str(exc.status)}}))
+                                      "usage": usage(outcomes, n)}))
+    except ConnectionResetError:
+        raise
+    except Exception as exc:
+        await response.write(openai_error_event(as_flare_error(exc)))
     await response.write(sse("[DONE]"))
     await response.write_eof()
     return response
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-
-
-__all__ = ["add_routes", "openai_error"]

@@ -72,11 +72,11 @@ def get_stop(body: dict, name: str) -> list[str]:
     raise InvalidRequest(f"'{name}' must be a string or a list of strings", param=name)
 
 
-def get_int_list(body: dict, name: str) -> list[int]:
+def get_int_list(body: dict, name: str, below: int = INT64_MAX) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
-    if isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT64_MAX
+    if isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < below
                                        for i in value):
         return list(value)
-    raise InvalidRequest(f"'{name}' must be a list of non-negative integers", param=name)
+    raise InvalidRequest(f"'{name}' must be a list of integers in [0, {below})", param=name)

@@ -15,6 +15,7 @@ from aiohttp import web
 from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest,
                            NotFound, Unauthorized)
 from frontend.engine_client import EngineClient
+from frontend.errors_render import dialect_of, error_response
 from frontend.model import ServedModel
 
 log = logging.getLogger("flare.frontend")
@@ -55,12 +56,6 @@ def frontend_of(request: web.Request) -> Frontend:
     return request.app[FRONTEND_KEY]
 
 
-def openai_error(error: FlareError) -> web.Response:
-    body = {"error": {"message": error.display(), "type": error.kind, "param": error.param,
-                      "code": str(error.status)}}
-    return web.json_response(body, status=error.status)
-
-
 async def read_json(request: web.Request) -> dict:
     try:
         raw = await request.read()
@@ -74,6 +69,10 @@ async def read_json(request: web.Request) -> dict:
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
                              f"{exc.colno}") from None
+    except ValueError as exc:  # an integer literal of thousands of digits
+        raise InvalidRequest(f"the request body holds a number out of range: {str(exc)[:80]}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body
@@ -83,6 +82,7 @@ async def read_json(request: web.Request) -> dict:
 async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Auth, admission, and errors: every failure leaves as the dialect's JSON, never a traceback."""
     frontend = frontend_of(request)
+    dialect = dialect_of(request)
     admitted = False
     try:
         if frontend.api_key and request.path not in OPEN_PATHS:
@@ -97,16 +97,21 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             admitted = True
         return await handler(request)
     except FlareError as exc:
-        return openai_error(exc)
+        return error_response(dialect, exc)
     except web.HTTPNotFound:
-        return openai_error(NotFound(f"no route for {request.method} {request.path}"))
+        return error_response(dialect, NotFound(f"no route for {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed:
-        return openai_error(InvalidRequest(f"{request.method} is not allowed on {request.path}"))
+        return error_response(dialect, InvalidRequest(f"{request.method} is not allowed on {request.path}"))
+    except web.HTTPException as exc:  # aiohttp's own refusals, rendered like ours
+        if exc.status < 400:
+            raise
+        error = BodyTooLarge if exc.status == 413 else InvalidRequest
+        return error_response(dialect, error(f"{exc.reason} on {request.method} {request.path}"))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unexpected failure on %s", request.path)
-        return openai_error(FlareError("internal error while handling the request"))
+        return error_response(dialect, FlareError("internal error while handling the request"))
     finally:
         if admitted:
             frontend.in_use -= 1

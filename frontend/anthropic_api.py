@@ -1,0 +1,226 @@
+"""The Anthropic dialect: POST /v1/messages (streaming with Anthropic's full event sequence, and not) and
+POST /v1/messages/count_tokens. A final assistant message is continued, as Anthropic's prefill is."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from common.errors import InvalidRequest
+from frontend.errors_render import anthropic_error_event, as_flare_error
+from frontend.generation import Delta, Finish, GenerationRequest, merge, with_tool_calls
+from frontend.models_api import requested_model
+from frontend.params import get_bool, get_int, get_stop
+from frontend.sampling import sampling_params
+from frontend.server import Frontend, frontend_of, read_json
+from frontend.streaming import open_stream, primed, sse
+from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
+
+UNSUPPORTED_BLOCKS = {"image", "document", "search_result", "container_upload"}
+
+
+def text_of(content: object, where: str) -> str:
+    """A string, or text blocks joined (system prompts, tool results)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                         and isinstance(b.get("text"), str) for b in content):
+        return "".join(b["text"] for b in content)
+    raise InvalidRequest(f"{where} must be a string or a list of text blocks", param=where.split("[")[0])
+
+
+def conversation(body: dict) -> list[dict]:
+    """`system` and `messages` as chat messages: tool_use blocks become the assistant's tool_calls, tool_result
+    blocks become tool messages (before the user's own text, which follows them)."""
+    result = []
+    if body.get("system") is not None:
+        system = text_of(body["system"], "system")
+        if system:
+            result.append({"role": "system", "content": system})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("messages: must be a non-empty list", param="messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidRequest(f"{where}.role must be 'user' or 'assistant'", param="messages")
+        role, content = message["role"], message.get("content")
+        if isinstance(content, str):
+            result.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list) or not content:
+            raise InvalidRequest(f"{where}.content must be a string or a non-empty list of content blocks",
+                                 param="messages")
+        texts, calls, results = [], [], []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            at = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant" and isinstance(block.get("id"), str) \
+                    and isinstance(block.get("name"), str) and isinstance(block.get("input"), dict):
+                calls.append(assistant_tool_call(block["id"], block["name"], block["input"]))
+            elif kind == "tool_result" and role == "user" and isinstance(block.get("tool_use_id"), str):
+                output = text_of(block.get("content", ""), f"{at}.content")
+                results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                                "content": f"Error: {output}" if block.get("is_error") else output})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # a non-reasoning model has no use for them
+            elif kind in UNSUPPORTED_BLOCKS:
+                raise InvalidRequest(f"{at}: {kind} blocks are not supported by this model", param="messages")
+            else:
+                raise InvalidRequest(f"{at}: invalid or unknown block for a {role} message "
+                                     f"(type {str(kind)[:40]!r})", param="messages")
+        result += results
+        if texts or calls or not results:
+            turn = {"role": role, "content": "".join(texts)}
+            if calls:
+                turn["tool_calls"] = calls
+            result.append(turn)
+    return result
+
+
+def anthropic_tools(body: dict) -> tuple[list[dict] | None, bool]:
+    raw = body.get("tools")
+    if raw is not None and not isinstance(raw, list):
+        raise InvalidRequest("tools: must be a list", param="tools")
+    tools = []
+    for i, tool in enumerate(raw or []):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise InvalidRequest(f"tools[{i}]: only custom tools are supported (got type {str(kind)[:40]!r})",
+                                 param="tools")
+        tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
+                                   f"tools[{i}]"))
+    choice = body.get("tool_choice")
+    return check_tools(tools), bool(tools) and tools_enabled(choice, anthropic=True)
+
+
+def thinking_off(body: dict) -> None:
+    thinking = body.get("thinking")
+    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
+        raise InvalidRequest("thinking: extended thinking is not supported by this model", param="thinking")
+
+
+async def encode(frontend: Frontend, body: dict) -> tuple[list[int], list[int], list[dict] | None, bool, bool]:
+    """Token ids, message ends, tools, whether calls are parsed, and whether a prefill is continued."""
+    messages = conversation(body)
+    tools, parse = anthropic_tools(body)
+    thinking_off(body)
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    ids, ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {}, prefill)
+    return ids, ends, tools, parse, prefill
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    frontend = frontend_of(request)
+    body = await read_json(request)
+    requested_model(frontend.model, body)
+    ids, *_ = await encode(frontend, body)
+    return web.json_response({"input_tokens": len(ids)})
+
+
+def stop_reason(finish: Finish) -> tuple[str, str | None]:
+    if finish.reason == "tool_calls":
+        return "tool_use", None
+    if finish.reason == "length":
+        return "max_tokens", None
+    if isinstance(finish.matched_stop, str):
+        return "stop_sequence", finish.matched_stop
+    return "end_turn", None
+
+
+def usage(finish: Finish) -> dict:
+    """Anthropic counts prompt tokens read from the cache apart from input_tokens."""
+    return {"input_tokens": finish.prompt_tokens - finish.cached_tokens, "output_tokens": finish.completion_tokens,
+            "cache_read_input_tokens": finish.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def tool_use(call: ToolCall) -> dict:
+    return {"type": "tool_use", "id": f"toolu_{call.id}", "name": call.name, "input": call.arguments}
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    frontend = frontend_of(request)
+    body = await read_json(request)
+    name = requested_model(frontend.model, body)
+    max_tokens = get_int(body, "max_tokens", None, 1, 1 << 31)
+    if max_tokens is None:
+        raise InvalidRequest("max_tokens: field required", param="max_tokens")
+    stream = get_bool(body, "stream", False)
+    ids, ends, tools, parse, _ = await encode(frontend, body)
+    params = sampling_params(frontend.model, body, len(ids), max_tokens)
+    generation = GenerationRequest(ids, params, get_stop(body, "stop_sequences"), ends, time.time())
+    message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name,
+               "content": []}
+    async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
+        events = with_tool_calls(events, tools if parse else None)
+        if stream:
+            return await stream_message(request, await primed(events), message, len(ids))
+        finish = None
+        async for _, event in events:
+            if isinstance(event, Delta) and event.text:
+                if not message["content"] or message["content"][-1]["type"] != "text":
+                    message["content"].append({"type": "text", "text": ""})
+                message["content"][-1]["text"] += event.text
+            elif isinstance(event, ToolCall):
+                message["content"].append(tool_use(event))
+            elif isinstance(event, Finish):
+                finish = event
+    reason, sequence = stop_reason(finish)
+    return web.json_response({**message, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(finish)})
+
+
+async def stream_message(request: web.Request, events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]],
+                         message: dict, prompt_tokens: int) -> web.StreamResponse:
+    response = await open_stream(request)
+    block = -1  # index of the last block started
+    text_open = False
+
+    async def send(kind: str, **fields: object) -> None:
+        await response.write(sse({"type": kind, **fields}, kind))
+
+    async def close_text() -> None:
+        nonlocal text_open
+        if text_open:
+            await send("content_block_stop", index=block)
+            text_open = False
+
+    await send("message_start", message={**message, "stop_reason": None, "stop_sequence": None,
+                                         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
+    await send("ping")
+    try:
+        async for _, event in events:
+            if isinstance(event, Delta) and event.text:
+                if not text_open:
+                    block, text_open = block + 1, True
+                    await send("content_block_start", index=block, content_block={"type": "text", "text": ""})
+                await send("content_block_delta", index=block, delta={"type": "text_delta", "text": event.text})
+            elif isinstance(event, ToolCall):
+                await close_text()
+                block += 1
+                await send("content_block_start", index=block, content_block={**tool_use(event), "input": {}})
+                await send("content_block_delta", index=block,
+                           delta={"type": "input_json_delta", "partial_json": event.arguments_json})
+                await send("content_block_stop", index=block)
+            elif isinstance(event, Finish):
+                await close_text()
+                reason, sequence = stop_reason(event)
+                await send("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                           usage=usage(event))
+                await send("message_stop")
+    except ConnectionResetError:
+        raise
+    except Exception as exc:
+        await response.write(anthropic_error_event(as_flare_error(exc)))
+    await response.write_eof()
+    return response
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)

@@ -1,0 +1,71 @@
+"""Errors in each API dialect's shape: as a JSON response, and as the event that ends a stream.
+
+One FlareError (common/errors.py) carries the status, message, hint and field; only the envelope differs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+from aiohttp import web
+
+from common.errors import ExecutionFailed, FlareError
+from frontend.streaming import sse
+
+log = logging.getLogger("flare.frontend")
+
+Dialect = Literal["openai", "anthropic", "ollama"]
+
+# Anthropic's documented error types per status (the SDK maps 529 to OverloadedError; we keep DESIGN.md's 503).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def dialect_of(request: web.Request) -> Dialect:
+    """Anthropic clients share /v1/models with OpenAI ones; their headers tell them apart."""
+    if request.path.startswith("/api/"):
+        return "ollama"
+    if request.path.startswith("/v1/messages") or "anthropic-version" in request.headers \
+            or "x-api-key" in request.headers:
+        return "anthropic"
+    return "openai"
+
+
+def openai_error_object(error: FlareError) -> dict:
+    return {"message": error.display(), "type": error.kind, "param": error.param, "code": str(error.status)}
+
+
+def anthropic_error_body(error: FlareError) -> dict:
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(error.status, "api_error"),
+                                       "message": error.display()}}
+
+
+def error_body(dialect: Dialect, error: FlareError) -> dict:
+    if dialect == "anthropic":
+        return anthropic_error_body(error)
+    if dialect == "ollama":
+        return {"error": error.display()}
+    return {"error": openai_error_object(error)}
+
+
+def error_response(dialect: Dialect, error: FlareError) -> web.Response:
+    return web.json_response(error_body(dialect, error), status=error.status)
+
+
+def anthropic_error_event(error: FlareError) -> bytes:
+    return sse(anthropic_error_body(error), "error")
+
+
+def openai_error_event(error: FlareError) -> bytes:
+    """openai-python raises APIError on any data object with an `error` key; [DONE] then ends the stream."""
+    return sse({"error": openai_error_object(error)})
+
+
+def as_flare_error(exc: Exception) -> FlareError:
+    """What a stream tells its client when it fails after the headers went out; a bug is logged, not shown."""
+    if isinstance(exc, FlareError):
+        return exc
+    log.error("unexpected failure in a stream", exc_info=exc)
+    return ExecutionFailed("internal error while streaming the response")
