@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ import torch
 import zmq
 
 from common.errors import CoreError
+from common.manifest import Manifest
 from common import protocol
 from common.protocol import ModelCard
 from engine.core import Engine
@@ -24,6 +26,13 @@ from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
 
 log = logging.getLogger("flare.engine")
+
+
+def cache_identity(manifest: Manifest, dtype: torch.dtype) -> bytes:
+    """32 bytes naming the weights and the recipe that shape the KV cache: prefix keys of different cores or dtypes
+    never meet."""
+    recipe = f"{sorted(manifest.files.items())}|{dtype}|{manifest.capacities.page_size}".encode()
+    return hashlib.sha256(recipe).digest()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     num_pages = pages_for_budget(model, caps.page_size, args.kv_cache_bytes or caps.kv_cache_bytes,
                                  model.model.embed_tokens.weight.dtype)
     executor = EagerExecutor(model, num_pages, caps.page_size, max_active, device)
-    scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, caps.prefill_chunk_size)
+    scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, caps.prefill_chunk_size,
+                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype))
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)

@@ -78,7 +78,7 @@ class EngineTelemetry:
         if not self._rate_samples or now - self._rate_samples[-1][0] >= RATE_SAMPLE_INTERVAL:
             self._rate_samples.append((now, self.counters["output_tokens"]))
         snapshot = wire.Telemetry(
-            engine_id=self.engine_id, uptime_s=now - self.started, counters=dict(self.counters),
+            engine_id=self.engine_id, uptime_s=now - self.started, counters=self._counters(scheduler),
             gauges=self._gauges(scheduler, now), queue_time_buckets=self._cumulative_buckets(),
             queue_time_sum=self._queue_sum, dropped_updates=self.dropped)
         self._send(METRICS_TOPIC, snapshot)
@@ -102,6 +102,11 @@ class EngineTelemetry:
                 return
             if event[1:] == DASHBOARD_TOPIC:
                 self._dashboards += 1 if event[0] == 1 else -1
+
+    def _counters(self, scheduler: RequestScheduler) -> dict[str, int]:
+        """The engine loop's counters, and the scheduler's prefix-cache ones."""
+        return {**self.counters, **scheduler.counters,
+                "checkpoint_evictions": scheduler.prefix.cache.stats.evictions}
 
     def _cumulative_buckets(self) -> list[int]:
         total, out = 0, []

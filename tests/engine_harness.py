@@ -35,11 +35,11 @@ class Harness:
         self._ids = itertools.count()
         self.steps = 0
 
-    def add(self, prompt: list[int], **sampling: object) -> Request:
+    def add(self, prompt: list[int], message_ends: list[int] = (), **sampling: object) -> Request:
         params = SamplingParams(**sampling)
         request = Request(f"r{next(self._ids)}", b"test", len(prompt), list(prompt), params,
                           params.seed if params.seed is not None else 0, frozenset(params.stop_token_ids),
-                          params.max_tokens, float(next(self._ids)))
+                          params.max_tokens, float(next(self._ids)), message_ends=list(message_ends))
         self.scheduler.add(request)
         return request
 

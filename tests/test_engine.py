@@ -17,6 +17,13 @@ def model():
     return tiny_model()
 
 
+def assert_no_page_leaked(harness: Harness, total: int) -> None:
+    """Every page is free or held by the prefix cache once all requests ended."""
+    scheduler = harness.scheduler
+    assert scheduler.pages.retiring_count == 0
+    assert scheduler.pages.free_count + scheduler.cached_pages == total
+
+
 def reference_greedy(model, prompt: list[int], count: int) -> list[int]:
     """Greedy decoding without any cache: the whole sequence through the model each step."""
     from engine.model.attention import AttentionMetadata, PrefillSpan
@@ -39,7 +46,7 @@ def test_batched_chunked_greedy_equals_one_sequence_at_a_time(model) -> None:
     harness.run()
     for prompt, request in zip(PROMPTS, requests):
         assert request.tokens[len(prompt):] == reference_greedy(model, prompt, 12)
-    assert harness.scheduler.pages.free_count == 64
+    assert_no_page_leaked(harness, 64)
     harness.close()
 
 
@@ -49,7 +56,7 @@ def test_preemption_under_page_pressure_keeps_greedy_results(model) -> None:
     harness.run()
     for prompt, request in zip(PROMPTS, requests):
         assert request.tokens[len(prompt):] == reference_greedy(model, prompt, 40)
-    assert harness.scheduler.pages.free_count == 14
+    assert_no_page_leaked(harness, 14)
     harness.close()
 
 
@@ -107,5 +114,54 @@ def test_cancel_returns_pages_only_after_in_flight_steps(model) -> None:
     harness.scheduler.cancel(request)
     assert not harness.scheduler.has_work()
     harness.run()
-    assert harness.scheduler.pages.free_count == 32
+    assert_no_page_leaked(harness, 32)
+    harness.close()
+
+
+def test_a_repeated_prefix_is_reused_and_changes_nothing(model) -> None:
+    harness = Harness(model, page_size=16)
+    prompt = list(range(1, 75))  # 4 whole blocks of 16, and 10 tokens more
+    first = harness.add(prompt, message_ends=[37, 70], temperature=0.0, max_tokens=8)
+    harness.run()
+    second = harness.add(prompt + [200, 201], message_ends=[37, 70, 74], temperature=0.0, max_tokens=8)
+    harness.run()
+    assert first.cached_tokens == 0
+    assert second.cached_tokens == 70  # the exact checkpoint at the last shared message end
+    assert second.tokens[len(prompt) + 2:] == reference_greedy(model, prompt + [200, 201], 8)
+    assert harness.scheduler.counters["reused_tokens"] == 70
+    assert_no_page_leaked(harness, 64)
+    harness.close()
+
+
+def test_a_finished_reply_is_reused_by_the_next_turn(model) -> None:
+    harness = Harness(model, page_size=16)
+    prompt = list(range(1, 20))
+    turn = harness.add(prompt, message_ends=[19], temperature=0.0, max_tokens=30, ignore_eos=True)
+    harness.run()
+    conversation = turn.tokens[:-1] + [300, 301]  # the reply's last token has no KV yet
+    follow = harness.add(conversation, message_ends=[19], temperature=0.0, max_tokens=4)
+    harness.run()
+    assert follow.cached_tokens == (len(turn.tokens) - 1) // 16 * 16  # whole blocks of prompt and reply
+    assert follow.tokens[len(conversation):] == reference_greedy(model, conversation, 4)
+    harness.close()
+
+
+def test_decoding_requests_keep_receiving_tokens_while_a_long_prompt_loads(model) -> None:
+    harness = Harness(model, num_pages=96, page_size=64, max_active=16, chunk=512)
+    decoders = [harness.add([7 + i, 8, 9], temperature=0.0, max_tokens=40, ignore_eos=True) for i in range(8)]
+    for _ in range(3):
+        harness.step()  # the eight are decoding
+    long = harness.add([i % 300 for i in range(4096)], temperature=0.0, max_tokens=2)
+    last_seen = {id(r): 0 for r in decoders}
+    largest_gap = step = 0
+    while long.outputs == 0:
+        step += 1
+        for result in harness.step():
+            for request, _, _ in result.tokens:
+                if id(request) in last_seen:
+                    largest_gap = max(largest_gap, step - last_seen[id(request)])
+                    last_seen[id(request)] = step
+    assert step >= 4096 // 512  # the prompt really loaded in chunks
+    assert largest_gap <= 2, largest_gap
+    harness.run()
     harness.close()

@@ -85,3 +85,23 @@ def test_greedy_matches_transformers_one_at_a_time_then_concurrently(server, ref
         results = list(pool.map(lambda m: server_greedy(client, name, m), CONVERSATIONS))
     for messages, got, want in zip(CONVERSATIONS, results, expected):
         assert got == want, messages
+
+
+def test_a_second_turn_reuses_the_first_turns_prefix_without_changing_its_output(server, reference) -> None:
+    model, tokenizer = reference
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    name = client.models.list().data[0].id
+    first = [{"role": "user", "content": "Name a colour of the rainbow."}]
+    reply = client.chat.completions.create(model=name, messages=first, temperature=0, max_tokens=6)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "And another one?"}]
+    # The first turn's last message end: its prompt without the generation prompt.
+    message_end = len(tokenizer(tokenizer.apply_chat_template(first, tokenize=False), add_special_tokens=False)
+                      ["input_ids"])
+    assert message_end + 6 < 64, "keep the first turn inside one page, so only the message end can be reused"
+    response = client.chat.completions.create(model=name, messages=second, temperature=0, max_tokens=NEW_TOKENS,
+                                              extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert response.usage.prompt_tokens_details.cached_tokens == message_end
+    tokens = response.choices[0].model_extra["token_ids"]
+    assert tokens == hf_greedy(model, response.model_extra["prompt_token_ids"])

@@ -102,6 +102,9 @@ class EagerExecutor:
 
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
+        self._copy_pages(plan.copies)
+        if not plan.rows:
+            return Completion(fence, (), (), (), time.perf_counter() - started)
         step = build_inputs(plan, self.page_size, self.device)
         input_ids = step.input_ids
         if step.device_token_rows.numel():
@@ -121,6 +124,15 @@ class EagerExecutor:
                           tuple(tokens.tolist()), time.perf_counter() - started,
                           logprobs=self._logprobs(sampled, logits, tokens),
                           prompt_logprobs=self._prompt_logprobs(plan, hidden))
+
+    def _copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
+        if not copies:
+            return
+        size = self.page_size
+        offsets = torch.arange(size, device=self.device)
+        src = (torch.tensor([s for s, _ in copies], device=self.device)[:, None] * size + offsets).flatten()
+        dst = (torch.tensor([d for _, d in copies], device=self.device)[:, None] * size + offsets).flatten()
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def _record_prompt_tokens(self, plan: Plan) -> None:
         """Host-known tokens enter the slot's penalty state; a request's first row clears what the slot held."""

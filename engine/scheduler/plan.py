@@ -31,9 +31,12 @@ class Row:
     prompt_targets: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Plan:
     rows: tuple[Row, ...]
+    # KV pages to copy (source, destination) before the step's forward: private copies of partial pages for exact
+    # prefix checkpoints, made or reused. A plan may hold copies and no rows.
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 
 from common.protocol import Logprobs, SamplingParams
+from engine.cache.checkpoint_cache import Checkpoint
+from engine.cache.prefix_history import PrefixHistory
 
 
 class Phase(enum.Enum):
@@ -42,6 +44,12 @@ class Request:
     last_commit: float = 0.0  # monotonic time a token was last committed (or of arrival)
     last_publish: float = 0.0  # monotonic time output was last published; 0 before the first
     bursts: int = 0  # completed steps whose output was published
+    # Prefix cache state (engine/scheduler/prefix.py):
+    history: PrefixHistory | None = None  # keys of the request's prefixes
+    cache_pages: set[int] = field(default_factory=set)  # pages of `pages` that the cache owns
+    block_chain: list[Checkpoint] = field(default_factory=list)  # checkpoints of the request's complete blocks
+    pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
+    published_ends: int = 0  # message ends at or below this are published (or reused)
     finish_reason: str | None = None
 
     @property

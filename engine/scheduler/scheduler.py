@@ -9,11 +9,12 @@ randomness depends only on seed and position, so the outcome is unchanged).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.plan import Completion, Plan, Row
 from engine.scheduler.request import Phase, Request
 
@@ -36,7 +37,7 @@ class StepResult:
 
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
-                 prefill_chunk_size: int) -> None:
+                 prefill_chunk_size: int, identity: bytes = bytes(32)) -> None:
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -47,6 +48,9 @@ class RequestScheduler:
         self._generations = [0] * max_active
         self._by_id: dict[str, Request] = {}
         self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
+        self.counters: Counter[str] = Counter()
+        self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
+        self._planned: tuple[Plan | None, tuple] = (None, ())
 
     # --- intake -------------------------------------------------------------------------------------------------
     @property
@@ -59,13 +63,14 @@ class RequestScheduler:
 
     @property
     def cached_pages(self) -> int:
-        return 0
+        return self.prefix.cache.stats.pages
 
     def can_admit(self) -> bool:
         return len(self.waiting) < self.queue_capacity
 
     def add(self, request: Request) -> None:
         request.prefill_target = len(request.tokens)
+        self.prefix.track(request)
         self.waiting.append(request)
         self._by_id[request.request_id] = request
 
@@ -99,9 +104,18 @@ class RequestScheduler:
             rows.append(self._row(request, length))
             planned.add(request.slot)
             budget -= length
-        return Plan(tuple(rows)) if rows else None
+        copies = self.prefix.take_copies()
+        if not rows and not copies:
+            return None
+        plan = Plan(tuple(rows), copies=tuple((src, dst) for src, dst, _ in copies))
+        self._planned = (plan, copies)
+        return plan
 
     def commit(self, plan: Plan, fence: int) -> None:
+        planned, copies = self._planned
+        if planned is not plan:
+            raise ValueError("commit of a plan that is not the latest one planned")
+        self.prefix.copies_committed(copies, fence)
         for row in plan.rows:
             request = self.slots[row.slot]
             assert request is not None and request.generation == row.generation
@@ -133,10 +147,16 @@ class RequestScheduler:
         request.scheduled = 0
         request.fresh = True
         self.slots[slot] = request
+        self.prefix.reuse(request, self._try_allocate)
+
+    def _try_allocate(self, count: int) -> list[int] | None:
+        self.prefix.free_pages(count)
+        return self.pages.allocate(count) if self.pages.free_count >= count else None
 
     def _reserve(self, request: Request, positions: int, planned: set[int]) -> bool:
         """Make sure the request owns pages for `positions` tokens, preempting others if pages run out."""
         needed = -(-positions // self.page_size) - len(request.pages)
+        self.prefix.free_pages(needed)
         while needed > self.pages.free_count:
             if not self._preempt_one(planned | {request.slot}):
                 return False
@@ -149,8 +169,7 @@ class RequestScheduler:
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival)
-        self.pages.release(victim.pages, victim.last_fence)
-        victim.pages = []
+        self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
         victim.phase = Phase.WAITING
@@ -178,6 +197,7 @@ class RequestScheduler:
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
         self.pages.advance_completed(completion.fence)
+        self.prefix.cache.advance_completed(completion.fence)
         result = StepResult([], [])
         for row in plan.rows:
             request = self.slots[row.slot]
@@ -195,12 +215,17 @@ class RequestScheduler:
             request = self.slots[slot]
             if request is not None and request.generation == generation:
                 request.prompt_logprobs.append(logprobs)
+        for row in plan.rows:
+            request = self.slots[row.slot]
+            if request is not None and request.generation == row.generation:
+                self.prefix.publish(request, row.start + row.length, completion.fence, self._try_allocate)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
         for slot, generation, token, lp in zip(completion.slots, completion.generations, completion.tokens, logprobs):
             request = self.slots[slot]
             if request is None or request.generation != generation or request.phase is Phase.FINISHED:
                 continue  # the request ended while this step was in flight
             request.tokens.append(token)
+            request.history.extend((token,))
             request.last_commit = time.monotonic()
             result.tokens.append((request, token, lp))
             if token in request.stop_ids and request.outputs > request.sampling.min_tokens:
@@ -214,8 +239,7 @@ class RequestScheduler:
         request.finish_reason = reason
         if request.in_flight:
             self._retiring.add(request)
-        self.pages.release(request.pages, request.last_fence)
-        request.pages = []
+        self.prefix.release(request)
         if request.slot >= 0 and self.slots[request.slot] is request:
             self.slots[request.slot] = None
         self._by_id.pop(request.request_id, None)

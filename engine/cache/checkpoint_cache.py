@@ -1,0 +1,147 @@
+"""PrefixCheckpointCache: immutable prefix checkpoints over KV pages, found by PrefixHistory keys.
+
+Every checkpoint owns exactly one page: a block checkpoint the page of its last complete block, an exact checkpoint
+(an endpoint inside a block, e.g. a message end) a private copy of its partial page. Earlier pages are reached through
+parent links, so a conversation's checkpoints share their common prefix. This is metadata only: it never touches the
+device. Pages come back through `RetiredResources`, which carry the fence of their last GPU use; the page allocator
+makes them reusable only once that fence has completed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Checkpoint:
+    id: int
+    key: bytes
+    length: int  # tokens covered
+    parent: "Checkpoint | None"
+    page: int
+    ready_fence: int | None  # None: its page is not yet written (the fence is set when the writing step commits)
+    ready: bool = False
+    pins: int = 0  # direct pins plus pins of descendants: a pinned checkpoint's pages are in use
+    children: int = 0
+    last_access: int = 0
+    last_use_fence: int = 0
+    evicted: bool = False
+
+
+@dataclass(frozen=True)
+class Created:
+    checkpoint: Checkpoint  # the proposed page now belongs to the cache
+
+
+@dataclass(frozen=True)
+class Existing:
+    checkpoint: Checkpoint  # the caller keeps its proposed page
+
+
+@dataclass(frozen=True)
+class RetiredResources:
+    pages: list[int]
+    fence: int  # the last GPU use of these pages
+
+
+@dataclass
+class CacheStats:
+    publications: int = 0
+    evictions: int = 0
+    pages: int = 0
+
+
+class PrefixCheckpointCache:
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, Checkpoint] = {}
+        self._ids = itertools.count(1)
+        self._clock = itertools.count(1)
+        self._completed_fence = 0
+        self._pending: list[Checkpoint] = []
+        self.stats = CacheStats()
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def lookup(self, key: bytes) -> Checkpoint | None:
+        checkpoint = self._by_key.get(key)
+        if checkpoint is None or not checkpoint.ready:
+            return None
+        checkpoint.last_access = next(self._clock)
+        return checkpoint
+
+    def publish(self, key: bytes, length: int, parent: Checkpoint | None, page: int,
+                ready_fence: int | None) -> Created | Existing:
+        existing = self._by_key.get(key)
+        if existing is not None:
+            return Existing(existing)
+        if parent is not None and parent.evicted:
+            raise ValueError("the parent checkpoint was evicted")
+        checkpoint = Checkpoint(next(self._ids), key, length, parent, page, ready_fence,
+                                last_access=next(self._clock))
+        self._by_key[key] = checkpoint
+        if parent is not None:
+            parent.children += 1
+        self.stats.publications += 1
+        self.stats.pages += 1
+        if ready_fence is None or ready_fence > self._completed_fence:
+            self._pending.append(checkpoint)
+        else:
+            checkpoint.ready = True
+        return Created(checkpoint)
+
+    def set_ready_fence(self, checkpoint: Checkpoint, fence: int) -> None:
+        """The step that writes the checkpoint's page was submitted with this fence."""
+        checkpoint.ready_fence = fence
+        checkpoint.last_use_fence = max(checkpoint.last_use_fence, fence)
+
+    def advance_completed(self, fence: int) -> list[Checkpoint]:
+        """Checkpoints whose page-writing step has completed become visible to lookup."""
+        self._completed_fence = fence
+        ready = [c for c in self._pending if c.ready_fence is not None and c.ready_fence <= fence]
+        if ready:
+            self._pending = [c for c in self._pending if not (c.ready_fence is not None and c.ready_fence <= fence)]
+            for checkpoint in ready:
+                checkpoint.ready = True
+        return ready
+
+    def pin(self, checkpoint: Checkpoint) -> None:
+        node: Checkpoint | None = checkpoint
+        while node is not None:
+            node.pins += 1
+            node = node.parent
+
+    def unpin(self, checkpoint: Checkpoint, last_use_fence: int) -> None:
+        """Drop one pin of the checkpoint and its ancestors, whose pages were last used by `last_use_fence`."""
+        node: Checkpoint | None = checkpoint
+        while node is not None:
+            if node.pins <= 0:
+                raise ValueError(f"checkpoint {node.id} unpinned more often than pinned")
+            node.pins -= 1
+            node.last_use_fence = max(node.last_use_fence, last_use_fence)
+            node = node.parent
+
+    def evict(self, pages: int) -> list[RetiredResources]:
+        """Retire unpinned, ready leaves in least-recently-used order until `pages` pages are retired (or none are
+        left to take)."""
+        retired: list[RetiredResources] = []
+        leaves = sorted((c for c in self._by_key.values() if c.children == 0 and c.pins == 0 and c.ready),
+                        key=lambda c: c.last_access)
+        while leaves and len(retired) < pages:
+            checkpoint = leaves.pop(0)
+            retired.append(self._remove(checkpoint))
+            parent = checkpoint.parent
+            if parent is not None and parent.children == 0 and parent.pins == 0 and parent.ready:
+                index = next((i for i, c in enumerate(leaves) if c.last_access > parent.last_access), len(leaves))
+                leaves.insert(index, parent)
+        return retired
+
+    def _remove(self, checkpoint: Checkpoint) -> RetiredResources:
+        del self._by_key[checkpoint.key]
+        checkpoint.evicted = True
+        if checkpoint.parent is not None:
+            checkpoint.parent.children -= 1
+        self.stats.evictions += 1
+        self.stats.pages -= 1
+        return RetiredResources([checkpoint.page], checkpoint.last_use_fence)

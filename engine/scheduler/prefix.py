@@ -1,0 +1,143 @@
+"""Prefix reuse for the scheduler: find a request's longest cached prefix when it gets a slot, publish its blocks and
+message ends as checkpoints as its steps complete, and give back what it held when it ends.
+
+Page ownership: a request's page list mixes pages the cache owns (shared, read-only for everyone: complete blocks) and
+private pages. An exact checkpoint inside a block gets a private copy of that partial page, so the request that made it
+can keep writing its own page, and a request that reuses it writes into a fresh copy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache
+from engine.cache.page_allocator import PageAllocator
+from engine.cache.prefix_history import PrefixHistory
+from engine.scheduler.request import Request
+
+PageCopy = tuple[int, int, Checkpoint | None]  # (source page, destination page, checkpoint made ready by the copy)
+
+
+class PrefixReuse:
+    def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str]) -> None:
+        self.identity = identity
+        self.page_size = page_size
+        self.pages = pages
+        self.cache = PrefixCheckpointCache()
+        self.counters = counters
+        self.pending_copies: list[PageCopy] = []
+
+    def track(self, request: Request) -> None:
+        request.history = PrefixHistory(self.identity, self.page_size, request.tokens)
+
+    def free_pages(self, needed: int) -> None:
+        """Evict unpinned checkpoints (least recently used leaves first) until `needed` pages are free or
+        retiring, or nothing more can go."""
+        shortfall = needed - self.pages.free_count
+        if shortfall > 0:
+            for retired in self.cache.evict(shortfall):
+                self.pages.release(retired.pages, retired.fence)
+
+    # --- reuse when a request gets its slot -------------------------------------------------------------------------
+    def reuse(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
+        if request.sampling.prompt_logprobs is not None:
+            return  # every prompt position must be computed to report its logprob
+        history, size = request.history, self.page_size
+        limit = request.prefill_target - 1  # the last prompt token is always computed: its logits are sampled
+        chain: list[Checkpoint] = []
+        for k, key in enumerate(history.block_keys):
+            if (k + 1) * size > limit or (found := self.cache.lookup(key)) is None:
+                break
+            chain.append(found)
+        reused, exact = len(chain) * size, None
+        for end in sorted(request.message_ends, reverse=True):
+            if reused < end <= limit and end % size and end // size <= len(chain):
+                if (exact := self.cache.lookup(history.key_at(end))) is not None:
+                    reused = end
+                    break
+        self.counters["prefix_lookups"] += 1
+        if reused == 0:
+            self.counters["prefix_misses"] += 1
+            return
+        blocks = chain[: reused // size]
+        if exact is not None:
+            page = allocate(1)
+            if page is None:  # no page for the private copy: fall back to the whole blocks
+                exact, reused = None, len(blocks) * size
+            else:
+                self.pending_copies.append((exact.page, page[0], None))
+        if reused == 0:
+            self.counters["prefix_misses"] += 1
+            return
+        self.counters["prefix_hits"] += 1
+        self.counters["reused_tokens"] += reused
+        request.pages = [c.page for c in blocks] + ([page[0]] if exact is not None else [])
+        request.cache_pages = {c.page for c in blocks}
+        request.block_chain = list(blocks)
+        request.published_ends = reused
+        self._pin(request, exact or blocks[-1])
+        request.scheduled = reused
+        if not request.started:
+            request.cached_tokens = reused
+
+    # --- publication as steps complete ----------------------------------------------------------------------------
+    def publish(self, request: Request, computed: int, fence: int,
+                allocate: Callable[[int], list[int] | None]) -> None:
+        """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes."""
+        size, history = self.page_size, request.history
+        while len(request.block_chain) < min(computed // size, len(history.block_keys)):
+            k = len(request.block_chain)
+            parent = request.block_chain[-1] if request.block_chain else None
+            if parent is not None and parent.evicted:
+                return
+            result = self.cache.publish(history.block_keys[k], (k + 1) * size, parent, request.pages[k], fence)
+            if isinstance(result, Created):
+                request.cache_pages.add(request.pages[k])
+                self.counters["checkpoint_publications"] += 1
+            request.block_chain.append(result.checkpoint)
+            self._pin(request, result.checkpoint)
+        for end in request.message_ends:
+            if request.published_ends < end <= computed and end % size and end // size <= len(request.block_chain):
+                self._publish_exact(request, end, allocate)
+                request.published_ends = end
+
+    def _publish_exact(self, request: Request, end: int, allocate: Callable[[int], list[int] | None]) -> None:
+        key = request.history.key_at(end)
+        parent = request.block_chain[end // self.page_size - 1] if end >= self.page_size else None
+        if self.cache.lookup(key) is not None or (parent is not None and parent.evicted):
+            return
+        page = allocate(1)
+        if page is None:
+            return
+        result = self.cache.publish(key, end, parent, page[0], ready_fence=None)
+        if isinstance(result, Created):
+            self.counters["checkpoint_publications"] += 1
+            self.pending_copies.append((request.pages[end // self.page_size], page[0], result.checkpoint))
+        else:
+            self.pages.release(page, 0)
+
+    def take_copies(self) -> tuple[PageCopy, ...]:
+        copies, self.pending_copies = tuple(self.pending_copies), []
+        return copies
+
+    def copies_committed(self, copies: tuple[PageCopy, ...], fence: int) -> None:
+        for _, _, checkpoint in copies:
+            if checkpoint is not None:
+                self.cache.set_ready_fence(checkpoint, fence)
+
+    # --- the end of a request's hold on its pages -------------------------------------------------------------------
+    def release(self, request: Request) -> None:
+        """Give back private pages at the request's last-use fence and drop its pin."""
+        private = [p for p in request.pages if p not in request.cache_pages]
+        self.pages.release(private, request.last_fence)
+        if request.pinned is not None:
+            self.cache.unpin(request.pinned, request.last_fence)
+        request.pages, request.cache_pages, request.block_chain, request.pinned = [], set(), [], None
+        request.published_ends = 0
+
+    def _pin(self, request: Request, checkpoint: Checkpoint) -> None:
+        self.cache.pin(checkpoint)
+        if request.pinned is not None:
+            self.cache.unpin(request.pinned, request.last_fence)
+        request.pinned = checkpoint
