@@ -1,4 +1,5 @@
 """`flare run CORE`: the supervisor. Starts the engine and N frontends, waits for readiness, drains on a signal.
+On a terminal it then shows the dashboard (common/dashboard/); `flare dashboard --engine ADDR` attaches one later.
 
 Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which then stops them in
 order: frontends first (they refuse new requests and give open responses five seconds), then the engine.
@@ -17,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from common.dashboard.relay import OutputRelay
 from common.errors import CoreError
 from common.manifest import load_manifest
 
@@ -33,8 +35,10 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
-def spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", *args], preexec_fn=_die_with_parent)
+def spawn(args: list[str], output: int | None = None) -> subprocess.Popen:
+    """`output`: a file descriptor for the child's stdout and stderr (default: the supervisor's own)."""
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=output, stderr=output,
+                            preexec_fn=_die_with_parent)
 
 
 def wait_ready(url: str, children: dict[str, subprocess.Popen], timeout: float) -> None:
@@ -81,12 +85,15 @@ def run(args: argparse.Namespace) -> int:
     engine_args = ["engine.main", "--rank", "0", "--core", str(args.core), "--listen", address]
     if args.device:
         engine_args += ["--device", args.device]
-    engine = spawn(engine_args)
+    # On a terminal the dashboard takes the screen after loading; the children's output then goes through a relay.
+    relay = OutputRelay() if sys.stderr.isatty() else None
+    output = relay.write_fd if relay else None
+    engine = spawn(engine_args, output)
     frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
                      "--port", str(args.port)]
     if args.api_key:
         frontend_args += ["--api-key", args.api_key]
-    frontends = [spawn(frontend_args) for _ in range(args.frontends)]
+    frontends = [spawn(frontend_args, output) for _ in range(args.frontends)]
     children = {"engine": engine, **{f"frontend {i}": f for i, f in enumerate(frontends)}}
     stop = False
 
@@ -100,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         wait_ready(f"http://{args.host}:{args.port}/health", children, READY_TIMEOUT)
         print(f"flare: serving {manifest.served_names[0]} on http://{args.host}:{args.port} "
               f"({args.frontends} frontends); Ctrl-C stops", file=sys.stderr, flush=True)
+        if relay is not None:
+            from common.dashboard.app import supervise  # textual loads only when the dashboard shows
+
+            supervise(address, lambda: stop or any(c.poll() is not None for c in children.values()), relay)
         while not stop:
             for name, child in children.items():
                 if child.poll() is not None:
@@ -108,9 +119,13 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"flare: error: {exc}", file=sys.stderr, flush=True)
         stop_all(frontends, engine)
+        if relay is not None:
+            relay.close()
         return 1
     print("flare: stopping: frontends drain, then the engine", file=sys.stderr, flush=True)
     stop_all(frontends, engine)
+    if relay is not None:
+        relay.close()
     failed = [name for name, child in children.items() if child.returncode not in (0, -signal.SIGTERM)]
     if failed:
         print(f"flare: error: {', '.join(failed)} did not stop cleanly", file=sys.stderr)
@@ -129,7 +144,14 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--device", help="cpu or cuda (default: the engine's choice)")
     run_parser.add_argument("--api-key")
     run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket)")
+    dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
+    dashboard_parser.add_argument("--engine", required=True,
+                                  help="the engine's request address, as given to flare-engine --listen")
     args = parser.parse_args(argv)
+    if args.command == "dashboard":
+        from common.dashboard.app import attach  # textual loads only for this command
+
+        sys.exit(attach(args.engine))
     sys.exit(run(args))
 
 

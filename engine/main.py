@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.bind(args.listen)
     telemetry_socket = context.socket(zmq.XPUB)
-    telemetry_socket.setsockopt(zmq.XPUB_VERBOSE, 1)
+    # Every subscribe and unsubscribe reaches the engine, so it can count attached dashboards (see telemetry.py).
+    telemetry_socket.setsockopt(zmq.XPUB_VERBOSER, 1)
     telemetry_socket.setsockopt(zmq.LINGER, 0)
     telemetry_address = protocol.telemetry_address(args.listen)
     telemetry_socket.bind(telemetry_address)
