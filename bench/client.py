@@ -63,8 +63,10 @@ def request_body(endpoint: str, model: str, prompt: Prompt, ignore_eos: bool) ->
         body["messages"] = [*system, {"role": "user", "content": prompt.user}]
     else:
         body["prompt"] = prompt.user if prompt.system is None else f"{prompt.system}\n\n{prompt.user}"
-    if ignore_eos:  # not in the OpenAI API; vLLM, SGLang and Flare honour it
+    if ignore_eos:
+        # Neither is in the OpenAI API: vLLM, SGLang and Flare honour ignore_eos, llama-cpp-python only min_tokens.
         body["ignore_eos"] = True
+        body["min_tokens"] = prompt.output_len
     return body
 
 
