@@ -50,9 +50,6 @@ class EngineClient:
         # Queue nothing for an engine that is not there: a Submit held back while the engine was down would reach
         # its successor, which would then run a request nobody waits for.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
-        # Sends never wait (they go out from request handlers and generator finalizers): a plain socket sharing
-        # the same underlying one, used with NOBLOCK.
-        self._sender = zmq.Socket.shadow(self._socket.underlying)
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         self._queues: dict[str, asyncio.Queue[Update]] = {}
         self._last_heard = 0.0
@@ -106,12 +103,14 @@ class EngineClient:
         self._queues.pop(request_id, None)
 
     def _send(self, message: wire.FrontendMessage) -> bool:
-        """False when no engine is connected (or its pipe is full); the message is then dropped."""
-        try:
-            self._sender.send(wire.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
+        """Never waits (it runs in request handlers and generator finalizers): False when no engine is connected
+        or its pipe is full, and the message is dropped. With NOBLOCK the asyncio socket settles the future at
+        once; sending through it, not a plain shadow socket, keeps its edge-triggered read wakeups right."""
+        sent = self._socket.send(wire.encode(message), zmq.NOBLOCK)
+        if not sent.done():
+            sent.cancel()
             return False
-        return True
+        return sent.exception() is None
 
     def _fail_all(self, error: FlareError) -> None:
         if self._queues:

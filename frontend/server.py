@@ -59,8 +59,8 @@ def frontend_of(request: web.Request) -> Frontend:
 async def read_json(request: web.Request) -> dict:
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise BodyTooLarge(f"the request body is over the limit of {exc.max_size} bytes",
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(f"the request body is over the limit of {request.client_max_size} bytes",
                            "body_limit: raise --body-limit of flare-frontend") from None
     try:
         body = json.loads(raw.decode("utf-8"))
