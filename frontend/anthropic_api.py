@@ -20,7 +20,7 @@ from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
 from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
 
-UNSUPPORTED_BLOCKS = {"image", "document", "search_result", "container_upload"}
+UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 
 
 def text_of(content: object, where: str) -> str:

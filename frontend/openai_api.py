@@ -127,7 +127,7 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(message, dict):
             raise InvalidRequest(f"{where} must be an object", param="messages")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise InvalidRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {str(role)[:40]!r}",
                                  param="messages")
         content = message_text(message.get("content"), where)

@@ -48,7 +48,7 @@ def input_messages(body: dict) -> list[dict]:
             raise InvalidRequest(f"{where} must be an object", param="input")
         kind = item.get("type", "message")
         if kind == "message":
-            if item.get("role") not in ROLES:
+            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {str(item.get('role'))[:40]!r}",
                                      param="input")
             content = message_text(item.get("content"), where)
