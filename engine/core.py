@@ -6,6 +6,7 @@ import logging
 import random
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import zmq
 
@@ -81,10 +82,17 @@ class Engine:
 
     def stop(self) -> None:
         """Abort what is left and leave the loop once steps in flight have completed."""
+        self._end_all("abort")
+
+    def fail(self, error: str) -> None:
+        """The executor cannot go on (a tensor-parallel rank is gone): every request ends with this error."""
+        self._end_all("error", error)
+
+    def _end_all(self, reason: str, error: str | None = None) -> None:
         self.draining = True
         self.stopping = True
         for request in [r for r in self.scheduler.slots if r is not None] + list(self.scheduler.waiting):
-            self._publish(StepResult([], [self.scheduler.cancel(request)]))
+            self._publish(StepResult([], [replace(self.scheduler.cancel(request, reason), error=error)]))
 
     # --- intake -------------------------------------------------------------------------------------------------
     def _ingest(self) -> None:
@@ -152,12 +160,13 @@ class Engine:
                                f"request has {len(submit.prompt)} prompt tokens and asks for "
                                f"{submit.sampling.max_tokens} output tokens ({total} in all)",
                           "context_hint: shorten the prompt or lower max_tokens")
-        if submit.request_id in self._owned_ids():
+        pages = -(-total // self.scheduler.page_size)
+        if pages > self.scheduler.pages.num_pages:
+            return reject(400, f"the request needs {pages} KV pages ({total} tokens) and the cache has "
+                               f"{self.scheduler.pages.num_pages}", "capacity_hint: raise --kv-cache-bytes")
+        if self.scheduler.get(submit.request_id) is not None:
             return reject(400, f"request id {submit.request_id!r} is already in use")
         return None
-
-    def _owned_ids(self) -> set[str]:
-        return {rid for ids in self._owned.values() for rid in ids}
 
     def _abort(self, identity: bytes, request_ids: list[str]) -> None:
         for request_id in request_ids:

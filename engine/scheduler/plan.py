@@ -37,6 +37,7 @@ class Plan:
     # KV pages to copy (source, destination) before the step's forward: private copies of partial pages for exact
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
+    shape: tuple[str, int] = ("", 0)  # (kind, capacity) whose cost the policy learns from this step's duration
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.policy import (Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price)
 from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.plan import Completion, Plan, Row
 from engine.scheduler.request import Phase, Request
@@ -37,7 +38,7 @@ class StepResult:
 
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
-                 prefill_chunk_size: int, identity: bytes = bytes(32)) -> None:
+                 prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig()) -> None:
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -51,6 +52,12 @@ class RequestScheduler:
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
         self._planned: tuple[Plan | None, tuple] = (None, ())
+        self.policy = policy
+        self.costs = GraphCostModel(policy)
+        self._completed_fence = 0
+        # Prompt-token capacities of a step: page-aligned, doubling up to the chunk size.
+        self._chunk_capacities = [page_size << i for i in range(32) if page_size << i < prefill_chunk_size]
+        self._chunk_capacities.append(prefill_chunk_size)
 
     # --- intake -------------------------------------------------------------------------------------------------
     @property
@@ -88,16 +95,21 @@ class RequestScheduler:
 
     # --- planning -----------------------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
+        decoders = self._decode_candidates()
+        prefills = self._prefill_candidates()
+        choice = self._choose(decoders, prefills, time.monotonic())
         rows: list[Row] = []
         planned: set[int] = set()  # slots in this plan: never preempted by it
-        for request in self._decode_candidates():
-            if self._reserve(request, request.scheduled + 1, planned):
+        for request in decoders:
+            if request.slot >= 0 and self._reserve(request, request.scheduled + 1, planned):
                 rows.append(self._row(request, 1))
                 planned.add(request.slot)
-        budget = self.prefill_chunk_size
-        for request in self._prefill_candidates():
+        budget = choice.prefill_tokens if choice is not None else 0
+        for request in prefills:
             if budget <= 0:
                 break
+            if request.slot < 0:
+                continue  # preempted by an earlier reservation of this plan
             length = min(budget, request.prefill_target - request.scheduled)
             if not self._reserve(request, request.scheduled + length, planned):
                 break
@@ -107,9 +119,45 @@ class RequestScheduler:
         copies = self.prefix.take_copies()
         if not rows and not copies:
             return None
-        plan = Plan(tuple(rows), copies=tuple((src, dst) for src, dst, _ in copies))
+        plan = Plan(tuple(rows), copies=tuple((src, dst) for src, dst, _ in copies),
+                    shape=choice.shape if choice is not None else ("copy", 0))
         self._planned = (plan, copies)
         return plan
+
+    def _choose(self, decoders: list[Request], prefills: list[Request], now: float) -> Candidate | None:
+        """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
+        config = self.policy
+        decode_value = sum(config.output_token_value * (1 + price(config, config.delivery_fairness,
+                                                                  now - r.last_commit)) for r in decoders)
+        candidates = []
+        if decoders:
+            candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", decode_capacity(len(decoders)))))
+        waiting = sum(r.prefill_target - r.scheduled for r in prefills)
+        for capacity in self._chunk_capacities:
+            tokens = min(capacity, waiting)
+            if tokens <= 0:
+                break
+            value = self._prefill_value(prefills, tokens, now)
+            if decoders:
+                candidates.append(Candidate(len(decoders), tokens, decode_value + value, ("mixed", capacity)))
+            else:
+                candidates.append(Candidate(0, tokens, value, ("prefill", capacity)))
+            if tokens == waiting:
+                break
+        return choose(candidates, self.costs, config)
+
+    def _prefill_value(self, prefills: list[Request], tokens: int, now: float) -> float:
+        config, value = self.policy, 0.0
+        for request in prefills:
+            if tokens <= 0:
+                break
+            take = min(tokens, request.prefill_target - request.scheduled)
+            waited = now - request.last_commit
+            value += take * (1 + price(config, config.token_fairness, waited))
+            if take == request.prefill_target - request.scheduled:
+                value += config.terminal_value + config.terminal_age_price * 1000 * waited
+            tokens -= take
+        return value
 
     def commit(self, plan: Plan, fence: int) -> None:
         planned, copies = self._planned
@@ -158,14 +206,17 @@ class RequestScheduler:
         needed = -(-positions // self.page_size) - len(request.pages)
         self.prefix.free_pages(needed)
         while needed > self.pages.free_count:
-            if not self._preempt_one(planned | {request.slot}):
+            if not self._preempt_one(request, planned):
                 return False
         if needed > 0:
             request.pages.extend(self.pages.allocate(needed))
         return True
 
-    def _preempt_one(self, protected: set[int]) -> bool:
-        victims = [r for r in self.slots if r is not None and r.slot not in protected and r.in_flight == 0 and r.pages]
+    def _preempt_one(self, requester: Request, protected: set[int]) -> bool:
+        """Recompute-preempt the newest request that arrived after `requester`, so the oldest always progresses
+        and two requests never evict each other in turn."""
+        victims = [r for r in self.slots if r is not None and r.slot not in protected and r.in_flight == 0
+                   and r.pages and r.arrival > requester.arrival]
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival)
@@ -196,6 +247,10 @@ class RequestScheduler:
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
+        self._validate(completion, plan)
+        self._completed_fence = completion.fence
+        if completion.error is None and plan.rows:
+            self.costs.observe(plan.shape, completion.duration)
         self.pages.advance_completed(completion.fence)
         self.prefix.cache.advance_completed(completion.fence)
         result = StepResult([], [])
@@ -233,6 +288,16 @@ class RequestScheduler:
             elif request.outputs >= request.max_outputs:
                 result.finished.append(self._finish(request, "length"))
         return result
+
+    def _validate(self, completion: Completion, plan: Plan) -> None:
+        """A completion must follow the last one and fit its plan; anything else is a broken executor."""
+        if completion.fence <= self._completed_fence:
+            raise ValueError(f"completion fence {completion.fence} after {self._completed_fence}")
+        sampled = [(row.slot, row.generation) for row in plan.rows if row.sample]
+        if completion.error is None and list(zip(completion.slots, completion.generations)) != sampled:
+            raise ValueError("completion rows differ from the plan's sampled rows")
+        if not (len(completion.slots) == len(completion.generations) == len(completion.tokens)):
+            raise ValueError("completion columns differ in length")
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
         request.phase = Phase.FINISHED
