@@ -1,7 +1,7 @@
 """Every failure in the dialect's own shape and status: bad input (400, naming the field), auth (401), unknown
 model (404), body limit (413), admission (429), engine refusals (503), failures mid-stream (the dialect's error
-event, then the end of the stream), and draining on SIGTERM. Driven against a real frontend process in front of
-the scripted engine, which fails and refuses on demand."""
+event, then the end of the stream), and draining on SIGTERM; and a paused reader, which is no failure. Driven
+against a real frontend process in front of the scripted engine, which fails and refuses on demand."""
 
 from __future__ import annotations
 
@@ -225,6 +225,20 @@ def test_a_full_frontend_answers_429_and_a_disconnect_aborts_the_engine_request(
         client.close()
     # The closed connections cancel their engine requests (aiohttp cancels the handler; it sends Abort).
     assert wait_for(lambda: running <= set(engine.aborted) and not running & set(engine.running), 1.0)
+
+
+def test_a_paused_reader_keeps_its_whole_response(stack) -> None:
+    tokens = 1500  # a few hundred kilobytes of events: more than the socket buffers hold while nobody reads
+    marker = stack.engine.script(f"paused-{uuid.uuid4().hex[:8]}", "la", endless=True)
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", headers=BEARER, timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": marker}], "stream": True,
+            "max_tokens": tokens}) as response:
+        lines = response.iter_lines()
+        next(lines)
+        assert wait_for(lambda: not stack.engine.running, 30)  # the engine is done; the reader has not read
+        frames = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(f["choices"][0]["delta"].get("content", "") for f in frames) == "la" * tokens
+    assert frames[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_sigterm_refuses_new_requests_lets_open_ones_finish_and_exits_zero(core_dir) -> None:
