@@ -1,8 +1,11 @@
-"""`flare run CORE`: the supervisor. Starts the engine and N frontends, waits for readiness, drains on a signal.
+"""`flare run CORE [--tp R]`: the supervisor. Starts the engine (R ranks) and N frontends, waits for readiness, drains
+on a signal, and when a child dies says which and why.
 On a terminal it then shows the dashboard (common/dashboard/); `flare dashboard --engine ADDR` attaches one later.
 
 Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which then stops them in
-order: frontends first (they refuse new requests and give open responses five seconds), then the engine.
+order: frontends first (they refuse new requests and give open responses five seconds), then the engine (rank 0
+drains and stops the other ranks). When an engine rank dies, the others fail their requests and exit on their own
+(engine/parallel/); the supervisor gives them time to, then stops the frontends and exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from common.dashboard.relay import OutputRelay
 from common.errors import CoreError
 from common.manifest import load_manifest
+from common.ranks import RANK_GRACE, engine_commands, engine_names, first_failure, settle
 
 READY_TIMEOUT = 600.0
 FRONTEND_DRAIN = 5.0
@@ -44,9 +48,8 @@ def spawn(args: list[str], output: int | None = None) -> subprocess.Popen:
 def wait_ready(url: str, children: dict[str, subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for name, child in children.items():
-            if child.poll() is not None:
-                raise RuntimeError(f"{name} exited with status {child.returncode} during startup")
+        if (failure := first_failure(children)) is not None:
+            raise RuntimeError(f"{failure} during startup")
         try:
             with urllib.request.urlopen(url, timeout=1) as response:
                 if response.status == 200:
@@ -57,7 +60,7 @@ def wait_ready(url: str, children: dict[str, subprocess.Popen], timeout: float) 
     raise RuntimeError(f"not ready after {timeout:.0f}s")
 
 
-def stop_all(frontends: list[subprocess.Popen], engine: subprocess.Popen) -> None:
+def stop_all(frontends: list[subprocess.Popen], engines: list[subprocess.Popen]) -> None:
     for child in frontends:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -67,8 +70,9 @@ def stop_all(frontends: list[subprocess.Popen], engine: subprocess.Popen) -> Non
             child.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             child.kill()
-    if engine.poll() is None:
-        engine.send_signal(signal.SIGTERM)
+    if engines[0].poll() is None:
+        engines[0].send_signal(signal.SIGTERM)  # rank 0 drains, then stops the other ranks
+    for engine in engines:
         try:
             engine.wait(30)
         except subprocess.TimeoutExpired:
@@ -81,20 +85,21 @@ def run(args: argparse.Namespace) -> int:
     except CoreError as exc:
         print(f"flare: error: {exc}", file=sys.stderr)
         return 1
+    if args.tp < 1:
+        print(f"flare: error: --tp must be at least 1, got {args.tp}", file=sys.stderr)
+        return 1
     address = args.engine_address or f"ipc://{tempfile.gettempdir()}/flare-{os.getpid()}.sock"
-    engine_args = ["engine.main", "--rank", "0", "--core", str(args.core), "--listen", address]
-    if args.device:
-        engine_args += ["--device", args.device]
     # On a terminal the dashboard takes the screen after loading; the children's output then goes through a relay.
     relay = OutputRelay() if sys.stderr.isatty() else None
     output = relay.write_fd if relay else None
-    engine = spawn(engine_args, output)
+    engines = dict(zip(engine_names(args.tp), (spawn(command, output) for command in
+                                                engine_commands(args.core, address, args.tp, args.device))))
     frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
                      "--port", str(args.port)]
     if args.api_key:
         frontend_args += ["--api-key", args.api_key]
     frontends = [spawn(frontend_args, output) for _ in range(args.frontends)]
-    children = {"engine": engine, **{f"frontend {i}": f for i, f in enumerate(frontends)}}
+    children = {**engines, **{f"frontend {i}": f for i, f in enumerate(frontends)}}
     stop = False
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -112,18 +117,19 @@ def run(args: argparse.Namespace) -> int:
 
             supervise(address, lambda: stop or any(c.poll() is not None for c in children.values()), relay)
         while not stop:
-            for name, child in children.items():
-                if child.poll() is not None:
-                    raise RuntimeError(f"{name} exited unexpectedly with status {child.returncode}")
+            if (failure := first_failure(children)) is not None:
+                raise RuntimeError(failure)
             time.sleep(0.2)
     except RuntimeError as exc:
         print(f"flare: error: {exc}", file=sys.stderr, flush=True)
-        stop_all(frontends, engine)
+        if len(engines) > 1:  # the other ranks fail their requests (frontends still relay the errors) and exit
+            print(f"flare: {settle(engines, RANK_GRACE)}", file=sys.stderr, flush=True)
+        stop_all(frontends, list(engines.values()))
         if relay is not None:
             relay.close()
         return 1
     print("flare: stopping: frontends drain, then the engine", file=sys.stderr, flush=True)
-    stop_all(frontends, engine)
+    stop_all(frontends, list(engines.values()))
     if relay is not None:
         relay.close()
     failed = [name for name, child in children.items() if child.returncode not in (0, -signal.SIGTERM)]
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--host", default="127.0.0.1")
     run_parser.add_argument("--port", type=int, default=8000)
     run_parser.add_argument("--device", help="cpu or cuda (default: the engine's choice)")
+    run_parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one engine process each")
     run_parser.add_argument("--api-key")
     run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket)")
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")

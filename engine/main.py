@@ -1,4 +1,5 @@
-"""`flare-engine --rank 0 --core DIR --listen ADDR`: one engine process per GPU rank."""
+"""`flare-engine --rank N --world-size R --core DIR --dist-address HOST:PORT [--listen ADDR]`: one engine process per
+GPU rank. Rank 0 serves the frontends at --listen and schedules; the other ranks run the steps it sends them."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from common.errors import CoreError
 from common.manifest import Manifest
 from common import protocol
 from common.protocol import ModelCard
+from common.ranks import GROUP_FAILED
 from engine.core import Engine
 from engine.executor.eager import EagerExecutor, pages_for_budget
 from engine.model.loader import DTYPES, load_model
+from engine.parallel.executor import TensorParallelExecutor
+from engine.parallel.group import join, rank_device
+from engine.parallel.step_channel import Follower, RankFailure, connect
+from engine.parallel.worker import serve
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
 
@@ -37,35 +43,54 @@ def cache_identity(manifest: Manifest, dtype: torch.dtype) -> bytes:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="flare-engine", description=__doc__)
-    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--rank", type=int, default=0, help="this process's tensor-parallel rank")
+    parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks, one process each")
+    parser.add_argument("--dist-address", help="HOST:PORT where rank 0 hosts the ranks' rendezvous, reachable from "
+                                               "every rank (needed with --world-size > 1)")
     parser.add_argument("--core", type=Path, required=True, help="core directory made by `ignition export`")
-    parser.add_argument("--listen", required=True, help="ZMQ address to bind, e.g. ipc:///tmp/flare.sock")
+    parser.add_argument("--listen", help="ZMQ address to bind on rank 0, e.g. ipc:///tmp/flare.sock")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="override the core's dtype")
     parser.add_argument("--max-active", type=int, help="live request slots (default: the core's capacities)")
     parser.add_argument("--kv-cache-bytes", type=int, help="KV cache budget (default: the core's capacities)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank {args.rank} is outside [0, --world-size {args.world_size})")
+    if args.world_size > 1 and not args.dist_address:
+        parser.error("--world-size > 1 needs --dist-address HOST:PORT")
+    if args.rank == 0 and not args.listen:
+        parser.error("rank 0 needs --listen")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
-    if args.rank != 0:
-        sys.exit("flare-engine: error: only rank 0 exists until tensor parallelism lands")
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
-    device = torch.device(args.device)
+    device = rank_device(torch.device(args.device), args.rank)
+    tp = join(args.rank, args.world_size, args.dist_address, device) if args.world_size > 1 else None
     try:
-        manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None)
+        manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None, tp=tp)
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
     caps = manifest.capacities
     max_active = args.max_active or caps.max_active
     num_pages = pages_for_budget(model, caps.page_size, args.kv_cache_bytes or caps.kv_cache_bytes,
                                  model.model.embed_tokens.weight.dtype)
+    channel = connect(tp, args.dist_address) if tp else None
+    if channel:  # every rank allocates the same pages and slots
+        num_pages, max_active = channel.setup(num_pages, max_active)
     executor = EagerExecutor(model, num_pages, caps.page_size, max_active, device)
+    if channel:
+        channel.start()
+        if isinstance(channel, Follower):
+            log.info("rank %d of %d: shard loaded in %.1fs, %d KV pages; following rank 0", args.rank,
+                     args.world_size, time.monotonic() - started, num_pages)
+            os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size))
+        executor = TensorParallelExecutor(executor, channel)
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, caps.prefill_chunk_size,
                                  cache_identity(manifest, model.model.embed_tokens.weight.dtype))
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
@@ -89,15 +114,20 @@ def main(argv: list[str] | None = None) -> None:
     log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",
              manifest.served_names[0], manifest.architecture, manifest.dtype, device, time.monotonic() - started,
              num_pages, caps.page_size, max_active, args.listen)
+    status = 0
     try:
         engine.run()
+    except RankFailure as exc:
+        log.error("%s", exc)
+        engine.fail(str(exc))
+        status = GROUP_FAILED
     finally:
         executor.close()
         socket.close()
         telemetry_socket.close()
         context.term()
     log.info("stopped")
-    os._exit(0)
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""Engine ranks as the supervisor sees them: one `flare-engine` process per tensor-parallel rank, and, when the group
+fails, which rank took it down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+# The exit status of a rank that left because the group failed (another rank died, went silent or could not run a
+# step), as opposed to one that crashed or was killed on its own.
+GROUP_FAILED = 3
+# Seconds the other ranks get to notice a dead rank, fail their requests and exit (a heartbeat timeout is 5 s).
+RANK_GRACE = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_commands(core: Path, address: str, world_size: int, device: str | None) -> list[list[str]]:
+    """Module and arguments of each rank; rank 0 serves the frontends at `address`."""
+    common = ["--core", str(core)] + (["--device", device] if device else [])
+    if world_size == 1:
+        return [["engine.main", "--rank", "0", "--listen", address, *common]]
+    group = ["--world-size", str(world_size), "--dist-address", f"127.0.0.1:{free_port()}",
+             "--threads", str(max((os.cpu_count() or 1) // world_size, 1))]  # the ranks share this host's cores
+    return [["engine.main", "--rank", str(rank), *group, *common, *(["--listen", address] if rank == 0 else [])]
+            for rank in range(world_size)]
+
+
+def engine_names(world_size: int) -> list[str]:
+    return ["engine"] if world_size == 1 else [f"engine rank {rank}" for rank in range(world_size)]
+
+
+def describe(status: int) -> str:
+    if status < 0:
+        return f"was killed by {signal.Signals(-status).name}"
+    if status == GROUP_FAILED:
+        return "left the failed group (status 3)"
+    return f"exited with status {status}"
+
+
+def first_failure(children: dict[str, subprocess.Popen]) -> str | None:
+    """The exited child to blame: one that failed on its own rather than one that left a failed group."""
+    exited = [(name, child.returncode) for name, child in children.items() if child.poll() is not None]
+    if not exited:
+        return None
+    name, status = min(exited, key=lambda item: item[1] == GROUP_FAILED)
+    return f"{name} {describe(status)}"
+
+
+def settle(engines: dict[str, subprocess.Popen], grace: float) -> str:
+    """After a rank died: wait for the others to fail their requests and exit, and say how each ended."""
+    deadline = time.monotonic() + grace
+    for child in engines.values():
+        try:
+            child.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+    return "; ".join(f"{name} {describe(child.returncode)}" if child.returncode is not None
+                     else f"{name} is still running after {grace:.0f}s" for name, child in engines.items())
