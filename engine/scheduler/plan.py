@@ -29,6 +29,7 @@ class Row:
     history: tuple[int, ...] | None = None
     # When the request asked for prompt logprobs: the prompt token each position of this row predicts.
     prompt_targets: tuple[int, ...] = ()
+    epoch: int = 0  # the request's epoch when planned: commit refuses the plan if it changed
 
 
 @dataclass(frozen=True, eq=False)

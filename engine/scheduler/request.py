@@ -37,6 +37,7 @@ class Request:
     prefill_target: int = 0  # positions to consume before decoding (prompt, plus outputs after a preemption)
     last_fence: int = 0  # the last submitted step that uses this request's pages
     in_flight: int = 0  # submitted steps not yet completed
+    epoch: int = 0  # bumped whenever a plan touching the request would go stale (placed, preempted, ended)
     fresh: bool = False  # placed in a slot and not yet planned: its first row resets the slot's state
     cached_tokens: int = 0
     prompt_logprobs: list[Logprobs] = field(default_factory=list)  # pieces per prefill chunk, until published

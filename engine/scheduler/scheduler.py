@@ -36,6 +36,10 @@ class StepResult:
     finished: list[Finished]
 
 
+class StalePlan(ValueError):
+    """A plan whose requests changed (cancelled, finished, preempted) between planning and commit."""
+
+
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
                  prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig()) -> None:
@@ -160,13 +164,18 @@ class RequestScheduler:
         return value
 
     def commit(self, plan: Plan, fence: int) -> None:
+        """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
         planned, copies = self._planned
         if planned is not plan:
-            raise ValueError("commit of a plan that is not the latest one planned")
+            raise StalePlan("commit of a plan that is not the latest one planned")
+        for row in plan.rows:
+            request = self.slots[row.slot]
+            if request is None or request.generation != row.generation or request.epoch != row.epoch:
+                raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
+        self._planned = (None, ())
         self.prefix.copies_committed(copies, fence)
         for row in plan.rows:
             request = self.slots[row.slot]
-            assert request is not None and request.generation == row.generation
             request.scheduled = row.start + row.length
             request.last_fence = fence
             request.in_flight += 1
@@ -194,6 +203,7 @@ class RequestScheduler:
         request.phase = Phase.PREFILL
         request.scheduled = 0
         request.fresh = True
+        request.epoch += 1
         self.slots[slot] = request
         self.prefix.reuse(request, self._try_allocate)
 
@@ -220,6 +230,7 @@ class RequestScheduler:
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival)
+        victim.epoch += 1
         self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
@@ -243,7 +254,7 @@ class RequestScheduler:
             page_table=tuple(request.pages[: -(-end // self.page_size)]),
             sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
             prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
-            prompt_targets=targets)
+            prompt_targets=targets, epoch=request.epoch)
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
@@ -302,6 +313,7 @@ class RequestScheduler:
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
         request.phase = Phase.FINISHED
         request.finish_reason = reason
+        request.epoch += 1
         if request.in_flight:
             self._retiring.add(request)
         self.prefix.release(request)

@@ -1,0 +1,135 @@
+"""State-machine tests of the scheduler and prefix cache: random admit / plan / commit / complete / cancel / evict.
+
+A fake executor completes steps in order with random tokens, so thousands of interleavings run in seconds. After every
+rule: every page is in exactly one place (free, retiring, the cache, or one live request), no free page has a step in
+flight that used it, and checkpoint pins equal what live requests hold.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, deque
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from common.protocol import SamplingParams
+from engine.scheduler.plan import Completion, Plan
+from engine.scheduler.request import Phase, Request
+from engine.scheduler.scheduler import RequestScheduler, StalePlan
+
+PAGES, PAGE, SLOTS = 24, 4, 4
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 11, 12], [20, 21, 22]]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8)
+        self.in_flight: deque[tuple[int, Plan]] = deque()
+        self.fence = 0
+        self.completed = 0
+        self.last_use: dict[int, int] = {}
+        self.requests: list[Request] = []
+        self.random = random.Random(0)
+
+    @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 40), max_size=9),
+          max_tokens=st.integers(1, 12), ends=st.lists(st.integers(1, 18), max_size=3))
+    def admit(self, prefix: list[int], extra: list[int], max_tokens: int, ends: list[int]) -> None:
+        if not self.scheduler.can_admit():
+            return
+        prompt = prefix + extra
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        request = Request(f"r{len(self.requests)}", b"t", len(prompt), list(prompt), params, 0, frozenset({0}),
+                          max_tokens, float(len(self.requests)),
+                          message_ends=sorted({e for e in ends if e < len(prompt)}))
+        self.scheduler.add(request)
+        self.requests.append(request)
+
+    @precondition(lambda self: len(self.in_flight) < 2)
+    @rule()
+    def plan_and_commit(self) -> None:
+        plan = self.scheduler.plan()
+        if plan is None:
+            return
+        self.fence += 1
+        self.scheduler.commit(plan, self.fence)
+        for row in plan.rows:
+            for page in row.page_table:
+                self.last_use[page] = self.fence
+        for src, dst in plan.copies:
+            self.last_use[src] = self.last_use[dst] = self.fence
+        self.in_flight.append((self.fence, plan))
+
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def complete(self) -> None:
+        fence, plan = self.in_flight.popleft()
+        sampled = [row for row in plan.rows if row.sample]
+        tokens = tuple(self.random.randrange(50) for _ in sampled)
+        completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled), tokens,
+                                0.001)
+        self.scheduler.complete(completion, plan)
+        self.completed = fence
+
+    @rule(index=st.integers(0, 50))
+    def cancel(self, index: int) -> None:
+        live = [r for r in self.requests if r.phase is not Phase.FINISHED]
+        if live:
+            self.scheduler.cancel(live[index % len(live)])
+
+    @precondition(lambda self: len(self.in_flight) < 2)
+    @rule(index=st.integers(0, 50))
+    def stale_plan_is_refused(self, index: int) -> None:
+        plan = self.scheduler.plan()
+        if plan is None or not plan.rows:
+            if plan is not None:  # copies only: commit it like any other plan
+                self.fence += 1
+                self.scheduler.commit(plan, self.fence)
+                for src, dst in plan.copies:
+                    self.last_use[src] = self.last_use[dst] = self.fence
+                self.in_flight.append((self.fence, plan))
+            return
+        row = plan.rows[index % len(plan.rows)]
+        self.scheduler.cancel(self.scheduler.slots[row.slot])
+        with pytest.raises(StalePlan):
+            self.scheduler.commit(plan, self.fence + 1)
+
+    @rule(pages=st.integers(1, PAGES))
+    def evict(self, pages: int) -> None:
+        self.scheduler.prefix.free_pages(pages)
+
+    @invariant()
+    def every_page_in_exactly_one_place(self) -> None:
+        allocator = self.scheduler.pages
+        places = Counter(allocator._free)
+        places.update(p for _, _, pages in allocator._retiring for p in pages)
+        places.update(c.page for c in self.scheduler.prefix.cache._by_key.values())
+        for request in self.requests:
+            if request.phase is not Phase.FINISHED:
+                places.update(p for p in request.pages if p not in request.cache_pages)
+        assert sorted(places) == list(range(PAGES)), places
+        assert all(count == 1 for count in places.values()), places
+
+    @invariant()
+    def no_free_page_is_still_in_use(self) -> None:
+        for page in self.scheduler.pages._free:
+            assert self.last_use.get(page, 0) <= self.completed
+
+    @invariant()
+    def pins_equal_what_live_requests_hold(self) -> None:
+        expected: Counter[int] = Counter()
+        for request in self.requests:
+            node = request.pinned if request.phase is not Phase.FINISHED else None
+            assert request.phase is not Phase.FINISHED or request.pinned is None
+            while node is not None:
+                expected[node.id] += 1
+                node = node.parent
+        for checkpoint in self.scheduler.prefix.cache._by_key.values():
+            assert checkpoint.pins == expected[checkpoint.id]
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
