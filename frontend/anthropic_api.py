@@ -100,17 +100,20 @@ def anthropic_tools(body: dict) -> tuple[list[dict] | None, bool]:
     return check_tools(tools), bool(tools) and tools_enabled(choice, anthropic=True)
 
 
-def thinking_off(body: dict) -> None:
+def unsupported_features(body: dict) -> None:
     thinking = body.get("thinking")
     if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
         raise InvalidRequest("thinking: extended thinking is not supported by this model", param="thinking")
+    config = body.get("output_config")
+    if config is not None and (not isinstance(config, dict) or config.get("format") is not None):
+        raise InvalidRequest("output_config.format: structured output is not supported", param="output_config")
 
 
 async def encode(frontend: Frontend, body: dict) -> tuple[list[int], list[int], list[dict] | None, bool, bool]:
     """Token ids, message ends, tools, whether calls are parsed, and whether a prefill is continued."""
     messages = conversation(body)
     tools, parse = anthropic_tools(body)
-    thinking_off(body)
+    unsupported_features(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     ids, ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {}, prefill)
     return ids, ends, tools, parse, prefill

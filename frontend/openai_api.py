@@ -172,13 +172,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = chat_messages(body)
     logprobs = chat_logprobs(body)
     text_format(body.get("response_format"), "response_format")
+    if body.get("logit_bias"):
+        raise InvalidRequest("'logit_bias' is not supported", param="logit_bias")
     stream = get_bool(body, "stream", False)
     include_usage = stream_options(body, stream)
     n = choices_count(body)
     tools, parse_tools = request_tools(body, flat=False)
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final = get_bool(body, "continue_final_message", False)  # vLLM's extension: prefill the reply
+    if continue_final and (messages[-1]["role"] != "assistant" or body.get("add_generation_prompt")):
+        raise InvalidRequest("'continue_final_message' needs a final assistant message and "
+                             "'add_generation_prompt' not true", param="continue_final_message")
     ids, message_ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
-                                               template_kwargs(body))
+                                               template_kwargs(body), continue_final)
     params = sampling_params(frontend.model, body, len(ids),
                              requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")

@@ -167,3 +167,16 @@ def test_responses_events_and_logprobs(client: openai.OpenAI, model: str) -> Non
     assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model=model, input="Hi", previous_response_id="resp_123")
+
+
+def test_continue_final_message_prefills_the_reply(client: openai.OpenAI, model: str, core_dir) -> None:
+    from frontend.model import ServedModel
+
+    prefill = "The planets are Mercury,"
+    response = chat(client, model, messages=QUESTION + [{"role": "assistant", "content": prefill}],
+                    extra_body={"continue_final_message": True, "return_token_ids": True})
+    prompt = ServedModel(core_dir).tokenizer.decode(response.model_extra["prompt_token_ids"],
+                                                    skip_special_tokens=False)
+    assert prompt.endswith(prefill) and response.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        chat(client, model, logit_bias={"50": 5})
