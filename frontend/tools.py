@@ -84,6 +84,11 @@ def template_supports_tools(source: str) -> bool:
     return re.search(r"\btools\b", source) is not None
 
 
+def hermes_call(name: str, arguments: object) -> str:
+    payload = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"{OPEN}\n{payload}\n{CLOSE}"
+
+
 def for_template(messages: list[dict], tools: list[dict] | None, supports_tools: bool
                  ) -> tuple[list[dict], list[dict] | None]:
     """What the template renders. A template that knows no tools gets them, and past calls and results, as
@@ -93,7 +98,7 @@ def for_template(messages: list[dict], tools: list[dict] | None, supports_tools:
     result = []
     for message in messages:
         if message["role"] == "assistant" and message.get("tool_calls"):
-            calls = "\n".join(f"{OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']}, ensure_ascii=False)}\n{CLOSE}"
+            calls = "\n".join(hermes_call(c["function"]["name"], c["function"]["arguments"])
                               for c in message["tool_calls"])
             text = message.get("content") or ""
             result.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})

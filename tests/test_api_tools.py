@@ -162,7 +162,8 @@ def test_openai_tool_results_are_rendered_back(stack, oai) -> None:
     response = oai.chat.completions.create(model=MODEL, tools=CHAT_TOOLS, messages=[
         {"role": "user", "content": marker},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"id": "call_9", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_9", "content": "sunny"}])
     assert response.choices[0].message.content == "It is sunny in Paris."
     assert response.choices[0].finish_reason == "stop"
