@@ -22,7 +22,8 @@ from common import protocol
 from common.protocol import ModelCard
 from common.ranks import GROUP_FAILED
 from engine.core import Engine
-from engine.executor.eager import EagerExecutor, pages_for_budget
+from engine.executor.eager import pages_for_budget
+from engine.executor.factory import gpu_kv_budget, make_executor
 from engine.model.loader import DTYPES, load_model
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
@@ -49,10 +50,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                "every rank (needed with --world-size > 1)")
     parser.add_argument("--core", type=Path, required=True, help="core directory made by `ignition export`")
     parser.add_argument("--listen", help="ZMQ address to bind on rank 0, e.g. ipc:///tmp/flare.sock")
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--device", default="auto",
+                        help="auto (default: cuda when CuPy and torch both see a GPU, else cpu), cpu or cuda")
+    parser.add_argument("--eager", action="store_true", help="on cuda, run the eager executor instead of graphs")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="override the core's dtype")
     parser.add_argument("--max-active", type=int, help="live request slots (default: the core's capacities)")
-    parser.add_argument("--kv-cache-bytes", type=int, help="KV cache budget (default: the core's capacities)")
+    parser.add_argument("--kv-cache-bytes", type=int,
+                        help="KV cache budget (default: the core's capacities on cpu, free memory on cuda)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
@@ -64,13 +68,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def select_device(name: str) -> torch.device:
+    """`auto` takes the GPU only when both CuPy (graph launches) and torch can use it."""
+    if name != "auto":
+        return torch.device(name)
+    try:
+        import cupy
+    except ImportError:
+        return torch.device("cpu")
+    return torch.device("cuda") if cupy.cuda.is_available() and torch.cuda.is_available() else torch.device("cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
-    device = rank_device(torch.device(args.device), args.rank)
+    device = rank_device(select_device(args.device), args.rank)
     tp = join(args.rank, args.world_size, args.dist_address, device) if args.world_size > 1 else None
     try:
         manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None, tp=tp)
@@ -78,12 +93,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flare-engine: error: {exc}")
     caps = manifest.capacities
     max_active = args.max_active or caps.max_active
-    num_pages = pages_for_budget(model, caps.page_size, args.kv_cache_bytes or caps.kv_cache_bytes,
-                                 model.model.embed_tokens.weight.dtype)
+    budget = args.kv_cache_bytes or (gpu_kv_budget(model, max_active, device) if device.type == "cuda"
+                                     else caps.kv_cache_bytes)
+    num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
     channel = connect(tp, args.dist_address) if tp else None
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
-    executor = EagerExecutor(model, num_pages, caps.page_size, max_active, device)
+    executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
+                             caps.prefill_chunk_size, graphs=not args.eager and channel is None)
     if channel:
         channel.start()
         if isinstance(channel, Follower):

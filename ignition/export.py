@@ -69,10 +69,15 @@ def open_source(path: Path) -> Source:
 
 
 def export(source_path: Path, out: Path, options: ExportOptions = ExportOptions()) -> Manifest:
+    if out.exists() and not options.force:
+        raise CoreError(f"{out}: already exists (pass --force to replace it)")
+    return export_source(open_source(source_path), out, options)
+
+
+def export_source(source: Source, out: Path, options: ExportOptions = ExportOptions()) -> Manifest:
     """Write the core into a hidden sibling of `out`, then rename it: a failed export leaves nothing behind."""
     if out.exists() and not options.force:
         raise CoreError(f"{out}: already exists (pass --force to replace it)")
-    source = open_source(source_path)
     dtype = options.dtype or source.default_dtype
     if dtype not in DTYPES:
         raise CoreError(f"{source.config_file}: unsupported dtype {dtype} (pass --dtype)")

@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ignition", description="Prepare Flare cores, offline.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_export(commands)
+    _add_synth(commands)
     _add_verify(commands)
     return parser
 
@@ -76,6 +77,35 @@ def _export(args: argparse.Namespace) -> None:
     size = sum(file.stat().st_size for file in args.out.iterdir())
     print(f"ignition: wrote {args.out} ({', '.join(manifest.served_names)}; {manifest.dtype}; "
           f"{size / 2**20:.0f} MiB) in {time.monotonic() - started:.1f} s")
+
+
+def _add_synth(commands: argparse._SubParsersAction) -> None:
+    from ignition.synth import PRESETS
+
+    command = commands.add_parser("synth", help="write a core with random weights of a real architecture",
+                                  description="Write a core with random weights of a real architecture "
+                                              "(for benchmarks; nothing is downloaded).")
+    command.add_argument("out", type=Path, metavar="OUT", help="the core directory to create")
+    command.add_argument("--arch", default="llama", choices=("llama",), help="model family (default: llama)")
+    command.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the architecture's sizes")
+    command.add_argument("--layers", type=_positive, metavar="N", help="keep only N decoder layers")
+    command.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
+                         help="weight dtype (default: bfloat16)")
+    command.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")
+    command.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    command.set_defaults(handler=_synth, subject="out")
+
+
+def _synth(args: argparse.Namespace) -> None:
+    from ignition.export import ExportOptions, export_source
+    from ignition.synth import SynthSource
+
+    started = time.monotonic()
+    source = SynthSource(args.arch, args.preset, args.layers, args.dtype, args.seed)
+    manifest = export_source(source, args.out, ExportOptions(dtype=args.dtype, force=args.force))
+    size = sum(file.stat().st_size for file in args.out.iterdir())
+    print(f"ignition: wrote {args.out} ({manifest.checkpoint}; {manifest.dtype}; {size / 2**20:.0f} MiB) "
+          f"in {time.monotonic() - started:.1f} s")
 
 
 def _add_verify(commands: argparse._SubParsersAction) -> None:

@@ -1,0 +1,207 @@
+"""GPU evidence for the graph executor (issue 4), printed as tables. Run on the device machine:
+
+    python -m bench.gpu_evidence [--cores DIR] [--out FILE]
+
+Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
+Llama-3.1-8B with 4 layers (correctness) and with all 32 (speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from bench.gpu_loop import engine_loop_busy
+from bench.gpu_steps import decode_plan, generate, replay, time_steps
+from engine.executor.eager import EagerExecutor
+from engine.executor.graph import GraphExecutor
+from engine.model.loader import load_model
+from engine.scheduler.scheduler import RequestScheduler
+from ignition.main import main as ignition
+
+CORES = {"smollm2-135m": ("smollm2-135m", None), "llama-3.1-8b-4l": ("llama-3.1-8b", 4),
+         "llama-3.1-8b": ("llama-3.1-8b", None)}
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+CONTEXT = 512  # tokens each decoding sequence attends over in the step-time sweep
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def core(cores: Path, name: str) -> Path:
+    out = cores / name
+    if not (out / "manifest.json").is_file():
+        preset, layers = CORES[name]
+        args = ["synth", "--preset", preset, "--dtype", "bfloat16", str(out)] + (["--layers", str(layers)]
+                                                                                 if layers else [])
+        if ignition(args) != 0:
+            raise RuntimeError(f"ignition synth {name} failed")
+    return out
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read plus bytes written per second, over 4 GiB."""
+    src = torch.randn(1 << 31, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * src.element_size() * 10 / (start.elapsed_time(end) / 1000)
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads: every weight but the embedding table (of which it reads a row), unless tied."""
+    embed = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if model.config.tie_word_embeddings else total - embed.numel() * embed.element_size()
+
+
+def correctness(cores: Path) -> None:
+    say("## Greedy tokens: graph executor vs eager executor (bf16, random weights, 32 new tokens each)")
+    say("| model | prompts (lengths) | through the scheduler: equal requests | replayed plans: equal steps |")
+    say("| --- | --- | --- | --- |")
+    cases = {"aligned": [17, 200, 33, 90, 5, 60, 41, 66], "unaligned": [7, 100, 33, 250, 61]}
+    for name in ("smollm2-135m", "llama-3.1-8b-4l"):
+        manifest, model = load_model(core(cores, name), torch.device("cuda"), verify=False)
+        caps = manifest.capacities
+        for label, lengths in cases.items():
+            generator = torch.Generator().manual_seed(len(lengths))
+            prompts = [torch.randint(0, model.config.vocab_size - 8, (n,), generator=generator).tolist()
+                       for n in lengths]
+            outputs, plans = {}, {}
+            for kind in ("eager", "graph"):
+                executor = make(kind, model, 256, caps.page_size, 8, manifest.context_limit, caps.prefill_chunk_size)
+                scheduler = RequestScheduler(8, 64, executor.num_pages, caps.page_size, caps.prefill_chunk_size)
+                outputs[kind], plans[kind] = generate(executor, scheduler, prompts, 32)
+                executor.close()
+            equal = sum(a == b for a, b in zip(outputs["eager"], outputs["graph"]))
+            steps = {}
+            for kind in ("eager", "graph"):  # the eager run's exact steps, through both executors
+                executor = make(kind, model, 256, caps.page_size, 8, manifest.context_limit, caps.prefill_chunk_size)
+                steps[kind] = replay(executor, plans["eager"])
+                executor.close()
+            same = sum(a == b for a, b in zip(steps["eager"], steps["graph"]))
+            say(f"| {name} | {label} ({', '.join(map(str, lengths))}) | {equal}/{len(lengths)} | "
+                f"{same}/{len(steps['eager'])} |")
+        del model
+        torch.cuda.empty_cache()
+
+
+def make(kind: str, model, num_pages: int, page_size: int, max_active: int, context_limit: int, chunk: int):
+    if kind == "eager":
+        return EagerExecutor(model, num_pages, page_size, max_active, torch.device("cuda"))
+    return GraphExecutor(model, num_pages, page_size, max_active, torch.device("cuda"), context_limit, chunk)
+
+
+def step_times(model, manifest, batches: list[int], steps: int) -> dict[str, dict[int, tuple[float, float]]]:
+    """(wall ms per step, GPU ms per step) for each executor and batch; eager has no GPU figure (nan)."""
+    caps = manifest.capacities
+    pages = max(batches) * -(-CONTEXT // caps.page_size)
+    results: dict[str, dict[int, tuple[float, float]]] = {}
+    for kind in ("graph", "eager"):
+        executor = make(kind, model, pages, caps.page_size, max(batches), manifest.context_limit,
+                        caps.prefill_chunk_size)
+        executor.kv_cache.normal_()  # attention over random keys, not zeros
+        results[kind] = {}
+        for batch in batches:
+            plan = decode_plan(batch, CONTEXT, caps.page_size)
+            wall = time_steps(executor, plan, steps)
+            gpu = float("nan")
+            if kind == "graph":
+                gpu = statistics.median(end - start for start, end, _, _ in list(executor.spans)[-steps:])
+            results[kind][batch] = (wall * 1000, gpu)
+        if kind == "graph":
+            results["capture"] = {0: (executor.capture_seconds, executor.graph_count)}
+        executor.close()
+        torch.cuda.empty_cache()
+    return results
+
+
+def decode_sweep(cores: Path, bandwidth: float) -> None:
+    manifest, model = load_model(core(cores, "llama-3.1-8b"), torch.device("cuda"), verify=False)
+    times = step_times(model, manifest, BATCHES, steps=30)
+    seconds, graphs = times["capture"][0]
+    say(f"## Llama-3.1-8B architecture, bf16: decode step time vs batch (context {CONTEXT} tokens per sequence; "
+        f"{graphs} graphs captured in {seconds:.1f} s)")
+    say("| batch | eager ms/step | graph ms/step (wall) | graph ms/step (GPU) | speedup | tokens/s (graph) |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    for batch in BATCHES:
+        eager, _ = times["eager"][batch]
+        wall, gpu = times["graph"][batch]
+        say(f"| {batch} | {eager:.2f} | {wall:.2f} | {gpu:.2f} | {eager / wall:.2f}x | {batch / wall * 1000:.0f} |")
+    weights = weight_bytes(model)
+    wall, gpu = times["graph"][1]
+    say(f"\nBatch 1: {weights / 1e9:.2f} GB of weights per step; D2D copy bandwidth {bandwidth / 1e12:.2f} TB/s "
+        f"(read + write). Graph step {gpu:.3f} ms on the GPU -> {weights / gpu / 1e9:.2f} TB/s = "
+        f"{weights / (gpu / 1000) / bandwidth:.1%} of copy bandwidth ({weights / (wall / 1000) / bandwidth:.1%} "
+        f"by wall time). Target: 85%.")
+    say()
+    busy, per_step, steps = engine_loop_busy(model, manifest, graph_for_loop(model, manifest, 64), 64, 64, 128, 320)
+    say(f"## Steady decode at batch 64 through the engine loop (Llama-3.1-8B architecture, bf16)")
+    say(f"GPU busy {busy:.2%} of wall time over {steps} consecutive batch-64 decode steps ({per_step:.2f} ms per step). "
+        "Target: 97%.")
+    say()
+
+
+def graph_for_loop(model, manifest, max_active: int) -> GraphExecutor:
+    caps = manifest.capacities
+    pages = max_active * -(-(128 + 320 + 64) // caps.page_size) + 16
+    return GraphExecutor(model, pages, caps.page_size, max_active, torch.device("cuda"), manifest.context_limit,
+                         caps.prefill_chunk_size)
+
+
+def smollm(cores: Path) -> None:
+    manifest, model = load_model(core(cores, "smollm2-135m"), torch.device("cuda"), verify=False)
+    times = step_times(model, manifest, [1, 64], steps=200)
+    say("## SmolLM2-135M architecture, bf16: graph replay vs eager (launch-bound)")
+    say("| batch | eager ms/step | graph ms/step (wall) | graph ms/step (GPU) | speedup |")
+    say("| --- | --- | --- | --- | --- |")
+    for batch in (1, 64):
+        eager, _ = times["eager"][batch]
+        wall, gpu = times["graph"][batch]
+        say(f"| {batch} | {eager:.3f} | {wall:.3f} | {gpu:.3f} | {eager / wall:.1f}x |")
+    busy, per_step, steps = engine_loop_busy(model, manifest, graph_for_loop(model, manifest, 64), 64, 64, 128, 320)
+    say(f"\nEngine loop at batch 64: GPU busy {busy:.2%} over {steps} decode steps ({per_step:.3f} ms per step).")
+    say()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cores", type=Path, default=Path("cores"))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", nargs="*", default=["correctness", "decode", "smollm"])
+    args = parser.parse_args()
+    started = time.monotonic()
+    say(f"# GPU evidence: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    bandwidth = copy_bandwidth()
+    say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
+    sections = {"correctness": lambda: correctness(args.cores), "decode": lambda: decode_sweep(args.cores, bandwidth),
+                "smollm": lambda: smollm(args.cores)}
+    for name in args.only:
+        try:
+            sections[name]()
+        except Exception:  # one broken section must not hide the others' tables
+            say(f"{name} failed:\n```\n{traceback.format_exc()}```")
+        torch.cuda.empty_cache()
+    say(f"({time.monotonic() - started:.0f} s)")
+    if args.out:
+        args.out.write_text("\n".join(LINES) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

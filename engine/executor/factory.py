@@ -1,0 +1,35 @@
+"""Which executor runs the model, and how much device memory its KV cache gets."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.executor.base import Executor
+from engine.executor.eager import EagerExecutor
+from engine.model.llama import LlamaForCausalLM
+
+log = logging.getLogger("flare.engine")
+
+GPU_RESERVE_FRACTION = 0.08  # of total memory, for graph scratch, cuBLAS workspaces and the allocator's slack
+SAMPLER_BYTES_PER_LOGIT = 40  # logits, probabilities, their sort (values and int64 order), noise: per row and id
+
+
+def gpu_kv_budget(model: LlamaForCausalLM, max_active: int, device: torch.device) -> int:
+    """Free memory after the weights, less what the graphs' activations and sampling will take."""
+    free, total = torch.cuda.mem_get_info(device)
+    sampler = max_active * model.config.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    return max(int(free - GPU_RESERVE_FRACTION * total - sampler), 0)
+
+
+def make_executor(model: LlamaForCausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
+                  context_limit: int, prefill_chunk: int, graphs: bool) -> Executor:
+    """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere."""
+    if device.type != "cuda" or not graphs:
+        return EagerExecutor(model, num_pages, page_size, max_active, device)
+    from engine.executor.graph import GraphExecutor
+
+    executor = GraphExecutor(model, num_pages, page_size, max_active, device, context_limit, prefill_chunk)
+    log.info("captured %d CUDA graphs in %.1fs", executor.graph_count, executor.capture_seconds)
+    return executor

@@ -1,0 +1,153 @@
+"""Step input frames: a plan packed into int32 words laid out for one captured graph (DESIGN.md, Executors).
+
+A frame is what the host uploads per step, in one copy: a header, per-sequence fields, per-token fields, the
+attention blocks of an extend step, and last the page-table entries that changed since the previous frame. The
+per-sequence fields come first and their offsets depend only on the sequence capacity, so the sampling graph of a
+capacity reads the fields whichever model graph wrote the logits. Padding rows point at the padding slot
+(`trash`) and write nowhere: context length 0, cache slot -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.kernels.extend_attention import extend_blocks, max_blocks
+from engine.scheduler.plan import Plan, Row
+
+HEADER = 16  # words; word 0 is the number of page-table patches
+ALIGN = 16  # words: 64-byte sections keep every view aligned for the kernels and for int64 fields
+SEQ_FIELDS = (("slot", np.int32), ("query_start", np.int32), ("query_len", np.int32), ("context_len", np.int32),
+              ("sample_row", np.int32), ("sample_slot", np.int32), ("output_index", np.int32), ("top_k", np.int32),
+              ("temperature", np.float32), ("top_p", np.float32), ("min_p", np.float32), ("seed", np.int64))
+TOKEN_FIELDS = (("token", np.int32), ("token_slot", np.int32), ("position", np.int32), ("slot_mapping", np.int32))
+BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
+TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
+
+
+@dataclass(frozen=True)
+class Layout:
+    kind: str  # "decode" (one token per sequence, token i is sequence i) or "extend" (any rows)
+    tokens: int
+    seqs: int
+    blocks: int
+    fields: tuple[tuple[str, int, int, type], ...]  # (name, first word, count, dtype)
+    patches: int  # first word of the page-table patches: the frame's fixed part ends here
+
+
+def make_layout(kind: str, tokens: int, seqs: int) -> Layout:
+    blocks = max_blocks(tokens, seqs) if kind == "extend" else 0
+    fields, word = [], HEADER
+    for group, count in ((SEQ_FIELDS, seqs), (TOKEN_FIELDS, tokens), (BLOCK_FIELDS, blocks)):
+        for name, dtype in group:
+            fields.append((name, word, count, dtype))
+            word += -(-count * np.dtype(dtype).itemsize // 4 // ALIGN) * ALIGN
+    return Layout(kind, tokens, seqs, blocks, tuple(fields), word)
+
+
+def host_views(frame: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
+    return {name: frame[first:first + count * np.dtype(dtype).itemsize // 4].view(dtype)
+            for name, first, count, dtype in layout.fields}
+
+
+def device_views(frame: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    return {name: frame[first:first + count * np.dtype(dtype).itemsize // 4].view(TORCH_TYPES[dtype])
+            for name, first, count, dtype in layout.fields}
+
+
+class PageTableMirror:
+    """What the device's per-slot page tables hold once every frame packed so far has been applied."""
+
+    def __init__(self, slots: int, width: int) -> None:
+        self.width = width
+        self._owner: list[int | None] = [None] * slots  # the generation whose table the row holds
+        self._pages: list[tuple[int, ...]] = [()] * slots
+
+    def changes(self, rows: tuple[Row, ...]) -> tuple[list[int], list[int]]:
+        """(flat indices, pages) to write; a request's table only grows, so usually only its new pages. A row
+        whose known pages changed (another generation, or a page replaced) is rewritten whole."""
+        index: list[int] = []
+        pages: list[int] = []
+        for row in rows:
+            table, known = row.page_table, self._pages[row.slot]
+            if len(table) > self.width:
+                raise ValueError(f"a page table of {len(table)} pages exceeds the context's {self.width}")
+            keep = len(known) if self._owner[row.slot] == row.generation and known and \
+                len(table) >= len(known) and table[len(known) - 1] == known[-1] else 0
+            if len(table) > keep:
+                base = row.slot * self.width
+                index.extend(range(base + keep, base + len(table)))
+                pages.extend(table[keep:])
+            self._owner[row.slot], self._pages[row.slot] = row.generation, table
+        return index, pages
+
+    def forget(self, slots: list[int]) -> None:
+        """After a failed step nothing is known: the next use of these slots rewrites their rows."""
+        for slot in slots:
+            self._owner[slot] = None
+
+
+def _fill(view: np.ndarray, values: list, pad: float) -> None:
+    view[:len(values)] = values
+    view[len(values):] = pad
+
+
+def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndarray], mirror: PageTableMirror,
+         page_size: int, trash: int) -> int:
+    """Write the plan into `frame` (whose field views are `views`); return the number of words to upload."""
+    rows = plan.rows
+    lengths = [row.length for row in rows]
+    starts = np.cumsum([0] + lengths[:-1]).tolist()
+    _fill(views["slot"], [row.slot for row in rows], trash)
+    _fill(views["query_start"], starts, 0)
+    _fill(views["query_len"], lengths, 0)
+    _fill(views["context_len"], [row.start + row.length for row in rows], 0)
+    _fill(views["sample_row"], [first + length - 1 for first, length in zip(starts, lengths)], 0)
+    _fill(views["sample_slot"], [row.slot if row.sample else trash for row in rows], trash)
+    _fill(views["output_index"], [row.output_index for row in rows], 0)
+    _fill(views["seed"], [row.seed for row in rows], 0)
+    params = [row.sampling for row in rows]
+    _fill(views["temperature"], [p.temperature for p in params], 0.0)
+    _fill(views["top_p"], [p.top_p for p in params], 1.0)
+    _fill(views["top_k"], [p.top_k for p in params], 0)
+    _fill(views["min_p"], [p.min_p for p in params], 0.0)
+    if layout.kind == "decode":
+        _fill(views["token"], [-1] * len(rows), 0)
+        _fill(views["token_slot"], [row.slot for row in rows], trash)
+        _fill(views["position"], [row.start for row in rows], 0)
+        _fill(views["slot_mapping"], [row.page_table[row.start // page_size] * page_size + row.start % page_size
+                                      for row in rows], -1)
+    else:
+        _pack_tokens(rows, views, page_size, trash)
+        block_seq, block_first = extend_blocks(lengths)
+        _fill(views["block_seq"], block_seq, -1)
+        _fill(views["block_first"], block_first, 0)
+    index, pages = mirror.changes(rows)
+    frame[0] = len(index)
+    patches = frame[layout.patches:layout.patches + 2 * len(index)]
+    patches[0::2] = index
+    patches[1::2] = pages
+    return layout.patches + 2 * len(index)
+
+
+def _pack_tokens(rows: tuple[Row, ...], views: dict[str, np.ndarray], page_size: int, trash: int) -> None:
+    first = 0
+    for row in rows:
+        end = first + row.length
+        if row.tokens is None:  # a decode row: its input is the slot's last sampled token, on the device
+            views["token"][first] = -1
+            views["token_slot"][first] = row.slot
+        else:
+            views["token"][first:end] = row.tokens
+            views["token_slot"][first:end] = trash
+        positions = np.arange(row.start, row.start + row.length)
+        views["position"][first:end] = positions
+        views["slot_mapping"][first:end] = np.asarray(row.page_table)[positions // page_size] * page_size + \
+            positions % page_size
+        first = end
+    views["token"][first:] = 0
+    views["token_slot"][first:] = trash
+    views["position"][first:] = 0
+    views["slot_mapping"][first:] = -1

@@ -1,0 +1,75 @@
+"""The device side of a graph step: the static buffers every captured graph reads and writes, and the two
+functions captured per capacity (the model up to the logits, and sampling). Nothing here is CUDA-specific, so the
+CPU tests run the same functions eagerly under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.executor.frames import Layout, device_views
+from engine.kernels.page_table import apply_patches
+from engine.model.attention import DecodeBatch, ExtendBatch, KernelMetadata
+from engine.model.llama import LlamaForCausalLM
+from engine.sampling import SamplingTensors, sample
+
+
+@dataclass(frozen=True)
+class StaticBuffers:
+    frame: torch.Tensor  # int32 [words]: the current step's inputs (engine/executor/frames.py)
+    page_tables: torch.Tensor  # int32 [slots + 1, width]: one row per request slot, the last for padding rows
+    slot_tokens: torch.Tensor  # int64 [slots + 1]: each slot's last sampled token; the last entry is padding's
+    logits: torch.Tensor  # float32 [max_seqs, vocab]
+    sampled: torch.Tensor  # int64 [max_seqs]: the step's tokens, one per sequence row
+
+    @classmethod
+    def allocate(cls, words: int, slots: int, width: int, max_seqs: int, vocab: int,
+                 device: torch.device) -> StaticBuffers:
+        return cls(torch.zeros(words, dtype=torch.int32, device=device),
+                   torch.zeros(slots + 1, width, dtype=torch.int32, device=device),
+                   torch.zeros(slots + 1, dtype=torch.int64, device=device),
+                   torch.zeros(max_seqs, vocab, dtype=torch.float32, device=device),
+                   torch.zeros(max_seqs, dtype=torch.int64, device=device))
+
+
+def step_metadata(views: dict[str, torch.Tensor], layout: Layout, page_tables: torch.Tensor,
+                  page_size: int) -> KernelMetadata:
+    if layout.kind == "decode":
+        return KernelMetadata(views["slot_mapping"], page_size,
+                              decode=DecodeBatch(page_tables, views["slot"], views["context_len"]))
+    return KernelMetadata(views["slot_mapping"], page_size, extend=ExtendBatch(
+        page_tables, views["slot"], views["query_start"], views["query_len"], views["context_len"],
+        views["block_seq"], views["block_first"]))
+
+
+@torch.inference_mode()
+def model_step(model: LlamaForCausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, layout: Layout,
+               page_size: int) -> None:
+    """Apply the frame's page-table patches, run the model, leave the sequences' logits in buffers.logits."""
+    views = device_views(buffers.frame, layout)
+    apply_patches(buffers.page_tables, buffers.frame[layout.patches:], buffers.frame[:1])
+    ids = torch.where(views["token"] >= 0, views["token"], buffers.slot_tokens[views["token_slot"]])
+    meta = step_metadata(views, layout, buffers.page_tables, page_size)
+    hidden = model(ids, views["position"], kv_cache, meta)
+    buffers.logits[:layout.seqs] = model.logits(hidden[views["sample_row"]])
+
+
+@torch.inference_mode()
+def sample_step(buffers: StaticBuffers, layout: Layout, greedy: bool) -> None:
+    """Draw one token per sequence row into buffers.sampled, and into slot_tokens for rows that sample (others
+    write the padding entry). The randomness is the explicit (seed, position) hash of engine/sampling.py."""
+    views = device_views(buffers.frame, layout)
+    logits = buffers.logits[:layout.seqs]
+    if greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        zeros = torch.zeros_like(views["temperature"])
+        tokens = sample(logits, SamplingTensors(
+            temperature=views["temperature"], top_p=views["top_p"], top_k=views["top_k"].long(),
+            min_p=views["min_p"], seed=views["seed"], position=views["output_index"].long(),
+            presence_penalty=zeros, frequency_penalty=zeros, repetition_penalty=zeros + 1,
+            all_greedy=False, any_penalty=False))
+    buffers.sampled[:layout.seqs] = tokens
+    buffers.slot_tokens[views["sample_slot"].long()] = tokens

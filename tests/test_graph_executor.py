@@ -1,0 +1,171 @@
+"""The graph executor against the eager one.
+
+On the CPU (Triton interpreter): the graph executor's host and device logic without graphs or streams (frames,
+page-table patches, static buffers, the captured step functions run eagerly) drives the real scheduler and must
+produce the eager executor's tokens. On a GPU: the GraphExecutor itself, captured graphs and all.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
+pytest.importorskip("triton")
+
+from common.protocol import SamplingParams  # noqa: E402
+from engine.executor.frames import PageTableMirror, host_views, make_layout, pack  # noqa: E402
+from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
+from engine.executor.graph_step import StaticBuffers, model_step, sample_step  # noqa: E402
+from engine.scheduler.plan import Completion, Plan, Row  # noqa: E402
+from tests.engine_harness import Harness, tiny_model  # noqa: E402
+
+PROMPTS = [[5, 6, 7], list(range(10, 60)), list(range(100, 131)), [42], list(range(200, 223))]
+MAX_ACTIVE, PAGES, PAGE_SIZE, CHUNK, CONTEXT = 8, 64, 16, 48, 1024
+
+
+def row(slot: int, generation: int, table: tuple[int, ...]) -> Row:
+    return Row(slot, generation, 0, 1, None, table, True, 0, SamplingParams(), 0, 1)
+
+
+def test_page_table_mirror_sends_only_what_changed() -> None:
+    mirror = PageTableMirror(slots=4, width=8)
+    assert mirror.changes((row(1, 1, (5, 6)),)) == ([8, 9], [5, 6])
+    assert mirror.changes((row(1, 1, (5, 6)),)) == ([], [])
+    assert mirror.changes((row(1, 1, (5, 6, 9)),)) == ([10], [9])
+    assert mirror.changes((row(1, 2, (5, 6, 9)),)) == ([8, 9, 10], [5, 6, 9])  # a new request in the slot
+    assert mirror.changes((row(1, 2, (5, 6, 7)),)) == ([8, 9, 10], [5, 6, 7])  # a page replaced in place
+    mirror.forget([1])
+    assert mirror.changes((row(1, 2, (5, 6, 7)),)) == ([8, 9, 10], [5, 6, 7])
+    with pytest.raises(ValueError):
+        mirror.changes((row(2, 1, tuple(range(9))),))
+
+
+def test_capacities_cover_every_plan() -> None:
+    assert decode_capacities(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert decode_capacities(48) == [1, 2, 4, 8, 16, 32, 48]
+    assert extend_capacities(512, 64) == [64, 128, 192, 256, 320, 384, 448, 512, 576]
+    assert extend_capacities(2048, 256)[-1] >= 2048 + 256
+
+
+class FrameExecutor:
+    """GraphExecutor's data path on the CPU: pack a frame, copy it to the static buffers, run the step functions
+    a graph would replay, read the sampled rows. Synchronous; the executor protocol for the harness."""
+
+    def __init__(self, model, num_pages: int, page_size: int, max_active: int) -> None:
+        self.kv_cache = torch.zeros(model.config.num_layers, 2, num_pages * page_size, model.config.num_kv_heads,
+                                    model.config.head_dim)
+        self.model, self.page_size, self.trash, self.num_pages = model, page_size, max_active, num_pages
+        self.decode = {b: make_layout("decode", b, b) for b in decode_capacities(max_active)}
+        self.extend = {t: make_layout("extend", t, min(t, max_active)) for t in extend_capacities(CHUNK, max_active)}
+        width = CONTEXT // page_size
+        layouts = [*self.decode.values(), *self.extend.values()]
+        words = max(layout.patches for layout in layouts) + 2 * max_active * width
+        self.buffers = StaticBuffers.allocate(words, max_active, width, max(lay.seqs for lay in layouts),
+                                              model.config.vocab_size, torch.device("cpu"))
+        self.frame = np.zeros(words, dtype=np.int32)
+        self.mirror = PageTableMirror(max_active, width)
+        self.fence, self.done, self.layouts_used = 0, [], set()
+        self.wake_fd, self._write = os.pipe()
+
+    def can_submit(self) -> bool:
+        return True
+
+    def next_fence(self) -> int:
+        return self.fence + 1
+
+    def submit(self, plan: Plan) -> None:
+        self.fence += 1
+        if all(r.tokens is None for r in plan.rows):
+            layout = self.decode[min(b for b in self.decode if b >= len(plan.rows))]
+        else:
+            layout = self.extend[min(t for t in self.extend if t >= plan.num_tokens)]
+        self.layouts_used.add((layout.kind, layout.tokens))
+        self.frame[:] = 12345  # stale words from earlier steps must not matter
+        words = pack(plan, layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
+                     self.trash)
+        self.buffers.frame[:words] = torch.from_numpy(self.frame[:words])
+        model_step(self.model, self.kv_cache, self.buffers, layout, self.page_size)
+        greedy = all(r.sampling.temperature == 0 for r in plan.rows if r.sample)
+        sample_step(self.buffers, layout, greedy)
+        tokens = self.buffers.sampled[:len(plan.rows)].tolist()
+        sampled = [(r.slot, r.generation, t) for r, t in zip(plan.rows, tokens) if r.sample]
+        self.done.append((plan, Completion(self.fence, tuple(s for s, _, _ in sampled),
+                                           tuple(g for _, g, _ in sampled), tuple(t for _, _, t in sampled), 0.0)))
+        os.write(self._write, b"x")
+
+    def poll(self) -> list:
+        os.read(self.wake_fd, 1 << 16)
+        done, self.done = self.done, []
+        return done
+
+    def close(self) -> None:
+        os.close(self.wake_fd)
+        os.close(self._write)
+
+
+def run_requests(harness: Harness) -> list[list[int]]:
+    requests = [harness.add(p, temperature=0.0, max_tokens=6) for p in PROMPTS[:-1]]
+    requests.append(harness.add(PROMPTS[-1], temperature=0.9, top_p=0.9, top_k=50, seed=11, max_tokens=6))
+    harness.run()
+    harness.close()
+    return [r.tokens[r.prompt_len:] for r in requests]
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_frame_steps_produce_the_eager_executors_tokens() -> None:
+    eager = Harness(tiny_model(), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    expected = run_requests(eager)
+    model = tiny_model()
+    model.use_kernels(CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
+    assert run_requests(harness) == expected
+    assert {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
+
+
+def gpu_harness(model, graphs: bool) -> Harness:
+    from engine.executor.eager import EagerExecutor
+    from engine.executor.graph import GraphExecutor
+
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    cuda = torch.device("cuda")
+    harness.executor = GraphExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda, CONTEXT, CHUNK) if graphs else \
+        EagerExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda)
+    return harness
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) -> None:
+    model = tiny_model().to("cuda", dtype)
+    model.use_kernels(CONTEXT)
+    assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_graph_executor_falls_back_to_eager_steps_for_penalties_and_logprobs() -> None:
+    model = tiny_model().to("cuda")
+    model.use_kernels(CONTEXT)
+    results = []
+    for graphs in (True, False):
+        harness = gpu_harness(model, graphs)
+        plain = harness.add(PROMPTS[1], temperature=0.0, max_tokens=8)
+        unique = harness.add(PROMPTS[0], temperature=0.0, presence_penalty=1e6, max_tokens=20)
+        scored = harness.add(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=2)
+        harness.run()
+        harness.close()
+        outputs = unique.tokens[unique.prompt_len:]
+        assert len(set(outputs)) == len(outputs) == 20
+        results.append([r.tokens for r in (plain, unique, scored)])
+    assert results[0] == results[1]
+
