@@ -48,14 +48,20 @@ def arrival_gaps(rate: float, n: int, seed: int) -> list[float]:
     return [0.0] + [rng.expovariate(rate) for _ in range(n - 1)]
 
 
+def probe_prompt(first: Prompt, tokens: Tokens, traffic: Traffic) -> Prompt:
+    """The first prompt's lengths with text of its own, so the timed run finds nothing the probe left in a cache."""
+    rng = random.Random(-1 - traffic.seed)
+    return Prompt(None, tokens.text(rng, first.input_len), first.input_len, first.output_len)
+
+
 async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tokens: Tokens) -> Run:
     # No connection cap: the workload's own concurrency is the only limit.
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         model = target.model or await fetch_model(session, target.base_url)
         # One request first, outside the timing: it proves the endpoint works and pays any lazy start-up cost.
-        probe = await send(session, target.base_url, target.endpoint, model, prompts[0], -1, traffic.ignore_eos,
-                           tokens, time.perf_counter())
+        probe = await send(session, target.base_url, target.endpoint, model, probe_prompt(prompts[0], tokens, traffic),
+                           -1, traffic.ignore_eos, tokens, time.perf_counter())
         if not probe.ok:
             raise RuntimeError(f"{target.label}: the first request failed: {probe.error}")
         limit = asyncio.Semaphore(traffic.max_concurrency or len(prompts))
