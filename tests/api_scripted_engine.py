@@ -10,10 +10,11 @@ failing, rejecting, or finishing as scripted. Requests without a marker get a sh
 from __future__ import annotations
 
 import subprocess
-import urllib.request
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,13 +164,16 @@ class ScriptedStack:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         frontend = Path(sys.executable).with_name("flare-frontend")
+        # A file, not a pipe: a pipe nobody reads would block the frontend once it filled.
+        self.log = tempfile.TemporaryFile("w+")
         self.process = subprocess.Popen([str(frontend), "--engine", self.engine.address, "--core", str(core),
                                          "--port", str(self.port), *frontend_args],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                        stdout=self.log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"flare-frontend exited early:\n{self.process.stdout.read()}")
+                self.log.seek(0)
+                raise RuntimeError(f"flare-frontend exited early:\n{self.log.read()}")
             try:
                 with urllib.request.urlopen(f"{self.base_url}/health", timeout=1):
                     return
@@ -185,3 +189,4 @@ class ScriptedStack:
         except subprocess.TimeoutExpired:
             self.process.kill()
         self.engine.stop()
+        self.log.close()
