@@ -91,6 +91,13 @@ class RankFailure(Exception):
     """A rank died, went silent, or could not run a step: the group cannot go on."""
 
 
+def _decode(payload: bytes, sender: str) -> _Message:
+    try:
+        return _decoder.decode(payload)
+    except msgspec.MsgspecError as exc:  # another version of Flare, or corruption: the ranks cannot agree
+        raise RankFailure(f"{sender} sent an undecodable message ({exc})") from None
+
+
 class Leader:
     """Rank 0's end: one ROUTER that every other rank's DEALER connects to."""
 
@@ -151,8 +158,9 @@ class Leader:
                 pass
 
     def diagnose(self, failure: str) -> str:
-        """After a failure, name what happened on every rank: listen for a moment for ranks that report their own
-        failure, and probe for those whose connection closed (dead processes)."""
+        """After a failure, find its cause: listen for a moment for ranks that report their own failure, and probe
+        for ranks whose connection closed. A dead rank is the likely cause (the others' collectives then fail), so
+        it heads the answer; everything seen goes to the log."""
         gone: set[int] = set()
         deadline = time.monotonic() + 2 * BEAT_INTERVAL
         while time.monotonic() < deadline and len(gone | set(self._failed)) < len(self.ranks):
@@ -162,9 +170,10 @@ class Leader:
                     self._send(rank, Beat())
                 except RankFailure:
                     gone.add(rank)
-        notes = [f"rank {r} failed: {why}" for r, why in sorted(self._failed.items())]
-        notes += [f"rank {r} died (its connection closed)" for r in sorted(gone - set(self._failed))]
-        return f"{'; '.join(notes)} (first sign: {failure})" if notes else failure
+        dead = [f"rank {r} died (its connection closed)" for r in sorted(gone - set(self._failed))]
+        reports = [f"rank {r} failed: {why}" for r, why in sorted(self._failed.items())]
+        log.error("tensor-parallel group failure; first sign: %s; then: %s", failure, "; ".join(dead + reports))
+        return "; ".join(dead or reports or [failure])
 
     def close(self) -> None:
         """Flush what is queued (for at most a second), then close."""
@@ -192,9 +201,11 @@ class Leader:
                 identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            rank = int(identity)
+            rank = int(identity) if identity.isdigit() else -1
+            if rank not in self._heard:
+                continue  # not a rank of this group
             self._heard[rank] = time.monotonic()
-            message = _decoder.decode(payload)
+            message = _decode(payload, f"rank {rank}")
             if isinstance(message, Failed):
                 self._failed[rank] = message.reason
             elif not isinstance(message, Beat):
@@ -269,7 +280,7 @@ class Follower:
             except zmq.Again:
                 break
             self._heard = time.monotonic()
-            message = _decoder.decode(payload)
+            message = _decode(payload, "rank 0")
             if not isinstance(message, Beat):
                 messages.append(message)
         return messages

@@ -47,9 +47,9 @@ def serve(channel: Follower, executor: Executor, page_size: int, max_active: int
         while True:
             for message in channel.receive():
                 if isinstance(message, Prepare):
-                    if message.fence != executor.next_fence():
+                    if message.fence != executor.next_fence() or not executor.can_submit():
                         raise RankFailure(f"step {message.fence} arrived out of order (next is "
-                                          f"{executor.next_fence()})")
+                                          f"{executor.next_fence()}, two steps at most in flight)")
                     problem = check_plan(message.plan, executor.num_pages, page_size, max_active, vocab_size)
                     if problem:
                         raise RankFailure(f"cannot run step {message.fence}: {problem}")
