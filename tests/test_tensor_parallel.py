@@ -131,7 +131,8 @@ class WireClient:
 
     def generate(self, prompts: list[list[int]], **sampling: object) -> dict[str, tuple[list[int], str, str | None]]:
         for i, prompt in enumerate(prompts):
-            params = wire.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, **sampling)
+            params = wire.SamplingParams(**{"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                                            **sampling})
             self.socket.send(wire.encode(wire.Submit(f"r{i}", prompt, params)))
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         ends: dict[str, tuple[str, str | None]] = {}
@@ -168,8 +169,12 @@ def test_tiny_core_over_two_ranks_then_a_clean_stop(tiny_core: Path, tmp_path: P
         client = WireClient(address)
         # Logprobs and prompt logprobs take the gathered logits on other rows: every rank must run that too.
         got = client.generate(PROMPTS, logprobs=2, prompt_logprobs=1)
-        client.close()
         assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]
+        # Sampled with penalties: rank 0 would fail the requests if any rank drew other tokens than its own.
+        sampled = client.generate(PROMPTS, temperature=1.0, top_p=0.9, seed=5, presence_penalty=0.5)
+        assert all(len(tokens) == NEW_TOKENS and (reason, error) == ("length", None)
+                   for tokens, reason, error in sampled.values())
+        client.close()
         ranks[0].send_signal(signal.SIGTERM)  # rank 0 drains, then stops rank 1
         assert exit_statuses(ranks, 30) == [0, 0]
     finally:
