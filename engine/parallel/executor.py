@@ -3,7 +3,8 @@
 The engine loop sees the usual executor protocol. A step is submitted only after every rank is ready for it
 (engine/parallel/step_channel.py), and it completes only after every rank has reported the same sampled tokens, so
 publication and page retirement follow the slowest rank, and so does the two-step in-flight bound (the local
-executor counts a step in flight until `poll` hands it over).
+executor counts a step in flight until `poll` hands it over). The engine loop calls `poll` at least once a second
+(it wakes that often to heartbeat its frontends), and `poll` carries rank 0's heartbeat to the other ranks.
 
 Any failure is the group's: a step that failed on one rank has desynchronised the collectives of all, so the executor
 raises RankFailure, and the engine fails its requests and exits.

@@ -238,7 +238,6 @@ class Follower:
     """The end of a rank > 0: a DEALER named by its rank, connected to rank 0's ROUTER."""
 
     def __init__(self, tp: TensorParallel) -> None:
-        self.rank = tp.rank
         endpoint = tp.store.get(ENDPOINT_KEY).decode()  # waits until rank 0 has bound it
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.DEALER)
