@@ -140,15 +140,16 @@ class ToolCallParser:
             if self._mode == "text":
                 at = self._buffer.find(OPEN)
                 if at < 0:
-                    # Held back: what may begin <tool_call>, and whitespace until text follows it (whitespace
-                    # around calls is formatting, not content).
+                    # Held back: what may begin <tool_call>, and trailing whitespace, which is formatting (and
+                    # dropped) if a call follows it, and content if text does.
                     safe = len(self._buffer) - _partial_suffix(self._buffer, OPEN)
-                    if self._buffer[:safe].strip():
-                        out.append(self._buffer[:safe])
-                        self._buffer = self._buffer[safe:]
+                    shown = self._buffer[:safe].rstrip()
+                    if shown:
+                        out.append(shown)
+                        self._buffer = self._buffer[len(shown):]
                     return out
                 if self._buffer[:at].strip():
-                    out.append(self._buffer[:at])
+                    out.append(self._buffer[:at].rstrip())
                 self._buffer, self._mode = self._buffer[at + len(OPEN):], "call"
             end = self._buffer.find(CLOSE)
             if end < 0:
