@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -88,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tp < 1:
         print(f"flare: error: --tp must be at least 1, got {args.tp}", file=sys.stderr)
         return 1
-    address = args.engine_address or f"ipc://{tempfile.gettempdir()}/flare-{os.getpid()}.sock"
+    # A random part, so a stale socket file (or an engine left over) from an earlier run with the same pid never
+    # answers this run's frontends.
+    address = args.engine_address or f"ipc://{tempfile.gettempdir()}/flare-{os.getpid()}-{secrets.token_hex(4)}.sock"
     # On a terminal the dashboard takes the screen after loading; the children's output then goes through a relay.
     relay = OutputRelay() if sys.stderr.isatty() else None
     output = relay.write_fd if relay else None
@@ -96,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
                                                 engine_commands(args.core, address, args.tp, args.device))))
     frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
                      "--port", str(args.port)]
-    if args.api_key:
-        frontend_args += ["--api-key", args.api_key]
+    for flag in ("api_key", "capacity", "body_limit", "workers"):
+        if getattr(args, flag) is not None:
+            frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     frontends = [spawn(frontend_args, output) for _ in range(args.frontends)]
     children = {**engines, **{f"frontend {i}": f for i, f in enumerate(frontends)}}
     stop = False
@@ -149,7 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--port", type=int, default=8000)
     run_parser.add_argument("--device", help="cpu or cuda (default: the engine's choice)")
     run_parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one engine process each")
-    run_parser.add_argument("--api-key")
+    run_parser.add_argument("--api-key", help="require this bearer token (or x-api-key) on every route but "
+                                              "/health and /metrics")
+    run_parser.add_argument("--capacity", type=int, help="requests each frontend admits at once "
+                                                       "(default: the engine's queue plus its slots)")
+    run_parser.add_argument("--body-limit", type=int, help="largest request body in bytes (frontend default 32 MiB)")
+    run_parser.add_argument("--workers", type=int, help="template/tokenizer threads per frontend (default 2)")
     run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket)")
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,

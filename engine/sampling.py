@@ -30,6 +30,8 @@ class SamplingTensors:
     # Known on the host from the requests, so the device is never asked:
     all_greedy: bool
     any_penalty: bool
+    banned_rows: torch.Tensor | None = None  # [N] int64 with banned_ids: (row, token) pairs that may not be drawn
+    banned_ids: torch.Tensor | None = None  # [N] int64
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +65,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingTensors, output_counts
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """logits [B, V] float32 (penalties applied) -> token ids [B] int64."""
+    if params.banned_rows is not None and params.banned_rows.numel():  # stop ids before min_tokens, as vLLM does
+        logits = logits.index_put((params.banned_rows, params.banned_ids),
+                                  torch.tensor(float("-inf"), device=logits.device))
     greedy = logits.argmax(dim=-1)
     if params.all_greedy:
         return greedy

@@ -7,8 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -38,8 +40,10 @@ class Server:
     def __init__(self, core: Path, *extra: str) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.engine_address = f"ipc://{tempfile.gettempdir()}/flare-test-{uuid.uuid4().hex[:12]}.sock"
         flare = Path(sys.executable).with_name("flare")
-        self.process = subprocess.Popen([str(flare), "run", str(core), "--port", str(self.port), *extra],
+        self.process = subprocess.Popen([str(flare), "run", str(core), "--port", str(self.port),
+                                         "--engine-address", self.engine_address, *extra],
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

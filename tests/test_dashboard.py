@@ -12,7 +12,6 @@ import re
 import struct
 import subprocess
 import sys
-import tempfile
 import termios
 import threading
 import time
@@ -90,8 +89,7 @@ def chat(base_url: str, i: int) -> None:
 
 @pytest.mark.slow
 def test_panes_follow_a_running_engine(server) -> None:
-    # `flare run` names its engine's socket after its own pid (the supervisor's: conftest's Server runs it directly).
-    address = f"ipc://{tempfile.gettempdir()}/flare-{server.process.pid}.sock"
+    address = server.engine_address
     sent = 10
 
     async def drive() -> None:

@@ -165,3 +165,15 @@ def test_decoding_requests_keep_receiving_tokens_while_a_long_prompt_loads(model
     assert largest_gap <= 2, largest_gap
     harness.run()
     harness.close()
+
+
+def test_stop_tokens_are_never_drawn_before_min_tokens(model) -> None:
+    harness = Harness(model)
+    free = harness.add(PROMPTS[1], temperature=0.0, max_tokens=6)
+    harness.run()
+    stop = free.tokens[len(PROMPTS[1])]  # what greedy draws first
+    held = harness.add(PROMPTS[1], temperature=0.0, max_tokens=6, min_tokens=3, stop_token_ids=[stop])
+    harness.run()
+    outputs = held.tokens[len(PROMPTS[1]):]
+    assert stop not in outputs[:3] and len(outputs) >= 3
+    harness.close()

@@ -78,6 +78,8 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
         presence_penalty=_tensor([r.sampling.presence_penalty for r in sampled], torch.float32, device),
         frequency_penalty=_tensor([r.sampling.frequency_penalty for r in sampled], torch.float32, device),
         repetition_penalty=_tensor([r.sampling.repetition_penalty for r in sampled], torch.float32, device),
+        banned_rows=_tensor([i for i, r in enumerate(sampled) for _ in r.banned], torch.int64, device),
+        banned_ids=_tensor([t for r in sampled for t in r.banned], torch.int64, device),
         all_greedy=all(r.sampling.temperature == 0 for r in sampled),
         any_penalty=any(has_penalty(r.sampling) for r in sampled))
     return StepInputs(

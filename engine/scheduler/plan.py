@@ -30,6 +30,7 @@ class Row:
     # When the request asked for prompt logprobs: the prompt token each position of this row predicts.
     prompt_targets: tuple[int, ...] = ()
     epoch: int = 0  # the request's epoch when planned: commit refuses the plan if it changed
+    banned: tuple[int, ...] = ()  # token ids the sampled token may not be (stop ids before min_tokens)
 
 
 @dataclass(frozen=True, eq=False)

@@ -254,7 +254,8 @@ class RequestScheduler:
             page_table=tuple(request.pages[: -(-end // self.page_size)]),
             sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
             prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
-            prompt_targets=targets, epoch=request.epoch)
+            prompt_targets=targets, epoch=request.epoch,
+            banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else ())
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
@@ -294,7 +295,7 @@ class RequestScheduler:
             request.history.extend((token,))
             request.last_commit = time.monotonic()
             result.tokens.append((request, token, lp))
-            if token in request.stop_ids and request.outputs > request.sampling.min_tokens:
+            if token in request.stop_ids:
                 result.finished.append(self._finish(request, "stop"))
             elif request.outputs >= request.max_outputs:
                 result.finished.append(self._finish(request, "length"))
