@@ -59,7 +59,7 @@ def serve_table(run: Run) -> str:
 def run_json(run: Run, workload: Workload, traffic: Traffic) -> dict:
     rate = "inf" if math.isinf(traffic.request_rate) else traffic.request_rate
     return {"label": run.target.label, "base_url": run.target.base_url, "endpoint": run.target.endpoint,
-            "model": run.model, "workload": dataclasses.asdict(workload),
+            "model": run.model, "started_at": run.started_at, "workload": dataclasses.asdict(workload),
             "traffic": {**dataclasses.asdict(traffic), "request_rate": rate},
             "metrics": summarize(run.records, run.duration),
             "requests": [record.to_json() for record in run.records]}

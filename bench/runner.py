@@ -36,6 +36,7 @@ class Traffic:
 class Run:
     target: Target
     model: str
+    started_at: float  # Unix time of the first timed request
     duration: float
     records: list[RequestRecord]
 
@@ -55,8 +56,9 @@ def probe_prompt(first: Prompt, tokens: Tokens, traffic: Traffic) -> Prompt:
 
 
 async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tokens: Tokens) -> Run:
-    # No connection cap: the workload's own concurrency is the only limit.
-    connector = aiohttp.TCPConnector(limit=0)
+    # No connection cap: the workload's own concurrency is the only limit. A fresh connection per request: a server
+    # may close a kept-alive one just as the next request is written to it (llama.cpp's server does), failing it.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         model = target.model or await fetch_model(session, target.base_url)
         # One request first, outside the timing: it proves the endpoint works and pays any lazy start-up cost.
@@ -74,7 +76,7 @@ async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tok
             bar.update()
             return record
 
-        t0 = time.perf_counter()
+        started_at, t0 = time.time(), time.perf_counter()
         tasks = []
         for index, gap in enumerate(arrival_gaps(traffic.request_rate, len(prompts), traffic.seed)):
             await asyncio.sleep(gap)
@@ -82,7 +84,7 @@ async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tok
         records = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
         bar.close()
-    return Run(target, model, duration, records)
+    return Run(target, model, started_at, duration, records)
 
 
 def run(target: Target, prompts: list[Prompt], traffic: Traffic, tokens: Tokens) -> Run:
