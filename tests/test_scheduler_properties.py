@@ -107,6 +107,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         places = Counter(allocator._free)
         places.update(p for _, _, pages in allocator._retiring for p in pages)
         places.update(c.page for c in self.scheduler.prefix.cache._by_key.values())
+        places.update(self.scheduler.prefix.held_for_copies)
         for request in self.requests:
             if request.phase is not Phase.FINISHED:
                 places.update(p for p in request.pages if p not in request.cache_pages)
@@ -119,11 +120,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.last_use.get(page, 0) <= self.completed
 
     @invariant()
-    def pins_equal_what_live_requests_hold(self) -> None:
+    def pins_equal_what_live_requests_and_pending_copies_hold(self) -> None:
         expected: Counter[int] = Counter()
-        for request in self.requests:
-            node = request.pinned if request.phase is not Phase.FINISHED else None
-            assert request.phase is not Phase.FINISHED or request.pinned is None
+        holders = [r.pinned for r in self.requests if r.phase is not Phase.FINISHED]
+        holders += [c.source_checkpoint for c in self.scheduler.prefix.pending_copies]
+        assert all(r.pinned is None for r in self.requests if r.phase is Phase.FINISHED)
+        for node in holders:
             while node is not None:
                 expected[node.id] += 1
                 node = node.parent

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache
 from engine.cache.page_allocator import PageAllocator
 from engine.cache.prefix_history import PrefixHistory
 from engine.scheduler.request import Request
 
-PageCopy = tuple[int, int, Checkpoint | None]  # (source page, destination page, checkpoint made ready by the copy)
+@dataclass(frozen=True)
+class PageCopy:
+    """A KV page copy the next step makes before its forward."""
+
+    source: int
+    destination: int
+    made: Checkpoint | None  # the exact checkpoint the copy creates (None: a reusing request's private copy)
+    reader: Request  # the request whose page table holds the source (or that reuses it)
+    source_checkpoint: Checkpoint | None  # the source's owner when the cache owns it: pinned until the copy is sent
 
 
 class PrefixReuse:
@@ -27,6 +36,8 @@ class PrefixReuse:
         self.cache = PrefixCheckpointCache()
         self.counters = counters
         self.pending_copies: list[PageCopy] = []
+        # Private pages of ended requests that a pending copy still reads: released once that copy is submitted.
+        self.held_for_copies: set[int] = set()
 
     def track(self, request: Request) -> None:
         request.history = PrefixHistory(self.identity, self.page_size, request.tokens)
@@ -66,7 +77,7 @@ class PrefixReuse:
             if page is None:  # no page for the private copy: fall back to the whole blocks
                 exact, reused = None, len(blocks) * size
             else:
-                self.pending_copies.append((exact.page, page[0], None))
+                self._copy(PageCopy(exact.page, page[0], None, request, exact))
         if reused == 0:
             self.counters["prefix_misses"] += 1
             return
@@ -91,6 +102,8 @@ class PrefixReuse:
             parent = request.block_chain[-1] if request.block_chain else None
             if parent is not None and parent.evicted:
                 return
+            if any(copy.source == request.pages[k] for copy in self.pending_copies):
+                break  # a copy not yet sent reads this page: it stays the request's until then
             result = self.cache.publish(history.block_keys[k], (k + 1) * size, parent, request.pages[k], fence)
             if isinstance(result, Created):
                 request.cache_pages.add(request.pages[k])
@@ -113,24 +126,45 @@ class PrefixReuse:
         result = self.cache.publish(key, end, parent, page[0], ready_fence=None)
         if isinstance(result, Created):
             self.counters["checkpoint_publications"] += 1
-            self.pending_copies.append((request.pages[end // self.page_size], page[0], result.checkpoint))
+            k = end // self.page_size
+            owner = request.block_chain[k] if request.pages[k] in request.cache_pages else None
+            self._copy(PageCopy(request.pages[k], page[0], result.checkpoint, request, owner))
         else:
             self.pages.release(page, 0)
 
-    def take_copies(self) -> tuple[PageCopy, ...]:
-        copies, self.pending_copies = tuple(self.pending_copies), []
-        return copies
+    def _copy(self, copy: PageCopy) -> None:
+        if copy.source_checkpoint is not None:
+            self.cache.pin(copy.source_checkpoint)
+        self.pending_copies.append(copy)
+
+    def planned_copies(self) -> tuple[PageCopy, ...]:
+        """The copies the next plan makes; they stay pending until that plan is committed."""
+        return tuple(self.pending_copies)
 
     def copies_committed(self, copies: tuple[PageCopy, ...], fence: int) -> None:
-        for _, _, checkpoint in copies:
-            if checkpoint is not None:
-                self.cache.set_ready_fence(checkpoint, fence)
+        self.pending_copies = [c for c in self.pending_copies if c not in copies]
+        for copy in copies:
+            if copy.made is not None:
+                self.cache.set_ready_fence(copy.made, fence)
+            copy.reader.last_fence = max(copy.reader.last_fence, fence)  # the copy uses the reader's pages
+            if copy.source_checkpoint is not None:
+                self.cache.unpin(copy.source_checkpoint, fence)
+            if copy.source in self.held_for_copies:
+                self.held_for_copies.discard(copy.source)
+                self.pages.release([copy.source], fence)
 
     # --- the end of a request's hold on its pages -------------------------------------------------------------------
     def release(self, request: Request) -> None:
         """Give back private pages at the request's last-use fence and drop its pin."""
+        # A copy into this request's own page is moot now; a copy that makes a checkpoint still reads its page.
+        for copy in [c for c in self.pending_copies if c.reader is request and c.made is None]:
+            self.pending_copies.remove(copy)
+            if copy.source_checkpoint is not None:
+                self.cache.unpin(copy.source_checkpoint, request.last_fence)
+        sources = {copy.source for copy in self.pending_copies}
         private = [p for p in request.pages if p not in request.cache_pages]
-        self.pages.release(private, request.last_fence)
+        self.held_for_copies.update(p for p in private if p in sources)
+        self.pages.release([p for p in private if p not in sources], request.last_fence)
         if request.pinned is not None:
             self.cache.unpin(request.pinned, request.last_fence)
         request.pages, request.cache_pages, request.block_chain, request.pinned = [], set(), [], None

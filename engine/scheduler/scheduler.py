@@ -120,10 +120,10 @@ class RequestScheduler:
             rows.append(self._row(request, length))
             planned.add(request.slot)
             budget -= length
-        copies = self.prefix.take_copies()
+        copies = self.prefix.planned_copies()
         if not rows and not copies:
             return None
-        plan = Plan(tuple(rows), copies=tuple((src, dst) for src, dst, _ in copies),
+        plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies),
                     shape=choice.shape if choice is not None else ("copy", 0))
         self._planned = (plan, copies)
         return plan
@@ -171,6 +171,7 @@ class RequestScheduler:
         for row in plan.rows:
             request = self.slots[row.slot]
             if request is None or request.generation != row.generation or request.epoch != row.epoch:
+                self._planned = (None, ())
                 raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
         self._planned = (None, ())
         self.prefix.copies_committed(copies, fence)
