@@ -133,5 +133,6 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert checkpoint.pins == expected[checkpoint.id]
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# Derandomized: CI runs the same 300 interleavings each time (a soak with more examples is a local job).
+SchedulerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True)
 test_scheduler_state_machine = SchedulerMachine.TestCase
