@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -59,8 +60,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("compare needs two or more --base-url")
     if labels is not None and len(labels) != len(urls):
         parser.error("give one --label per --base-url")
-    if args.max_concurrency is not None and args.max_concurrency < 1 or args.num_prompts < 1:
-        parser.error("--num-prompts and --max-concurrency must be positive")
+    for flag in ("num_prompts", "input_len", "output_len", "prefix_len", "num_groups", "max_concurrency"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.range_ratio < 1 or args.request_rate <= 0:
+        parser.error("--range-ratio must be in [0, 1) and --request-rate above 0")
+    if args.tokenizer is not None and not args.tokenizer.exists():
+        parser.error(f"--tokenizer: no such file or directory: {args.tokenizer}")
+    # Checked before the run, which may take long, rather than after it.
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install 'flare[bench]'")
     args.targets = [Target(url, args.endpoint, args.model, labels[i] if labels else urlsplit(url).netloc or url)
                     for i, url in enumerate(urls)]
     return args
