@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from common.errors import InvalidRequest
-from frontend.errors_render import as_flare_error, openai_error_event
+from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
 from frontend.logprobs import legacy_logprobs, prompt_entries, unpack
 from frontend.model import ServedModel
@@ -124,7 +124,8 @@ async def stream_completions(request: web.Request, events: AsyncIterator[tuple[i
 
     outcomes = [Outcome() for _ in prefixes]
     echoed = [not prefix for prefix in prefixes]
-    try:
+
+    async def body() -> None:
         async for index, event in events:
             outcomes[index].add(event)
             if isinstance(event, Delta):
@@ -137,13 +138,8 @@ async def stream_completions(request: web.Request, events: AsyncIterator[tuple[i
                 await response.write(chunk(index, "", event))
         if include_usage:
             await response.write(sse({**meta, "choices": [], "usage": usage(outcomes, n)}))
-    except ConnectionResetError:
-        raise
-    except Exception as exc:
-        await response.write(openai_error_event(as_flare_error(exc)))
-    await response.write(sse("[DONE]"))
-    await response.write_eof()
-    return response
+
+    return await finish_openai_stream(response, body())
 
 
 def add_routes(app: web.Application) -> None:

@@ -6,6 +6,7 @@ One FlareError (common/errors.py) carries the status, message, hint and field; o
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from typing import Literal
 
 from aiohttp import web
@@ -69,3 +70,17 @@ def as_flare_error(exc: Exception) -> FlareError:
         return exc
     log.error("unexpected failure in a stream", exc_info=exc)
     return ExecutionFailed("internal error while streaming the response")
+
+
+async def finish_openai_stream(response: web.StreamResponse, body: Awaitable[None]) -> web.StreamResponse:
+    """Run an OpenAI stream's body; a failure becomes the error event (the client's SDK raises on it); then
+    `data: [DONE]` and the end of the stream, whatever happened (a gone client excepted)."""
+    try:
+        await body
+    except ConnectionResetError:
+        raise
+    except Exception as exc:
+        await response.write(openai_error_event(as_flare_error(exc)))
+    await response.write(sse("[DONE]"))
+    await response.write_eof()
+    return response

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from common.errors import InvalidRequest
-from frontend.errors_render import as_flare_error, openai_error_event
+from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge, with_tool_calls
 from frontend.logprobs import token_logprobs, unpack
 from frontend.models_api import requested_model
@@ -234,7 +234,8 @@ async def stream_chat(request: web.Request, frontend: Frontend,
         await response.write(chunk(i, {"role": "assistant", "content": ""}))
     outcomes = [Outcome() for _ in range(n)]
     calls = [0] * n
-    try:
+
+    async def body() -> None:
         async for index, event in events:
             outcomes[index].add(event)
             if isinstance(event, Delta):
@@ -255,13 +256,8 @@ async def stream_chat(request: web.Request, frontend: Frontend,
         if include_usage:
             await response.write(sse({**meta, "object": "chat.completion.chunk", "choices": [],
                                       "usage": usage(outcomes, n)}))
-    except ConnectionResetError:
-        raise
-    except Exception as exc:
-        await response.write(openai_error_event(as_flare_error(exc)))
-    await response.write(sse("[DONE]"))
-    await response.write_eof()
-    return response
+
+    return await finish_openai_stream(response, body())
 
 
 def add_routes(app: web.Application) -> None:
