@@ -41,16 +41,21 @@ class ToolCallParser:
         self.calls = 0
         self._buffer = ""
         self._mode = "start"  # start: only whitespace so far | text | call: after OPEN | json: Llama 3
+        self._fresh = ""  # the text just fed: a call can only have completed in it
 
     def feed(self, text: str) -> list[str | ToolCall]:
+        return self._feed(text, final=False)
+
+    def _feed(self, text: str, final: bool) -> list[str | ToolCall]:
         self._buffer += text
+        self._fresh = text
         out: list[str | ToolCall] = []
         while True:
             if self._mode == "start":
                 stripped = self._buffer.lstrip()
-                if not stripped:
+                if not stripped or (self.OPEN.startswith(stripped) and not final):
                     return out
-                self._mode = "json" if stripped[0] in "{[" else "text"
+                self._mode = "json" if stripped[0] in "{[" and not stripped.startswith(self.OPEN) else "text"
             if self._mode == "json":
                 return out
             if self._mode == "text":
@@ -67,7 +72,7 @@ class ToolCallParser:
                 if self._buffer[:at].strip():
                     out.append(self._buffer[:at].rstrip())
                 self._buffer, self._mode = self._buffer[at + len(self.OPEN):], "call"
-            pieces = self._take_call(final=False)
+            pieces = self._take_call(final)
             if pieces is None:
                 return out
             out += pieces
@@ -75,14 +80,11 @@ class ToolCallParser:
 
     def finish(self) -> list[str | ToolCall]:
         """The end of generation: whatever was held back is either complete calls or text after all."""
-        out: list[str | ToolCall] = []
+        out = self._feed("", final=True)
         if self._mode == "json":
             rest, self._buffer = self._buffer, ""
             calls = self._json_calls(rest)
             out.extend(calls if calls else [rest])
-        elif self._mode == "call":
-            out += self._take_call(final=True) or []
-            self._mode = "text"
         rest, self._buffer = self._buffer, ""
         if self._mode != "json" and (self.calls == 0 or rest.strip()):
             out.append(rest)
@@ -153,7 +155,7 @@ class MistralParser(ToolCallParser):
     def _take_call(self, final: bool) -> list[str | ToolCall] | None:
         body = self._buffer.lstrip()
         if body[:1] == "[":  # a JSON array of calls
-            value, end = _complete_json(body, 0, "]", final)
+            value, end = _complete_json(body, 0, final or "]" in self._fresh)
             calls = self._all_calls(value) if isinstance(value, list) else []
         else:  # name[ARGS]{...}
             named = _MISTRAL_NAMED.match(body)
@@ -163,7 +165,7 @@ class MistralParser(ToolCallParser):
                 return self._not_a_call()
             if rest[:1] != "{":  # the name or its markers may still go on
                 return self._not_a_call() if final else None
-            value, end = _complete_json(body, len(body) - len(rest), "}", final)
+            value, end = _complete_json(body, len(body) - len(rest), final or "}" in self._fresh)
             calls = self._all_calls([{"name": named[1], "arguments": value}]) if isinstance(value, dict) else []
         if end is None:
             return self._not_a_call() if final else None
@@ -183,10 +185,10 @@ def _begins_marker(text: str) -> bool:
     return any(text.startswith(m) or m.startswith(text) for m in ("[ARGS]", "[CALL_ID]"))
 
 
-def _complete_json(text: str, start: int, closer: str, final: bool) -> tuple[object, int | None]:
-    """The JSON value at `start` and where it ends, once the text holds all of it; (None, None) before. While
-    streaming, parsing is tried only when a closing bracket just arrived, so a long value is not re-read per token."""
-    if not final and closer not in text[-16:]:
+def _complete_json(text: str, start: int, attempt: bool) -> tuple[object, int | None]:
+    """The JSON value at `start` and where it ends, once the text holds all of it; (None, None) before. Parsing is
+    attempted only when a closing bracket has just arrived, so a long value is not re-read for every token."""
+    if not attempt:
         return None, None
     try:
         return json.JSONDecoder().raw_decode(text, start)
