@@ -115,8 +115,8 @@ def thinking_enabled(body: dict, model: ServedModel) -> bool:
     if thinking is None or kind == "disabled":
         return False
     if kind not in ("enabled", "adaptive"):
-        raise InvalidRequest("thinking: must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"adaptive\"} "
-                             "or {\"type\": \"disabled\"}", param="thinking")
+        raise InvalidRequest('thinking: must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
+                             '{"type": "disabled"}', param="thinking")
     if kind == "enabled":
         get_int(thinking, "budget_tokens", None, 1)
     if not model.reasons:

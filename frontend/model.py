@@ -46,7 +46,7 @@ class ServedModel:
             eos_token=self.tokenizer.id_to_token(eos[0]) if eos else "") if template.is_file() else None
         self.template_source = template.read_text() if template.is_file() else ""
         self.supports_tools = template_supports_tools(self.template_source)
-        # What the replies look like, read from the template (DESIGN.md, The frontend: reply formats).
+        # What the replies look like, read from the template (README.md, Reasoning and tool calls).
         self.reasons = reasoning.template_reasons(self.template_source)
         self.tool_format = tool_parsers.tool_format(self.template_source)
         kept = MARKERS[self.tool_format] + (MARKERS["reasoning"] if self.reasons else ())

@@ -1,6 +1,7 @@
-"""Tool calls parsed from the model's text as it streams, in the format its chat template taught it (DESIGN.md, The
-frontend: reply formats). The format is read from the template text: one that writes `[TOOL_CALLS]` is Mistral's,
-any other is Hermes (Qwen2.5/Qwen3's own, and what a template that knows no tools is taught, see tools.py).
+"""Tool calls parsed from the model's text as it streams, in the format its chat template taught it (DESIGN.md,
+The frontend; README.md, Reasoning and tool calls). The format is read from the template text: one that writes
+`[TOOL_CALLS]` is Mistral's, any other is Hermes (Qwen2.5/Qwen3's own, and what a template that knows no tools is
+taught, see tools.py).
 
 - Hermes/Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text around them.
 - Mistral: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]` (v3 and tekken templates), or the newer
@@ -175,9 +176,8 @@ class MistralParser(ToolCallParser):
         return calls  # type: ignore[return-value]
 
     def _not_a_call(self) -> list[str | ToolCall]:
-        """What followed [TOOL_CALLS] is text after all, the marker with it."""
-        text, self._buffer = f"{self.OPEN}{self._buffer}", ""
-        return [text]
+        """The marker is text after all; what follows it is read again as text (it may hold another call)."""
+        return [self.OPEN]
 
 
 def _begins_marker(text: str) -> bool:

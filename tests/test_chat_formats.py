@@ -316,7 +316,8 @@ def test_qwen25_hermes_calls_with_its_own_tool_prompt(stacks) -> None:
     message = oai.chat.completions.create(**request).choices[0].message
     assert message.content == "Checking." and message.tool_calls[0].function.name == "get_weather"
     assert "reasoning_content" not in message.model_extra  # Qwen2.5 does not think
-    assert "# Tools" in prompt_of(stack, marker) and "You are a function calling AI model" not in prompt_of(stack, marker)
+    prompt = prompt_of(stack, marker)
+    assert "# Tools" in prompt and "You are a function calling AI model" not in prompt  # the template's own
     reasoning, content, fragments, finish = streamed_chat(oai, **request)
     assert (reasoning, content, finish) == ("", "Checking.", "tool_calls") and len(fragments) == 2
 

