@@ -159,6 +159,9 @@ def test_openai_chat_separates_reasoning(stacks, family: str, reply: str) -> Non
     assert message.content == "It is 4." and message.model_extra["reasoning_content"] == THOUGHT
     assert 0 < response.usage.completion_tokens_details.reasoning_tokens < response.usage.completion_tokens
     assert streamed_chat(oai, **request) == (THOUGHT, "It is 4.", [], "stop")
+    with oai.chat.completions.stream(**request) as stream:  # the SDK's own accumulation of the deltas
+        final = stream.get_final_completion().choices[0].message
+    assert (final.content, final.model_extra["reasoning_content"]) == ("It is 4.", THOUGHT)
 
 
 def test_enable_thinking_reaches_the_template(stacks) -> None:
