@@ -11,6 +11,8 @@ import anthropic
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from frontend.model import ServedModel
 from frontend.templates import ChatTemplate, TemplateError
@@ -19,6 +21,7 @@ from ignition.template_marks import annotate
 from tests.api_scripted_engine import ScriptedStack
 from tests.chat_family_cores import (MISTRAL_SPECIAL, QWEN_TOKENS, corpus_template, differential_template,
                                      family_core)
+from tests.test_api_fuzz import ANY_JSON, check_error, check_stream, either
 from tests.test_api_tools import ANTHROPIC_TOOLS, CHAT_TOOLS, RESPONSES_TOOLS, hermes
 from tests.test_templates import TOOLS, _fixed_strftime_now, _jinja2_template, needs_corpus
 
@@ -354,3 +357,44 @@ def test_served_model_reads_the_format_from_the_template(stacks) -> None:
     mistral = ServedModel(stacks("mistral").core)
     assert mistral.tokenizer.token_to_id("[TOOL_CALLS]") not in mistral.hidden_token_ids
     assert mistral.tokenizer.token_to_id("[INST]") in mistral.hidden_token_ids
+
+
+# --- fuzzing the reasoning fields ---------------------------------------------------------------------------------
+THINKING = either(st.sampled_from([{"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"},
+                                   {"type": "disabled"}, {"type": "enabled", "budget_tokens": "many"}]))
+PAST_TURN = st.fixed_dictionaries({"role": st.just("assistant")}, optional={
+    "content": either(st.just("4."), st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["thinking", "redacted_thinking", "text"])},
+        optional={"thinking": either(st.just("Hmm.")), "text": either(st.just("4.")), "signature": ANY_JSON}),
+        max_size=2)),
+    "reasoning_content": ANY_JSON, "reasoning": ANY_JSON})
+REASONING_INPUT = st.fixed_dictionaries({"type": st.just("reasoning")}, optional={
+    "content": either(st.just([{"type": "reasoning_text", "text": "Hmm."}])), "summary": ANY_JSON})
+
+
+@given(route=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/responses"]),
+       fields=st.fixed_dictionaries({}, optional={"chat_template_kwargs": either(st.just({"enable_thinking": False})),
+                                                  "thinking": THINKING, "stream": st.booleans(),
+                                                  "tools": st.just(CHAT_TOOLS)}),
+       past=st.lists(PAST_TURN, max_size=1), reasoning_items=st.lists(REASONING_INPUT, max_size=1))
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+def test_reasoning_fields_never_get_a_5xx(stacks, route: str, fields: dict, past: list, reasoning_items: list
+                                          ) -> None:
+    stack = stacks("qwen3")
+    marker = stack.engine.script("fuzz-reasoning", "Hmm.\n</think>\n\n" + hermes("get_weather", {"city": "Oslo"}))
+    turns = [{"role": "user", "content": f"{marker} 2+2?"}, *past, {"role": "user", "content": "And?"}]
+    body = {"model": "qwen3", **fields}
+    if route == "/v1/responses":
+        body["input"] = [turns[0], *reasoning_items, turns[-1]]
+        body["tools"] = [{"type": "function", **t["function"]} for t in fields.get("tools", [])]
+    else:
+        body["messages"] = turns
+        body["max_tokens"] = 64
+    response = httpx.post(f"{stack.base_url}{route}", content=json.dumps(body).encode(), timeout=30,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code < 500, (body, response.text[:300])
+    if response.status_code >= 400:
+        check_error(route, response.json())
+    elif response.headers["Content-Type"].startswith("text/event-stream"):
+        check_stream(route, response.text)
