@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,5 +72,29 @@ class Server:
 @pytest.fixture(scope="session")
 def server(core_dir: Path):
     server = Server(core_dir)
+    yield server
+    server.stop()
+
+
+def cancellations(base_url: str) -> float:
+    """The engine's count of cancelled requests, as a frontend's /metrics relays it (twice a second)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        return float(re.search(r"^flare_engine_cancellations_total (\S+)$", response.read().decode(), re.M)[1])
+
+
+def wait_for_cancellation(base_url: str, before: float, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while cancellations(base_url) <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return cancellations(base_url) > before
+
+
+TEST_API_KEY = "test-api-key"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(core_dir: Path):
+    """A server started with --api-key TEST_API_KEY."""
+    server = Server(core_dir, "--api-key", TEST_API_KEY)
     yield server
     server.stop()

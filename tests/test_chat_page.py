@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import TEST_API_KEY, Server, cancellations, wait_for_cancellation
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -22,7 +21,6 @@ CHROMIUM = Path("/usr/bin/chromium")
 # No network but the page's own server: none of Chromium's background services, updates or sync.
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-API_KEY = "page-test-key"
 SHORT = 12  # max tokens of the replies that run to their end
 WAIT_MS = 120_000
 # Predicates are functions, not expressions: Playwright evaluates an expression with eval, which the page's CSP forbids.
@@ -49,13 +47,6 @@ def browser():
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         yield browser
         browser.close()
-
-
-@pytest.fixture(scope="module")
-def keyed_server(core_dir: Path):
-    server = Server(core_dir, "--api-key", API_KEY)
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -112,11 +103,6 @@ def api_reply(server: Server, messages: list[dict], max_tokens: int) -> str:
         return json.loads(response.read())["choices"][0]["message"]["content"]
 
 
-def cancellations(server: Server) -> float:
-    with urllib.request.urlopen(server.base_url + "/metrics", timeout=10) as response:
-        return float(re.search(r"^flare_engine_cancellations_total (\S+)$", response.read().decode(), re.M)[1])
-
-
 def test_streamed_conversation_kept_across_reload(page, server: Server) -> None:
     open_page(page, server)
     assert page.locator("#drop-zone").is_hidden()  # the default core takes no images
@@ -159,7 +145,7 @@ def test_stop_midway_then_regenerate(page, server: Server) -> None:
     open_page(page, server)
     set_settings(page, 1000)
     page.click("#close-settings")
-    cancelled_before = cancellations(server)
+    cancelled_before = cancellations(server.base_url)
     send(page, "Write a very long story about a dragon who learns to fly over the sea.")
     page.wait_for_function("() => (document.querySelector('.message.assistant:last-child .content:not(.pending)')"
                            "?.textContent.length ?? 0) > 20")
@@ -169,11 +155,7 @@ def test_stop_midway_then_regenerate(page, server: Server) -> None:
     assert last_reply(page).locator(".usage").count() == 0
     stopped_text = last_reply(page).locator(".content").text_content()
     assert stopped_text
-    # The server cancelled the request: the engine counts it (telemetry reaches the frontend twice a second).
-    deadline = time.monotonic() + 30
-    while cancellations(server) == cancelled_before and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert cancellations(server) > cancelled_before
+    assert wait_for_cancellation(server.base_url, cancelled_before)  # the server cancelled the request
     assert last_reply(page).locator(".content").text_content() == stopped_text  # nothing came after the stop
     page.click("#settings-button")
     page.fill("#max-tokens", str(SHORT))
@@ -192,10 +174,10 @@ def test_api_key_asked_kept_and_sent(page, keyed_server: Server) -> None:
     page.fill("#key-input", "wrong-key")
     page.click("#key-save")
     page.wait_for_selector("#key-dialog[open] #key-error:visible")
-    page.fill("#key-input", API_KEY)
+    page.fill("#key-input", TEST_API_KEY)
     page.click("#key-save")
     page.wait_for_function(MODEL_SHOWN)
-    assert page.evaluate("localStorage.getItem('flare.apiKey')") == API_KEY
+    assert page.evaluate("localStorage.getItem('flare.apiKey')") == TEST_API_KEY
     set_settings(page, 4)
     page.click("#close-settings")
     send(page, "Hi")
