@@ -68,32 +68,33 @@ class Session:
         body = {"model": self.model, "messages": self.conversation.request_messages(),
                 **{name: value for name, value in self.settings.items() if value is not None}}
         reasoning, content, usage, finish = "", "", None, None
+        dim, reset = self.style
         stream = self.server.stream(body)
         try:
             for delta in stream:
                 if delta.reasoning:
-                    print(f"{self.style[0]}{delta.reasoning}{self.style[1]}", end="", flush=True)
+                    print((dim if not reasoning else "") + delta.reasoning, end="", flush=True)
                     reasoning += delta.reasoning
                 if delta.content:
                     if reasoning and not content:
-                        print()
+                        print(reset)  # the reasoning ends on its own line
                     print(delta.content, end="", flush=True)
                     content += delta.content
                 finish = delta.finish_reason or finish
                 usage = delta.usage or usage
         except KeyboardInterrupt:
             stream.close()  # closes the connection: the server cancels the request
-            print()
+            print(reset)
             self.say("[stopped]")
         except ChatError as exc:
             stream.close()
-            print()
+            print(reset)
             self.say(f"error: {exc}")
             if not content and not reasoning:
                 self.conversation.messages.pop()
                 return
         else:
-            print()
+            print(reset if reasoning and not content else "")
             self.say(f"[{usage}{', cut at max_tokens' if finish == 'length' else ''}]" if isinstance(usage, Usage)
                      else "[no usage reported]")
         self.conversation.messages.append({"role": "assistant", "content": content,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.api_scripted_engine import ScriptedStack
 from tests.conftest import TEST_API_KEY, Server, wait_for_cancellation
 
 pexpect = pytest.importorskip("pexpect")
@@ -22,9 +23,9 @@ USAGE = re.compile(r"\[(\d+) prompt tokens \((\d+) cached\) · (\d+) tokens")
 TIMEOUT = 180
 
 
-def start_chat(*args: str) -> pexpect.spawn:
+def start_chat(*args: str, model: str = "smollm2") -> pexpect.spawn:
     child = pexpect.spawn(FLARE, ["chat", *args], encoding="utf-8", timeout=TIMEOUT, dimensions=(40, 200))
-    child.expect("chatting with smollm2")
+    child.expect(f"chatting with {model}")
     child.expect_exact(PROMPT)
     return child
 
@@ -147,5 +148,17 @@ def test_wrong_api_key_is_a_clear_error(keyed_server: Server) -> None:
     assert child.exitstatus == 1
     child = start_chat("--base-url", keyed_server.base_url, "--api-key", TEST_API_KEY, "--max-tokens", "4")
     turn(child, "Hi")
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+
+
+def test_reasoning_then_the_answer(thinking_stack: ScriptedStack) -> None:
+    marker = thinking_stack.engine.script("cli-thinks", "Two and two make four.\n</think>\n\nIt is 4.")
+    child = start_chat("--base-url", thinking_stack.base_url, model="qwen3")
+    child.sendline(f"{marker}: what is 2 + 2?")
+    child.expect_exact("2 + 2?\r\n")
+    # Dimmed, on its own line before the answer.
+    child.expect_exact("\x1b[2mTwo and two make four.\x1b[0m\r\nIt is 4.\r\n")
+    child.expect(USAGE)
     child.sendline("/bye")
     child.expect(pexpect.EOF)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.api_scripted_engine import ScriptedStack
 from tests.conftest import TEST_API_KEY, Server, cancellations, wait_for_cancellation
 
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -205,3 +206,14 @@ def test_phone_sized_screen(browser, server: Server) -> None:
         assert page.locator("#prompt").is_visible() and page.locator("#send").is_visible()
     finally:
         context.close()
+
+
+def test_reasoning_shown_apart_from_the_answer(page, thinking_stack: ScriptedStack) -> None:
+    marker = thinking_stack.engine.script("page-thinks", "Two and two make four.\n</think>\n\nIt is 4.")
+    page.goto(thinking_stack.base_url + "/")
+    page.wait_for_function("() => document.getElementById('model-name').textContent === 'qwen3'")
+    send(page, f"{marker}: what is 2 + 2?")
+    wait_reply_done(page)
+    assert last_reply(page).locator(".reasoning .text").text_content() == "Two and two make four."
+    assert last_reply(page).locator(".content").text_content() == "It is 4."
+    assert re.search(r"· \d+ reasoning ·", last_reply(page).locator(".usage").text_content())
