@@ -12,7 +12,9 @@ The rule (`--routing prefix`, the default), among replicas that are connected an
    more than `IMBALANCE_REL` times as many, the request goes to the least loaded.
 3. Otherwise, cache: the request goes to the replica whose index holds the longest run of the prompt's leading
    blocks, if that run is at least one block; among equal runs, the least loaded.
-4. Otherwise (no block cached anywhere), the least loaded; ties rotate.
+4. Otherwise (no block cached anywhere), the least loaded.
+Ties go to the replica that caches fewer blocks (every frontend sees the same announcements, so frontends spread new
+prefixes alike), then rotate. A replica found unreachable when sending is skipped and the next choice is taken.
 `--routing round-robin` rotates over the available replicas regardless, to measure what the rule is worth.
 """
 
@@ -116,11 +118,18 @@ class Replicas:
             await replica.client.close()
 
     async def submit(self, submit: wire.Submit) -> asyncio.Queue[Update]:
-        replica = self.choose(submit.prompt)
-        queue = await replica.client.submit(submit)
-        replica.routed += 1
-        self._owner[submit.request_id] = replica
-        return queue
+        """Route and send; a replica found unreachable on sending is skipped for the next choice."""
+        tried: set[Replica] = set()
+        while True:
+            replica = self.choose(submit.prompt, tried)
+            try:
+                queue = await replica.client.submit(submit)
+            except EngineUnavailable:
+                tried.add(replica)
+                continue
+            replica.routed += 1
+            self._owner[submit.request_id] = replica
+            return queue
 
     def abort(self, request_id: str) -> None:
         if (replica := self._owner.pop(request_id, None)) is not None:
@@ -130,10 +139,10 @@ class Replicas:
         if (replica := self._owner.pop(request_id, None)) is not None:
             replica.client.release(request_id)
 
-    def choose(self, prompt: list[int]) -> Replica:
-        available = [r for r in self.replicas if r.available]
+    def choose(self, prompt: list[int], exclude: set[Replica] = frozenset()) -> Replica:
+        available = [r for r in self.replicas if r.available and r not in exclude]
         if not available:
-            if any(r.client.connected for r in self.replicas):
+            if any(r.client.connected and r not in exclude for r in self.replicas):
                 raise EngineUnavailable("the engine is draining and admits no new requests")
             raise EngineUnavailable("the engine is unreachable")
         turn = next(self._turn)
@@ -141,7 +150,9 @@ class Replicas:
             return available[turn % len(available)]
         loads = {r: r.load() for r in available}
         least = min(loads.values())
-        by_load = sorted(available, key=lambda r: (loads[r], (r.index - turn) % len(available)))
+        # Ties go to the replica that caches less (announcements reach every frontend, so frontends spread new
+        # prefixes alike), then rotate.
+        by_load = sorted(available, key=lambda r: (loads[r], len(r.keys), (r.index - turn) % len(available)))
         if max(loads.values()) - least > IMBALANCE_ABS and max(loads.values()) > IMBALANCE_REL * max(least, 1):
             return by_load[0]
         keys = self._keys(prompt, available)
