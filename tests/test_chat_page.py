@@ -5,6 +5,7 @@ a phone-sized screen. With FLARE_SCREENSHOTS=DIR set, the conversation and the s
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -217,3 +218,45 @@ def test_reasoning_shown_apart_from_the_answer(page, thinking_stack: ScriptedSta
     assert last_reply(page).locator(".reasoning .text").text_content() == "Two and two make four."
     assert last_reply(page).locator(".content").text_content() == "It is 4."
     assert re.search(r"· \d+ reasoning ·", last_reply(page).locator(".usage").text_content())
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory):
+    """`flare run` of a tiny random Qwen3-VL exported by ignition (the vision branch's checkpoint builder)."""
+    vision_checkpoint = pytest.importorskip("tests.vision_checkpoint", reason="needs the vision models (issue 13)")
+    root = tmp_path_factory.mktemp("page-vision")
+    vision_checkpoint.build(root / "hf")
+    server = Server(vision_checkpoint.export(root / "hf", root / "core"))
+    yield server
+    server.stop()
+
+
+def test_images_dropped_for_a_vision_model(page, vision_server: Server, tmp_path: Path) -> None:
+    from PIL import Image
+
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(picture)
+    page.goto(vision_server.base_url + "/")
+    page.wait_for_function("() => document.getElementById('model-name').textContent.endsWith('· vision')")
+    assert page.locator("#drop-zone").is_visible()
+    set_settings(page, 4)
+    page.click("#close-settings")
+    send(page, "What is in the picture?")
+    wait_reply_done(page)
+    text_only = int(re.match(r"(\d+) prompt", last_reply(page).locator(".usage").text_content())[1])
+    page.click("#new-chat")
+    # A drop of the file onto the page, as a person drags it there.
+    drop = page.evaluate_handle("""(b64) => {
+      const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+      const transfer = new DataTransfer();
+      transfer.items.add(new File([bytes], 'red.png', {type: 'image/png'}));
+      return transfer;
+    }""", base64.b64encode(picture.read_bytes()).decode())
+    page.dispatch_event("#chat", "drop", {"dataTransfer": drop})
+    page.wait_for_selector("#attachments img")
+    send(page, "What is in the picture?")
+    wait_reply_done(page)
+    assert page.locator(".message.user .images img").count() == 1
+    usage = last_reply(page).locator(".usage").text_content()
+    assert int(re.match(r"(\d+) prompt", usage)[1]) > text_only, usage  # the image's tokens went in
+    assert last_reply(page).locator(".error").count() == 0
