@@ -120,6 +120,7 @@ function setBusy(busy) {
 
 // Streams a reply into the conversation's last message (an empty assistant turn) and keeps what came if stopped.
 async function generate(conversation) {
+  if (!state.model) await connect(); // the server was down when the page loaded
   const reply = conversation.messages.at(-1);
   Object.assign(reply, { content: "", reasoning: "", usage: null, stopped: false, error: null, finish: null });
   state.controller = new AbortController();
