@@ -18,6 +18,7 @@ from engine.kernels.decode_attention import (decode_attention, decode_attention_
                                              num_splits)
 from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
                                              extend_blocks)
+from engine.kernels.fused_moe import fused_moe, fused_moe_reference, route  # noqa: E402
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rotary import rope_and_store, rope_and_store_reference, rope_table  # noqa: E402
@@ -157,3 +158,50 @@ def test_apply_patches_matches_reference() -> None:
     apply_patches_reference(expected, patches, count)
     apply_patches(table, patches, count)
     assert torch.equal(table, expected)
+
+
+# (hidden, intermediate, experts, top k): Qwen3-30B-A3B's MoE on the GPU, a small one on the CPU.
+MOE_SHAPE = (2048, 768, 128, 8) if GPU else (64, 32, 8, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int) -> None:
+    hidden, inter, experts, top_k = MOE_SHAPE
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, : experts // 2] -= 4  # some experts get no token at all
+    weights, ids = route(logits.to(DEVICE), top_k, renormalize=True)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_norm", "mixtral"])
+def test_route_and_moe_reference_match_transformers(family: str) -> None:
+    """route + fused_moe_reference on a transformers MoE block's own weights give that block's output (fp32)."""
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(7)
+    if family == "mixtral":
+        block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=64, intermediate_size=32,
+                                                                 num_local_experts=8, num_experts_per_tok=2))
+    else:
+        block = Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(
+            hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=family == "qwen3_moe_norm"))
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    x = torch.randn(1, 23, 64)
+    with torch.no_grad():
+        expected = block(x)
+        expected = (expected[0] if isinstance(expected, tuple) else expected).reshape(23, 64)
+        weights, ids = route(torch.nn.functional.linear(x[0], block.gate.weight), 2,
+                             renormalize=family != "qwen3_moe")
+        out = fused_moe_reference(x[0], block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+    assert torch.allclose(out, expected, atol=1e-6, rtol=1e-5)
