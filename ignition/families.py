@@ -26,9 +26,10 @@ FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen
 _UNSUPPORTED = (("attn_logit_softcapping", None), ("final_logit_softcapping", None), ("mlp_bias", False),
                 ("use_bidirectional_attention", False), ("partial_rotary_factor", 1.0))
 _ACTIVATION = {"gemma3_text": "gelu_pytorch_tanh"}  # every other family: silu
-# Checkpoint expert tensors: per expert (layer, expert, which), or already stacked (layer, which).
+# Checkpoint expert tensors: per expert (layer, expert, which), or stacked over experts (layer, which): gate_up_proj
+# as transformers 5 holds it, gate_proj, up_proj and down_proj as GGUF does (ignition/gguf_source.py).
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
 _W13 = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
 _W2 = ("down_proj", "w2")
 
@@ -142,7 +143,15 @@ def core_tensors(family: str, config: dict[str, object],
     for name, tensor in tensors:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
         if (match := _STACKED.match(name)):
-            yield f"model.layers.{match[1]}.mlp." + ("w13" if match[2] == "gate_up_proj" else "w2"), tensor
+            layer = f"model.layers.{match[1]}.mlp."
+            if match[2] in ("gate_proj", "up_proj"):  # joined into w13 once both are read
+                halves = pending.setdefault(layer, {})
+                halves[(-1, _W13[match[2]])] = tensor
+                if len(halves) == 2:
+                    del pending[layer]
+                    yield layer + "w13", torch.cat([halves[(-1, 0)], halves[(-1, 1)]], dim=1)
+                continue
+            yield layer + ("w13" if match[2] == "gate_up_proj" else "w2"), tensor
             continue
         match = _EXPERT.match(name)
         if match is None:
