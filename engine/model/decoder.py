@@ -187,7 +187,7 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as transformers does
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+            x = x * float(torch.tensor(self.config.embed_scale, dtype=x.dtype))
         return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
