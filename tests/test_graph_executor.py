@@ -7,7 +7,6 @@ produce the eager executor's tokens. On a GPU: the GraphExecutor itself, capture
 
 from __future__ import annotations
 
-import inspect
 import os
 
 import numpy as np
@@ -131,14 +130,8 @@ def test_frame_steps_produce_the_eager_executors_tokens() -> None:
     assert {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
 
 
-def window_kernels() -> bool:
-    from engine.kernels.decode_attention import decode_attention
-
-    return "window" in inspect.signature(decode_attention).parameters
-
-
 # What each family's kernel path adds: q/k/v bias, q/k norm, the fused MoE (Mixtral's differs by configuration
-# only), Gemma 3's norms, scale and GeLU, with its sliding-window layers (needs the kernels' window) and without.
+# only), Gemma 3's norms, scale and GeLU, with its sliding-window layers and without.
 FAMILY_CASES = [("qwen2", {}), ("qwen3", {}), ("qwen3_moe", {}), ("gemma3_text", {}),
                 ("gemma3_text", {"layer_types": ["full_attention"] * 3})]
 
@@ -156,8 +149,6 @@ def run_few_requests(harness: Harness) -> list[list[int]]:
 @pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
 @pytest.mark.parametrize("family, changes", FAMILY_CASES)
 def test_each_familys_kernel_path_produces_the_torch_paths_tokens(family: str, changes: dict) -> None:
-    if "layer_types" not in changes and family == "gemma3_text" and not window_kernels():
-        pytest.skip("the attention kernels take no sliding window yet")
     expected = run_few_requests(Harness(tiny_model(0, family, **changes), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK))
     model = tiny_model(0, family, **changes)
     model.use_kernels(CONTEXT)
