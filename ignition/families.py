@@ -19,9 +19,14 @@ import torch
 from common.errors import CoreError
 from engine.model.config import DecoderConfig
 
-# Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama.
+# Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama; a multimodal Gemma 3 (`gemma3`)
+# exports its text model, without the vision tower.
 FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-          "mixtral": "mixtral", "gemma3_text": "gemma3_text"}
+          "mixtral": "mixtral", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text"}
+# A multimodal checkpoint's text-model prefixes (original and transformers 5 layouts), and its other parts.
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # Config flags that change the function computed and that Flare does not implement: (key, the value that is fine).
 _UNSUPPORTED = (("attn_logit_softcapping", None), ("final_logit_softcapping", None), ("mlp_bias", False),
                 ("use_bidirectional_attention", False), ("partial_rotary_factor", 1.0))
@@ -46,6 +51,8 @@ def normalised_config(raw: dict[str, object], where: Path, dtype: str, checkpoin
     """(family, the config as the family's transformers config class writes it); an unsupported feature is a
     CoreError naming it."""
     family = family_of(raw, where)
+    if raw.get("model_type") == "gemma3":
+        raw = text_config(raw)
     if family == "llama":
         config = _llama_config(raw, where)
     else:
@@ -63,6 +70,13 @@ def normalised_config(raw: dict[str, object], where: Path, dtype: str, checkpoin
         return family, json.loads(json.dumps(config))
     except (TypeError, ValueError) as exc:
         raise CoreError(f"{where}: config is not JSON-serialisable: {exc}") from None
+
+
+def text_config(raw: dict[str, object]) -> dict[str, object]:
+    """A multimodal Gemma 3's text model config: its text_config, which ties the head to the embeddings."""
+    text = dict(raw.get("text_config") or {})
+    return {"tie_word_embeddings": raw.get("tie_word_embeddings", True), **text, "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"]}
 
 
 def _class_name(raw: dict[str, object]) -> str:
@@ -141,6 +155,11 @@ def core_tensors(family: str, config: dict[str, object],
     num_experts = DecoderConfig.from_hf(family, config).num_experts
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # layer prefix -> {(expert, part): tensor}
     for name, tensor in tensors:
+        if name.startswith(_NOT_TEXT):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix:
+            name = _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
         if (match := _STACKED.match(name)):
             layer = f"model.layers.{match[1]}.mlp."

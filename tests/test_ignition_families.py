@@ -135,3 +135,39 @@ def test_every_synth_preset_is_a_config_the_engine_reads(preset: str) -> None:
         assert model.layer_window == (1024,) * 5 + (None,) and len(model.ropes) == 2
     if preset == "qwen3-30b-a3b":
         assert (model.num_experts, model.num_experts_per_tok, model.norm_topk_prob) == (128, 8, True)
+
+
+def test_a_multimodal_gemma3_exports_its_text_model(tmp_path: Path) -> None:
+    """Gemma3ForConditionalGeneration's text model, served: its logits on a text prompt longer than the window."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from engine.model.attention import AttentionMetadata, PrefillSpan
+    from engine.model.loader import load_model
+
+    text = Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=16,
+                            layer_types=["sliding_attention", "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    reference = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                            mm_tokens_per_image=4, image_token_index=290)).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            p.normal_(0, 0.05) if p.dim() > 1 else p.add_(torch.randn_like(p), alpha=0.5)
+    hf_dir = tmp_path / "Tiny-Gemma-3"
+    reference.save_pretrained(hf_dir)
+    byte_level_bpe(300).save(str(hf_dir / "tokenizer.json"))
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    export(hf_dir, tmp_path / "core")
+    manifest, model = load_model(tmp_path / "core", torch.device("cpu"))
+    assert manifest.architecture == "gemma3_text" and model.config.layer_window == (16, None)
+    ids = torch.randint(0, 280, (40,), generator=torch.Generator().manual_seed(1))
+    kv = torch.zeros(2, 2, 64, 2, 16)
+    none = torch.zeros(0, dtype=torch.long)
+    meta = AttentionMetadata(torch.arange(40), none, none.view(0, 1), none, (PrefillSpan(0, 40, 40, torch.tensor([0])),),
+                             64)
+    with torch.no_grad():
+        ours = model.logits(model(ids, torch.arange(40), kv, meta))
+        theirs = reference(input_ids=ids[None]).logits[0]
+    assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
