@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from common.errors import ExecutionFailed
 from common.protocol import Logprobs, SamplingParams, Submit
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
-from frontend.engine_client import EngineClient
+from frontend.replicas import Replicas
 from frontend.metrics import RequestTimer
 from frontend.logprobs import TokenLogprob, unpack
 from frontend.model import ServedModel
@@ -46,7 +46,7 @@ class Finish:
     reasoning_tokens: int = 0  # of completion_tokens, those generated while the reply was reasoning
 
 
-async def generate(client: EngineClient, model: ServedModel, request: GenerationRequest
+async def generate(client: Replicas, model: ServedModel, request: GenerationRequest
                    ) -> AsyncIterator[Delta | Finish]:
     """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
     request_id = uuid.uuid4().hex
@@ -99,7 +99,7 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
             client.abort(request_id)
 
 
-async def merge(client: EngineClient, model: ServedModel, requests: list[GenerationRequest]
+async def merge(client: Replicas, model: ServedModel, requests: list[GenerationRequest]
                 ) -> AsyncIterator[tuple[int, Delta | Finish]]:
     """Run several generations at once (n choices, several prompts); yield (choice index, event) as they come.
     The first failure ends them all; leaving early cancels every one (and so aborts it in the engine)."""
