@@ -18,7 +18,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from common.manifest import load_manifest
 from engine.model.config import DecoderConfig
-from ignition.export import ExportOptions, export
+from ignition.export import export
 from ignition.families import expected_shapes, normalised_config
 from ignition.synth import CHAT_TEMPLATE, PRESETS, SPECIALS, SynthSource, byte_level_bpe
 
