@@ -259,7 +259,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             num_stages=stages, **common)
     _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
         out, part, lse, query_start, query_len, context_lens, block_seq, block_first, num_blocks, programs,
-        out.stride(0), out.stride(1), window, TILE_M=tile_m, num_warps=4, **common)
+        out.stride(0), out.stride(1), window, TILE_M=tile_m, num_warps=8, **common)
 
 
 def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
