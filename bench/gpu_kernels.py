@@ -185,7 +185,8 @@ def bench_moe_configs() -> None:
     say("| --- |" + " --- |" * len(batches))
     say("| default (moe_config) | " + " | ".join(
         f"{time_ms(lambda: fused_moe(x, w13, w2, w, i)):.3f}" for x, w, i, _ in inputs) + " |")
-    for config in [MoeConfig(16, 32, 64, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 3), MoeConfig(16, 64, 128, 1, 4, 3),
+    for config in [MoeConfig(16, 16, 128, 1, 4, 3), MoeConfig(16, 16, 256, 1, 4, 3),
+                   MoeConfig(16, 32, 64, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 3), MoeConfig(16, 64, 128, 1, 4, 3),
                    MoeConfig(16, 128, 128, 1, 4, 3), MoeConfig(32, 64, 64, 4, 4, 3), MoeConfig(64, 64, 64, 8, 4, 3),
                    MoeConfig(64, 128, 64, 8, 8, 3), MoeConfig(128, 128, 64, 8, 8, 3)]:
         cells = []
