@@ -25,6 +25,8 @@ from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa:
 from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
                                    rope_table)
 
+# On a GPU these are GPU tests (`pytest -m gpu` selects them); on the CPU they run in CI under the interpreter.
+pytestmark = [pytest.mark.gpu] if GPU else []
 DEVICE = torch.device("cuda" if GPU else "cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if GPU else [torch.float16, torch.float32]
 # (heads, kv heads, head dim, page size): Llama-3.1-8B's shape on the GPU, a small grouped one on the CPU.
