@@ -17,11 +17,13 @@ from frontend.tools import for_template, template_supports_tools
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
+DECISION_FILES = ("decision.json", "decision_template.jinja")  # read by frontend/decision_prompts.py
 
 
 class ServedModel:
     def __init__(self, core: Path) -> None:
-        self.manifest: Manifest = load_manifest(core, verify=True, only=(TOKENIZER_FILE, TEMPLATE_FILE))
+        self.manifest: Manifest = load_manifest(core, verify=True, only=(TOKENIZER_FILE, TEMPLATE_FILE,
+                                                                          *DECISION_FILES))
         self.core = core
         self.tokenizer = Tokenizer.from_file(str(core / TOKENIZER_FILE))
         self.name = self.manifest.served_names[0]
