@@ -12,6 +12,8 @@ from common.errors import CoreError
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 SUPPORTED_ARCHITECTURES = ("llama",)
+# A decision model's settings and prompt template, carried into a core as they are (frontend/decision_prompts.py).
+DECISION_FILES = ("decision.json", "decision_template.jinja")
 
 
 class Capacities(msgspec.Struct, forbid_unknown_fields=True):

@@ -24,9 +24,10 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer
 
 from common.errors import CoreError, InvalidRequest
+from common.manifest import DECISION_FILES
 from frontend.control_tokens import ControlTokens
 from frontend.decision_questions import Question, parse_questions
-from frontend.model import DECISION_FILES, ServedModel
+from frontend.model import ServedModel
 from frontend.templates import ChatTemplate, TemplateError
 
 CONFIG_FILE, TEMPLATE_FILE = DECISION_FILES

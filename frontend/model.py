@@ -11,13 +11,12 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from common.errors import InvalidRequest
-from common.manifest import Manifest, load_manifest
+from common.manifest import DECISION_FILES, Manifest, load_manifest
 from frontend.templates import ChatTemplate, TemplateError
 from frontend.tools import for_template, template_supports_tools
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
-DECISION_FILES = ("decision.json", "decision_template.jinja")  # read by frontend/decision_prompts.py
 
 
 class ServedModel:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from common.errors import CoreError
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, load_manifest, sha256_file
-from common.manifest import write_manifest
+from common.manifest import DECISION_FILES, write_manifest
 from ignition.gguf_source import GgufSource
 from ignition.hf_source import HfSource, token_ids
 from ignition.template_marks import annotate
@@ -192,6 +192,9 @@ def _write_files(source: Source, config: dict[str, object], dtype: torch.dtype, 
     bar.set_postfix_str("tokenizer")
     eos_ids = source.write_tokenizer(staging / TOKENIZER_NAME)
     (staging / TEMPLATE_NAME).write_text(annotate(source.chat_template), encoding="utf-8")
+    for name in DECISION_FILES:
+        if source.path.is_dir() and (source.path / name).is_file():
+            shutil.copyfile(source.path / name, staging / name)
     bar.update()
     for name, tensor in source.tensors():
         bar.set_postfix_str(name)
