@@ -5,6 +5,9 @@ and logprobs (what a client does without the route: one generation per question,
     python -m bench.decisions --core cores/smollm2-135m             # starts `flare run` on the core, then measures
     python -m bench.decisions --url http://127.0.0.1:8000           # a server already running
 
+A synthetic core (`ignition synth`) has no single-token `Yes`/`No`: `--noul-labels Y,N` writes a `decision.json`
+with those labels into the core first (and the chat prompts use them too).
+
 Every state differs from the others from its first token, so one state's questions share a prefix and nothing else
 does. Prints a table: states, decisions, seconds, decisions/s, latency per state, prompt and cached tokens.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -54,14 +58,15 @@ def state(index: int, lines: int) -> str:
     return "\n".join(turns)
 
 
-def chat_prompts(state_text: str) -> list[str]:
+def chat_prompts(state_text: str, labels: dict[str, list[str]]) -> list[str]:
     """The user message of each question: the generic decision prompt, as /v1/systemone builds it."""
     generic = ChatTemplate(GENERIC_PROMPT)
-    questions = [parse_question(name, q, {}, ["true", "false"]) for name, q in QUESTIONS.items()]
+    questions = [parse_question(name, q, labels, ["true", "false"]) for name, q in QUESTIONS.items()]
     return [generic.render([], state=state_text, question=q.template_value()).text for q in questions]
 
 
-async def one_systemone(session: aiohttp.ClientSession, url: str, model: str, text: str) -> tuple[int, int]:
+async def one_systemone(session: aiohttp.ClientSession, url: str, model: str, text: str,
+                        labels: dict[str, list[str]]) -> tuple[int, int]:
     async with session.post(f"{url}/v1/systemone", json={"model": model, "state": text,
                                                          "questions": QUESTIONS}) as response:
         payload = await response.json()
@@ -71,7 +76,8 @@ async def one_systemone(session: aiohttp.ClientSession, url: str, model: str, te
     return usage["input_tokens"], usage["input_tokens_details"]["cached_tokens"]
 
 
-async def one_chat(session: aiohttp.ClientSession, url: str, model: str, text: str) -> tuple[int, int]:
+async def one_chat(session: aiohttp.ClientSession, url: str, model: str, text: str,
+                   labels: dict[str, list[str]]) -> tuple[int, int]:
     async def ask(content: str) -> tuple[int, int]:
         body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1,
                 "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
@@ -82,12 +88,12 @@ async def one_chat(session: aiohttp.ClientSession, url: str, model: str, text: s
         usage = payload["usage"]
         return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
-    results = await asyncio.gather(*(ask(content) for content in chat_prompts(text)))
+    results = await asyncio.gather(*(ask(content) for content in chat_prompts(text, labels)))
     return sum(r[0] for r in results), sum(r[1] for r in results)
 
 
 async def measure(url: str, model: str, route: str, states: int, concurrency: int, lines: int,
-                  offset: int) -> dict:
+                  offset: int, labels: dict[str, list[str]]) -> dict:
     one = one_systemone if route == "systemone" else one_chat
     limit = asyncio.Semaphore(concurrency)
     latencies: list[float] = []
@@ -95,13 +101,13 @@ async def measure(url: str, model: str, route: str, states: int, concurrency: in
     async def run(index: int) -> tuple[int, int]:
         async with limit:
             started = time.perf_counter()
-            result = await one(session, url, model, state(offset + index, lines))
+            result = await one(session, url, model, state(offset + index, lines), labels)
             latencies.append(time.perf_counter() - started)
             return result
 
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await one(session, url, model, state(offset - 1, lines))  # warm-up, not counted
+        await one(session, url, model, state(offset - 1, lines), labels)  # warm-up, not counted
         started = time.perf_counter()
         results = await asyncio.gather(*(run(i) for i in range(states)))
         elapsed = time.perf_counter() - started
@@ -128,9 +134,17 @@ def start_server(core: Path, port: int, extra: list[str]) -> subprocess.Popen:
     raise SystemExit("flare run did not become healthy")
 
 
-def model_name(url: str) -> str:
-    import json
+def write_decision_config(core: Path, labels: dict[str, list[str]]) -> None:
+    """decision.json with these labels, recorded in the manifest as `ignition export` would."""
+    from common.manifest import load_manifest, sha256_file, write_manifest
 
+    (core / "decision.json").write_text(json.dumps({"labels": labels}))
+    manifest = load_manifest(core)
+    manifest.files["decision.json"] = sha256_file(core / "decision.json")
+    write_manifest(core, manifest)
+
+
+def model_name(url: str) -> str:
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
         return json.load(response)["data"][0]["id"]
 
@@ -146,12 +160,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="states in flight at once")
     parser.add_argument("--lines", type=int, default=19, help="lines of conversation per state (~26 tokens each)")
     parser.add_argument("--flare-arg", action="append", default=[], help="passed on to `flare run` (repeatable)")
+    parser.add_argument("--noul-labels", help="with --core: single-token labels of true,false (e.g. Y,N)")
     args = parser.parse_args(argv)
+    labels = {"noul": args.noul_labels.split(",")} if args.noul_labels else {}
+    if labels and args.core:
+        write_decision_config(args.core, labels)
     server = start_server(args.core, args.port, args.flare_arg) if args.core else None
     url = args.url.rstrip("/").removesuffix("/v1") if args.url else f"http://127.0.0.1:{args.port}"
     try:
         model = model_name(url)
-        rows = [asyncio.run(measure(url, model, route, args.states, args.concurrency, args.lines, offset))
+        rows = [asyncio.run(measure(url, model, route, args.states, args.concurrency, args.lines, offset, labels))
                 for route, offset in (("systemone", 1000), ("chat", 2000))]
     finally:
         if server is not None:
