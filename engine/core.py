@@ -22,6 +22,7 @@ log = logging.getLogger("flare.engine")
 FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "cancellations", "error": "failures"}
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
+MAX_LABELS = 256  # label token ids one query of a scored prefill reads
 
 
 class Engine:
@@ -133,8 +134,10 @@ class Engine:
             request_id=submit.request_id, owner=identity, prompt_len=len(submit.prompt),
             tokens=list(submit.prompt), sampling=params,
             seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
-            stop_ids=stop_ids, max_outputs=min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
-            arrival=time.monotonic(), message_ends=list(submit.message_ends))
+            stop_ids=stop_ids, max_outputs=0 if submit.label_queries else
+            min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
+            arrival=time.monotonic(), message_ends=list(submit.message_ends),
+            label_queries=[(q.position, tuple(q.token_ids)) for q in submit.label_queries])
         request.last_commit = request.arrival
         self.scheduler.add(request)
         self._owned[identity].add(request.request_id)
@@ -165,6 +168,11 @@ class Engine:
         if pages > self.scheduler.pages.num_pages:
             return reject(400, f"the request needs {pages} KV pages ({total} tokens) and the cache has "
                                f"{self.scheduler.pages.num_pages}", "capacity_hint: raise --kv-cache-bytes")
+        for query in submit.label_queries:
+            if not 0 <= query.position < len(submit.prompt) or not 0 < len(query.token_ids) <= MAX_LABELS or \
+                    min(query.token_ids) < 0 or max(query.token_ids) >= self.vocab_size:
+                return reject(400, f"a label query reads 1 to {MAX_LABELS} token ids in [0, {self.vocab_size}) at a "
+                                   f"prompt position in [0, {len(submit.prompt)})")
         if self.scheduler.get(submit.request_id) is not None:
             return reject(400, f"request id {submit.request_id!r} is already in use")
         return None
@@ -197,13 +205,15 @@ class Engine:
                 request.bursts += 1
         for owner, requests in by_owner.items():
             ends = [finished.get(r) for r in requests]
+            labels = [label_logits(r, end) for r, end in zip(requests, ends)]
             self._send(owner, wire.Outputs(
                 request_ids=[r.request_id for r in requests], token_ids=[news[r] for r in requests],
                 finish_reasons=[f.reason if f else None for f in ends],
                 errors=[f.error if f else None for f in ends],
                 prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests],
                 logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests],
-                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] else None for r in requests]))
+                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] else None for r in requests],
+                label_logits=labels if any(labels) else []))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
             self.counters[FINISH_COUNTERS[end.reason]] += 1
@@ -236,6 +246,13 @@ def join_logprobs(pieces: list[wire.Logprobs]) -> wire.Logprobs | None:
         return pieces[0]
     return wire.Logprobs([t for p in pieces for t in p.token_ids], [x for p in pieces for x in p.logprobs],
                          [t for p in pieces for t in p.top_ids], [x for p in pieces for x in p.top_logprobs])
+
+
+def label_logits(request: Request, end: Finished | None) -> list[list[float]]:
+    """A scored prefill's answer, in query order, once it ended well; nothing for any other request or news."""
+    if end is None or end.reason != "stop" or not request.scored:
+        return []
+    return [list(request.label_logits[position]) for position, _ in request.label_queries]
 
 
 def take(pieces: list[wire.Logprobs]) -> list[wire.Logprobs]:

@@ -52,11 +52,14 @@ class Harness:
         self._ids = itertools.count()
         self.steps = 0
 
-    def add(self, prompt: list[int], message_ends: list[int] = (), **sampling: object) -> Request:
+    def add(self, prompt: list[int], message_ends: list[int] = (),
+            label_queries: list[tuple[int, tuple[int, ...]]] = (), **sampling: object) -> Request:
+        """A request as the engine admits it; with label queries, a scored prefill (it generates nothing)."""
         params = SamplingParams(**sampling)
         request = Request(f"r{next(self._ids)}", b"test", len(prompt), list(prompt), params,
                           params.seed if params.seed is not None else 0, frozenset(params.stop_token_ids),
-                          params.max_tokens, float(next(self._ids)), message_ends=list(message_ends))
+                          0 if label_queries else params.max_tokens, float(next(self._ids)),
+                          message_ends=list(message_ends), label_queries=list(label_queries))
         self.scheduler.add(request)
         return request
 
