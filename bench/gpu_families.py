@@ -37,10 +37,10 @@ CAPACITIES = Capacities()
 CONTEXT_LIMIT = 8192
 
 
-def preset_model(preset: str, layers: int | None) -> tuple[Manifest, CausalLM]:
-    """The preset's architecture with random bf16 weights made on the GPU, on the kernel path."""
-    source = SynthSource(preset, layers, "bfloat16", 0)
-    family, config = normalised_config(source.config(), source.path, "bfloat16", source.checkpoint)
+def preset_model(preset: str, layers: int | None, dtype: str = "bfloat16") -> tuple[Manifest, CausalLM]:
+    """The preset's architecture with random weights made on the GPU, on the kernel path."""
+    source = SynthSource(preset, layers, dtype, 0)
+    family, config = normalised_config(source.config(), source.path, dtype, source.checkpoint)
     c = DecoderConfig.from_hf(family, config)
     device = torch.device("cuda")
     with torch.device("meta"):
@@ -54,25 +54,25 @@ def preset_model(preset: str, layers: int | None) -> tuple[Manifest, CausalLM]:
             weight = base + 0.1 * torch.randn(meta.shape, generator=generator, device=device)
         else:
             weight = torch.randn(meta.shape, generator=generator, device=device) * meta.shape[-1] ** -0.5
-        state[name] = weight.to(torch.bfloat16)  # at once: the float32 draws of all 48 MoE layers would not fit
+        state[name] = weight.to(getattr(torch, dtype))  # at once: the float32 draws of 48 MoE layers would not fit
     model.load_state_dict(state, strict=False, assign=True)
     if c.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.set_rope(device)
     model.use_kernels(CONTEXT_LIMIT)
-    manifest = Manifest(1, family, config, "bfloat16", [preset], source.checkpoint, CONTEXT_LIMIT, [], CAPACITIES,
+    manifest = Manifest(1, family, config, dtype, [preset], source.checkpoint, CONTEXT_LIMIT, [], CAPACITIES,
                         source.generation, {})
     return manifest, model.eval()
 
 
-def tokens() -> None:
-    say("## Greedy tokens: graph executor vs eager executor per family (bf16, random weights, 32 new tokens each)")
+def tokens(dtype: str) -> None:
+    say(f"## Greedy tokens: graph executor vs eager executor per family ({dtype}, random weights, 32 new tokens each)")
     say("| preset (layers) | prompts (lengths) | through the scheduler: equal requests | replayed plans: equal steps "
         "| eager replayed twice: equal steps |")
     say("| --- | --- | --- | --- | --- |")
     caps = CAPACITIES
     for preset, layers in FAMILIES.items():
-        _, model = preset_model(preset, layers)
+        _, model = preset_model(preset, layers, dtype)
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, model.config.vocab_size - 8, (n,), generator=generator).tolist()
                    for n in PROMPT_LENGTHS]
@@ -148,13 +148,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=argparse.FileType("w"))
     parser.add_argument("--only", nargs="*", default=["tokens", "moe"], choices=("tokens", "moe"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="weights of the token comparison (float32: GEMM algorithms that differ with a step's "
+                             "padded size no longer flip near-tied tokens)")
     parser.add_argument("--moe-layers", type=int, help="decoder layers of the Qwen3-30B-A3B sweep (default: 48)")
     args = parser.parse_args()
     started = time.monotonic()
     say(f"# GPU evidence, model families: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bandwidth = copy_bandwidth()
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
-    sections = {"tokens": tokens, "moe": lambda: moe(bandwidth, args.moe_layers)}
+    sections = {"tokens": lambda: tokens(args.dtype), "moe": lambda: moe(bandwidth, args.moe_layers)}
     for name in args.only:
         try:
             sections[name]()
