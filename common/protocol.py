@@ -34,6 +34,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
 
 
+class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Structured output: the grammar the output must follow, as the frontend validated it (DESIGN.md, Beyond
+    plain decoding). kind is an llguidance grammar format: "json_schema", "regex", "choice" (a JSON list of
+    strings), "lark" or "gbnf"; text is the schema or grammar itself."""
+
+    kind: str
+    text: str
+
+
 class Hello(_Wire, tag="hello"):
     protocol_version: int
     frontend_id: str
@@ -45,6 +54,7 @@ class Submit(_Wire, tag="submit"):
     sampling: SamplingParams
     message_ends: list[int] = []  # token positions where a chat message ends
     arrival: float = 0.0  # time.time() at the frontend
+    constraint: Constraint | None = None  # structured output; None: free text
 
 
 class Abort(_Wire, tag="abort"):

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
+from common.protocol import Constraint
+from frontend.structured import checked, json_constraint, json_schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -57,16 +59,52 @@ def check_tools(tools: list[dict]) -> list[dict] | None:
     return tools or None
 
 
-def tools_enabled(choice: object, anthropic: bool = False) -> bool:
-    """Whether tool calls are parsed. Forcing a call ("required", "any", a named tool) would need constrained
-    decoding, which this server does not do: it says so rather than return a reply that may hold no call."""
-    kind = choice.get("type") if anthropic and isinstance(choice, dict) else choice
+def tool_choice(choice: object, tools: list[dict], anthropic: bool = False) -> tuple[bool, list[dict] | None]:
+    """(whether calls are parsed from the output, the tools one of which the reply must call or None).
+    OpenAI: "auto" | "none" | "required" | {"type": "function", "function": {"name"}} (Responses: {"type":
+    "function", "name"}); Anthropic: {"type": "auto" | "none" | "any"} | {"type": "tool", "name"}."""
+    kind = choice.get("type") if isinstance(choice, dict) else choice
     if kind in (None, "auto"):
-        return True
+        return True, None
     if kind == "none":
-        return False
-    raise InvalidRequest(f"tool_choice {json.dumps(choice)[:60]} is not supported: this server cannot force a tool "
-                         f"call; use \"auto\" or \"none\"", param="tool_choice")
+        return False, None
+    if kind == ("any" if anthropic else "required"):
+        return True, tools
+    if isinstance(choice, dict) and kind == ("tool" if anthropic else "function"):
+        function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        name = function.get("name")
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        if not chosen:
+            raise InvalidRequest(f"tool_choice names tool {str(name)[:60]!r}, which is not in 'tools'",
+                                 param="tool_choice")
+        return True, chosen
+    shapes = ('{"type": "auto" | "none" | "any"} or {"type": "tool", "name": ...}' if anthropic else
+              '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+    raise InvalidRequest(f"tool_choice must be {shapes}, got {json.dumps(choice)[:60]}", param="tool_choice")
+
+
+def forced_call(tools: list[dict], all_tools: list[dict], hermes: bool) -> Constraint:
+    """The grammar of one call to one of `tools`, its arguments following that tool's parameter schema, in the
+    family's format: Hermes tags around {"name", "arguments"}, or (templates that render tools themselves without
+    those tags) Llama 3's bare {"name", "parameters"}."""
+    names = [t["function"]["name"] for t in all_tools]
+    key = "arguments" if hermes else "parameters"
+    calls = []
+    for tool in tools:
+        function = tool["function"]
+        param = f"tools[{names.index(function['name'])}].parameters"
+        json_constraint(function["parameters"], param)  # a 400 naming the tool, not the combined grammar
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", key],
+                      "properties": {"name": {"const": function["name"]}, key: function["parameters"]}})
+    schema = json_schema_text(calls[0] if len(calls) == 1 else {"anyOf": calls}, "tools")
+    body = f'"{OPEN}\\n" call "\\n{CLOSE}"' if hermes else "call"
+    return checked(Constraint("lark", f"start: {body}\ncall: %json {schema}"), "tools")
+
+
+def uses_hermes_calls(template_source: str) -> bool:
+    """Whether the family writes calls in Hermes tags: templates that know no tools are taught them (for_template),
+    and templates that render tools with them say so."""
+    return not template_supports_tools(template_source) or OPEN in template_source
 
 
 def assistant_tool_call(call_id: str, name: str, arguments: object) -> dict:

@@ -52,6 +52,9 @@ class Request:
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
     finish_reason: str | None = None
+    # Structured output: the request's llguidance matcher (engine/grammar.py), advanced on every committed token.
+    # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
+    grammar: object | None = None
 
     @property
     def outputs(self) -> int:
