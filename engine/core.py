@@ -210,10 +210,21 @@ class Engine:
                 self._start(identity, submit, future.result())
 
     def _with_masks(self, plan: Plan) -> Plan:
-        matchers = {r.slot: r.grammar for r in self.scheduler.slots if r is not None and r.grammar is not None}
-        if not matchers:
+        """The committed plan with its rows' grammar masks. A request whose matcher failed to compute one ends
+        here with the error; the step's token for it is then discarded as for any request that ended."""
+        constrained = {r.slot: r for r in self.scheduler.slots if r is not None and r.grammar is not None}
+        if not constrained:
             return plan
-        return replace(plan, masks=plan_masks(plan, matchers, mask_words(self.vocab_size), self.grammars.executor))
+        masks = plan_masks(plan, {slot: r.grammar for slot, r in constrained.items()}, mask_words(self.vocab_size),
+                           self.grammars.executor)
+        for request in constrained.values():
+            if request.grammar.is_error():
+                self._publish(StepResult([], [self._grammar_failed(request)]))
+        return replace(plan, masks=masks)
+
+    def _grammar_failed(self, request: Request) -> Finished:
+        error = request.grammar.get_error()
+        return replace(self.scheduler.cancel(request, "error"), error=f"the output grammar reached a dead end: {error}")
 
     def _advance_grammars(self, result: StepResult) -> StepResult:
         """Every committed token advances its request's matcher. A grammar that is complete ends its request
@@ -225,9 +236,7 @@ class Engine:
             matcher = request.grammar
             if not matcher.consume_token(token):
                 if request.finish_reason is None:
-                    end = self.scheduler.cancel(request, "error")
-                    result.finished.append(replace(end, error=f"the output grammar reached a dead end: "
-                                                              f"{matcher.get_error()}"))
+                    result.finished.append(self._grammar_failed(request))
             elif matcher.is_stopped() and request.finish_reason is None:
                 result.finished.append(self.scheduler.cancel(request, "stop"))
         return result

@@ -27,6 +27,9 @@ from engine.scheduler.plan import Plan
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used ones go first)
 COMPILE_THREADS = 2
+# Lexer work allowed per mask, about 70 ms at worst (the default, 200_000, is too little for the date-time format's
+# regex at some states); errors name the failure without echoing the parser state and the whole grammar.
+LIMITS = dict(step_lexer_fuel=1_000_000, verbose_errors=False)
 
 
 class GrammarError(ValueError):
@@ -69,7 +72,8 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from(spec.kind, spec.text)  # type: ignore[arg-type]
             except ValueError as exc:
                 raise GrammarError(str(exc)) from exc
-            cached = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            cached = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                          limits=llguidance.LLParserLimits(**LIMITS))
             if cached.is_error():
                 raise GrammarError(cached.get_error())
             with self._lock:
@@ -106,7 +110,8 @@ class GrammarCompiler:
 def plan_masks(plan: Plan, matchers: dict[int, llguidance.LLMatcher], words: int,
                executor: llguidance.LLExecutor) -> bytes:
     """The plan's masks: one row per plan row, all ones except sampled rows of constrained slots (`matchers` maps
-    a slot to its request's matcher). Empty when no row is constrained."""
+    a slot to its request's matcher). Empty when no row is constrained. A matcher that fails to compute its mask
+    (a parser limit) is left in its error state, for the caller to end its request."""
     constrained = [(matchers[row.slot], i) for i, row in enumerate(plan.rows) if row.sample and row.slot in matchers]
     if not constrained:
         return b""

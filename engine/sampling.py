@@ -90,9 +90,12 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     keep = rank < top_k
     keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < params.top_p[:, None]
     keep &= sorted_probs >= params.min_p[:, None] * sorted_probs[:, :1]
+    keep &= sorted_probs > 0  # a masked-out token has no chance, however the noise falls
     keep[:, 0] = True
     noise = exponential_noise(params.seed, params.position, vocab).gather(1, order)
-    choice = (sorted_probs * keep / noise).argmax(dim=-1, keepdim=True)
+    # Noise can be exactly 0 in float32 (a uniform draw rounds to 1.0): 0 / 0 would be NaN, which argmax picks, so
+    # dropped tokens score -1 rather than p / noise.
+    choice = torch.where(keep, sorted_probs / noise, -1.0).argmax(dim=-1, keepdim=True)
     drawn = order.gather(1, choice).squeeze(1)
     return torch.where(params.temperature > 0, drawn, greedy)
 
