@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     telemetry_address = protocol.telemetry_address(args.listen)
     telemetry_socket.bind(telemetry_address)
     telemetry = EngineTelemetry(telemetry_socket, f"engine-{uuid.uuid4().hex[:8]}")
-    grammars = GrammarCompiler((args.core / "tokenizer.json").read_text(), model.config.vocab_size,
-                               manifest.eos_token_ids)
+    tokenizer = args.core / "tokenizer.json"  # a core without one serves token ids only: no structured output
+    grammars = GrammarCompiler(tokenizer.read_text(), model.config.vocab_size, manifest.eos_token_ids) \
+        if tokenizer.is_file() else None
     engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address,
                     grammars)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
         status = GROUP_FAILED
     finally:
         executor.close()
-        grammars.close()
+        if grammars is not None:
+            grammars.close()
         socket.close()
         telemetry_socket.close()
         context.term()

@@ -38,7 +38,7 @@ def checked(constraint: Constraint, param: str) -> Constraint:
     and malformed grammars are a 400 that names the field."""
     try:
         error, messages = LLMatcher.validate_grammar_with_warnings(grammar_from(constraint.kind, constraint.text))
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # the library's own exceptions for what it cannot read at all
         error, messages = True, [str(exc)]
     if error:
         detail = messages[0].strip() if messages else "invalid"
