@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import select
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch
 from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec, mask_words, plan_masks
 from engine.sampling import SamplingTensors, apply_token_mask, exponential_noise, sample
 from frontend.structured import json_schema_text
-from tests.engine_harness import Harness, tiny_model
+from tests.engine_harness import Harness, run_split, tiny_model
 from tests.test_engine import reference_greedy
 
 ZERO_NOISE = (79372, 275)  # (seed, token): exponential_noise at position 0 is exactly 0.0 in float32
@@ -89,39 +88,13 @@ def model():
     return tiny_model()
 
 
-def run_split(harness: Harness, constrained: set, allowed_token: int | None = None) -> list[tuple[set, set]]:
-    """Run the harness as the engine loop does; masks (when `allowed_token` is set) allow only that token for
-    constrained rows. Returns, per submitted plan, (slots in it, slots of every step then in flight)."""
-    steps, in_flight = [], []
-    vocab = harness.executor.output_counts.shape[1]
-    while harness.scheduler.has_work():
-        while harness.executor.can_submit() and (plan := harness.scheduler.plan()) is not None:
-            harness.scheduler.commit(plan, harness.executor.next_fence())
-            rows = {r.slot for r in plan.rows}
-            steps.append((rows, set().union(*in_flight) if in_flight else set()))
-            in_flight.append(rows)
-            if allowed_token is not None and any(harness.scheduler.slots[s] in constrained for s in rows):
-                masks = np.full((len(plan.rows), mask_words(vocab)), -1, dtype=np.int32)
-                for i, row in enumerate(plan.rows):
-                    if harness.scheduler.slots[row.slot] in constrained:
-                        masks[i] = 0
-                        masks[i, allowed_token // 32] = np.int32(np.uint32(1 << allowed_token % 32))
-                plan = replace(plan, masks=masks.tobytes())
-            harness.executor.submit(plan)
-        select.select([harness.executor.wake_fd], [], [], 5)
-        for plan, completion in harness.executor.poll():
-            in_flight.pop(0)
-            harness.scheduler.complete(completion, plan)
-    return steps
-
-
 def test_constrained_requests_wait_for_their_token_while_free_ones_keep_two_steps_in_flight(model) -> None:
     harness = Harness(model)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     free = harness.add(prompts[0], temperature=0.0, max_tokens=12)
     constrained = harness.add(prompts[1], temperature=1.0, seed=3, max_tokens=12)
     constrained.grammar = object()  # the scheduler only asks whether there is one
-    steps = run_split(harness, {constrained}, allowed_token=42)
+    steps = run_split(harness, {constrained}, model.config.vocab_size, allowed_token=42)
     assert constrained.tokens[len(prompts[1]):] == [42] * 12  # the masks reached sampling
     assert free.tokens[len(prompts[0]):] == reference_greedy(model, prompts[0], 12)  # unchanged by its neighbour
     slot = constrained.slot
