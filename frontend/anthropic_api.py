@@ -21,7 +21,7 @@ from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import sampling_params
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
-from frontend.structured import one_of, response_format
+from frontend.structured import after_reasoning, one_of, response_format
 from frontend.tool_parsers import forced_call
 from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tool_choice
 
@@ -150,6 +150,8 @@ async def encode(frontend: Frontend, body: dict
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     extra = {"enable_thinking": thinking} if frontend.model.reasons else {}
     encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, extra, prefill)
+    if frontend.model.reasons:
+        constraint = after_reasoning(constraint, encoded.opens_reasoning)
     return encoded, tools, parse, thinking, constraint
 
 

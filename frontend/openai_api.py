@@ -22,7 +22,7 @@ from frontend.sampling import choice_params, requested_max_tokens, sampling_para
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
 from frontend.model import ServedModel
-from frontend.structured import extension, one_of, response_format
+from frontend.structured import after_reasoning, extension, one_of, response_format
 from frontend.tool_parsers import forced_call
 from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tool_choice
 
@@ -211,6 +211,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
                                      template_kwargs(body), continue_final)
     ids = encoded.ids
+    constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     params = sampling_params(frontend.model, body, len(ids),
                              requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")

@@ -23,6 +23,7 @@ from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import requested_max_tokens, sampling_params, top_logprobs
 from frontend.server import frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
+from frontend.structured import after_reasoning
 from frontend.tools import ToolCall, assistant_tool_call
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -247,6 +248,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     tools, parse_tools, forced = request_tools(body, True, frontend.model)
     constraint = output_constraint(body, forced, "text.format", text_format, flat=True)
     encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {})
+    constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     max_tokens = requested_max_tokens(body, "max_output_tokens")
     params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens, logprobs=logprobs)
     arrival = time.time()

@@ -6,6 +6,10 @@ Fields: OpenAI `response_format` (chat, completions) and Responses `text.format`
 forced tool calls (tools.py builds their grammar); and the extension field `structured_outputs`, as vLLM names
 it: exactly one of {"json": schema, "regex": str, "choice": [str, ...], "grammar": EBNF/GBNF/Lark str}.
 
+A model that reasons (`<think>…</think>`, frontend/reasoning.py) reasons freely first: `after_reasoning` wraps the
+constraint in an llguidance grammar whose answer part is the original grammar, so the grammar applies after the
+reasoning part.
+
 JSON is generated compactly (", " and ": " separators, no other whitespace) unless the schema's own
 "x-guidance" options say otherwise: free whitespace lets a small model pad forever instead of answering.
 """
@@ -13,11 +17,13 @@ JSON is generated compactly (", " and ": " separators, no other whitespace) unle
 from __future__ import annotations
 
 import json
+import re
 
 from llguidance import LLMatcher, grammar_from
 
 from common.errors import InvalidRequest
 from common.protocol import Constraint
+from frontend import reasoning
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EXTENSION = "structured_outputs"
@@ -108,3 +114,19 @@ def one_of(*constraints: tuple[str, Constraint | None]) -> Constraint | None:
     if len(given) > 1:
         raise InvalidRequest(f"'{given[0][0]}' and '{given[1][0]}' cannot be combined", param=given[1][0])
     return given[0][1] if given else None
+
+
+def after_reasoning(constraint: Constraint | None, opened: bool) -> Constraint | None:
+    """The constraint behind a free reasoning part: required and already open when the prompt opened `<think>`
+    (`opened`), otherwise optional (the reply may open it, or answer at once). Whitespace after the reasoning is
+    formatting (the reply parser drops it)."""
+    if constraint is None:
+        return None
+    grammar = grammar_from(constraint.kind, constraint.text)
+    answer = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
+    answer[0] = {**answer[0], "name": "answer"}
+    # A lazy lexeme ends at the first match of its whole regex, so the closing tag belongs inside it.
+    close = re.escape(reasoning.CLOSE).replace("/", "\\/")
+    thought = f"thought[lazy]: /(?s:.*){close}/\nws: /[ \\t\\r\\n]*/"
+    start = "start: thought ws @answer" if opened else f"start: ({json.dumps(reasoning.OPEN)} thought ws)? @answer"
+    return Constraint("llguidance", json.dumps({"grammars": [{"lark_grammar": f"{start}\n{thought}"}, *answer]}))

@@ -116,3 +116,19 @@ def test_plan_masks_fill_only_constrained_sampled_rows(compiler) -> None:
     texts = {compiler.tokenizer.decode_str([int(t)]) for t in allowed}
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
     assert plan_masks(Plan(rows), {}, words, compiler.executor) == b""
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_the_grammar_applies_after_the_reasoning_part(compiler, opened: bool) -> None:
+    """A reasoning model's constraint (frontend/structured.py after_reasoning) as the engine compiles it."""
+    from frontend.structured import after_reasoning, json_constraint
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = after_reasoning(json_constraint(schema, "schema"), opened)
+    replies = {'let me see: {"a": 1} is wrong </think>\n\n{"a": 12}': opened,
+               '<think>short</think>{"a": 12}': True, '{"a": 12}': not opened,
+               'thinking</think>{"b": 1}': False, '<think>never closed {"a": 12}': False}
+    for reply, valid in replies.items():
+        matcher = compiler.compile(GrammarSpec(spec.kind, spec.text))
+        accepted = matcher.consume_tokens(compiler.tokenizer.tokenize_str(reply)) and matcher.is_accepting()
+        assert accepted == valid, reply
