@@ -41,6 +41,15 @@ class LabelQuery(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     token_ids: list[int]
 
 
+class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Structured output: the grammar the output must follow, as the frontend validated it (DESIGN.md, Beyond
+    plain decoding). kind is an llguidance grammar format: "json_schema", "regex", "choice" (a JSON list of
+    strings), "lark" or "gbnf"; text is the schema or grammar itself."""
+
+    kind: str
+    text: str
+
+
 class Hello(_Wire, tag="hello"):
     protocol_version: int
     frontend_id: str
@@ -55,6 +64,7 @@ class Submit(_Wire, tag="submit"):
     # A scored prefill (decisions): no token is sampled; the request ends once its prompt is computed, and its
     # Outputs carry the logits of each query's label tokens, in query order.
     label_queries: list[LabelQuery] = []
+    constraint: Constraint | None = None  # structured output; None: free text
 
 
 class Abort(_Wire, tag="abort"):

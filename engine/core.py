@@ -12,6 +12,7 @@ import zmq
 
 from common import protocol as wire
 from engine.executor.base import Executor
+from engine.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
 from engine.scheduler.plan import Plan
 from engine.telemetry import EngineTelemetry
 from engine.scheduler.request import Request
@@ -27,7 +28,8 @@ MAX_LABELS = 256  # label token ids one query of a scored prefill reads
 
 class Engine:
     def __init__(self, card: wire.ModelCard, executor: Executor, scheduler: RequestScheduler,
-                 vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str) -> None:
+                 vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.card = card
         self.executor = executor
         self.scheduler = scheduler
@@ -44,23 +46,28 @@ class Engine:
         self._steps_in_flight = 0
         self._seed = random.SystemRandom()
         self._last_heartbeat = 0.0
+        self.grammars = grammars  # None: structured output is refused (no tokenizer for the grammar engine)
+        self._compiling: dict[str, tuple[bytes, wire.Submit]] = {}  # request id -> submit awaiting its grammar
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.executor.wake_fd, zmq.POLLIN)
+        if self.grammars is not None:
+            poller.register(self.grammars.wake_fd, zmq.POLLIN)
         while not (self.stopping and self._steps_in_flight == 0):
             self._ingest()
+            self._admit_compiled()
             for plan, completion in self.executor.poll():
                 self._steps_in_flight -= 1
                 if completion.error is None:
                     self.telemetry.observe_step(plan, completion.duration)
-                self._publish(self.scheduler.complete(completion, plan))
+                self._publish(self._advance_grammars(self.scheduler.complete(completion, plan)))
             while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
                 self._count_start(plan)
                 self.scheduler.commit(plan, self.executor.next_fence())
-                self.executor.submit(plan)
+                self.executor.submit(self._with_masks(plan))
                 self._steps_in_flight += 1
             self._heartbeat()
             self.telemetry.maybe_publish(self.scheduler)
@@ -94,6 +101,9 @@ class Engine:
         self.stopping = True
         for request in [r for r in self.scheduler.slots if r is not None] + list(self.scheduler.waiting):
             self._publish(StepResult([], [replace(self.scheduler.cancel(request, reason), error=error)]))
+        for request_id, (identity, _) in list(self._compiling.items()):
+            self._send(identity, wire.Rejected(request_id, 503, "the engine is shutting down"))
+        self._compiling.clear()
 
     # --- intake -------------------------------------------------------------------------------------------------
     def _ingest(self) -> None:
@@ -127,6 +137,14 @@ class Engine:
             self._send(identity, rejection)
             self.counters["rejections"] += 1
             return
+        if submit.constraint is not None:  # admitted once its grammar has compiled, off the loop
+            self._compiling[submit.request_id] = (identity, submit)
+            self._owned[identity].add(submit.request_id)
+            self.grammars.submit(submit.request_id, GrammarSpec(submit.constraint.kind, submit.constraint.text))
+            return
+        self._start(identity, submit, None)
+
+    def _start(self, identity: bytes, submit: wire.Submit, grammar: object | None) -> None:
         params = submit.sampling
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                       else frozenset(self.card.eos_token_ids))
@@ -137,7 +155,8 @@ class Engine:
             stop_ids=stop_ids, max_outputs=0 if submit.label_queries else
             min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
             arrival=time.monotonic(), message_ends=list(submit.message_ends),
-            label_queries=[(q.position, tuple(q.token_ids)) for q in submit.label_queries])
+            label_queries=[(q.position, tuple(q.token_ids)) for q in submit.label_queries],
+            grammar=grammar)
         request.last_commit = request.arrival
         self.scheduler.add(request)
         self._owned[identity].add(request.request_id)
@@ -173,12 +192,71 @@ class Engine:
                     min(query.token_ids) < 0 or max(query.token_ids) >= self.vocab_size:
                 return reject(400, f"a label query reads 1 to {MAX_LABELS} token ids in [0, {self.vocab_size}) at a "
                                    f"prompt position in [0, {len(submit.prompt)})")
-        if self.scheduler.get(submit.request_id) is not None:
+        if self.scheduler.get(submit.request_id) is not None or submit.request_id in self._compiling:
             return reject(400, f"request id {submit.request_id!r} is already in use")
+        if submit.constraint is not None and self.grammars is None:
+            return reject(400, "structured output is not available: this engine has no grammar engine")
         return None
+
+    # --- structured output (engine/grammar.py) ------------------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        if self.grammars is None:
+            return
+        for request_id, future in self.grammars.take_done():
+            identity, submit = self._compiling.pop(request_id, (None, None))
+            if submit is None:
+                continue  # aborted while compiling
+            error = future.exception()
+            if error is not None:
+                self._owned[identity].discard(request_id)
+                self.counters["rejections"] += 1
+                self._send(identity, wire.Rejected(request_id, 400, f"the output grammar does not compile: {error}"))
+            elif self.draining:
+                self._owned[identity].discard(request_id)
+                self._send(identity, wire.Rejected(request_id, 503, "the engine is draining and admits no new "
+                                                                    "requests"))
+            else:
+                self._owned[identity].discard(request_id)
+                self._start(identity, submit, future.result())
+
+    def _with_masks(self, plan: Plan) -> Plan:
+        """The committed plan with its rows' grammar masks. A request whose matcher failed to compute one ends
+        here with the error; the step's token for it is then discarded as for any request that ended."""
+        constrained = {r.slot: r for r in self.scheduler.slots if r is not None and r.grammar is not None}
+        if not constrained:
+            return plan
+        masks = plan_masks(plan, {slot: r.grammar for slot, r in constrained.items()}, mask_words(self.vocab_size),
+                           self.grammars.executor)
+        for request in constrained.values():
+            if request.grammar.is_error():
+                self._publish(StepResult([], [self._grammar_failed(request)]))
+        return replace(plan, masks=masks)
+
+    def _grammar_failed(self, request: Request) -> Finished:
+        error = request.grammar.get_error()
+        return replace(self.scheduler.cancel(request, "error"), error=f"the output grammar reached a dead end: {error}")
+
+    def _advance_grammars(self, result: StepResult) -> StepResult:
+        """Every committed token advances its request's matcher. A grammar that is complete ends its request
+        ("stop"); a token the matcher refuses (only possible if the mask was overridden, e.g. min_tokens banning
+        the end of sequence a complete grammar needs) ends it with an error, never a hang."""
+        for request, token, _ in result.tokens:
+            if request.grammar is None or token in request.stop_ids and request.finish_reason == "stop":
+                continue
+            matcher = request.grammar
+            if not matcher.consume_token(token):
+                if request.finish_reason is None:
+                    result.finished.append(self._grammar_failed(request))
+            elif matcher.is_stopped() and request.finish_reason is None:
+                result.finished.append(self.scheduler.cancel(request, "stop"))
+        return result
 
     def _abort(self, identity: bytes, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            if self._compiling.get(request_id, (None,))[0] == identity:
+                del self._compiling[request_id]
+                self._owned[identity].discard(request_id)
+                continue
             request = self.scheduler.get(request_id)
             if request is not None and request.owner == identity:
                 self._publish(StepResult([], [self.scheduler.cancel(request)]))

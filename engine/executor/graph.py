@@ -8,11 +8,13 @@ waits for the device. The sampled token of each slot stays on the device, where 
 
 Graphs: one per decode capacity (1, 2, 4, ... max_active) and one per extend capacity (64-token steps up to 512,
 then 256-token steps, up to the prefill chunk plus a decode row per slot), so prefill and mixed steps are graphs
-too; one sampling graph per sequence capacity, greedy and random. Scored prefills (decisions) run in the extend
-graphs: the logits of a row's last token are in the logits buffer, and one gather by flat index, uploaded with the
-step, reads their labels' (engine/executor/label_scores.py). Steps that ask for penalties, logprobs or prompt
-logprobs, label logits anywhere but at a row's last token, and plans no graph holds, run eagerly on the model stream
-through EagerExecutor's step (the reference semantics), synchronously: these are the exceptions, not the hot path.
+too; one sampling graph per sequence capacity, greedy and random, each with and without grammar masks (a
+constrained step uploads its packed masks beside its frame and launches the masked variant). Scored prefills
+(decisions) run in the extend graphs: the logits of a row's last token are in the logits buffer, and one gather by
+flat index, uploaded with the step, reads their labels' (engine/executor/label_scores.py). Steps that ask for
+penalties, logprobs or prompt logprobs, label logits anywhere but at a row's last token, and plans no graph holds,
+run eagerly on the model stream through EagerExecutor's step (the reference semantics), synchronously: these are the
+exceptions, not the hot path.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ class GraphExecutor:
         self._label_index = torch.zeros(self._max_labels, dtype=torch.int64, device=device)
         self._label_dev = [torch.zeros(self._max_labels, device=device) for _ in range(MAX_IN_FLIGHT)]
         self._label_host = [torch.zeros(self._max_labels).pin_memory() for _ in range(MAX_IN_FLIGHT)]
+        mask_shape = tuple(self._buffers.masks.shape)
+        self._masks_host = [torch.zeros(mask_shape, dtype=torch.int32).pin_memory() for _ in range(MAX_IN_FLIGHT)]
         self._model_stream = torch.cuda.Stream(device)
         self._copy_stream = torch.cuda.Stream(device)
         self._start = [runtime.eventCreate() for _ in range(MAX_IN_FLIGHT)]
@@ -146,8 +150,9 @@ class GraphExecutor:
         samplers = {layout.seqs: layout for layout in layouts}
         steps = [(layout, lambda layout=layout: model_step(self.model, self.kv_cache, self._buffers, layout,
                                                            self.page_size)) for layout in layouts]
-        steps += [((seqs, greedy), lambda layout=layout, greedy=greedy: sample_step(self._buffers, layout, greedy))
-                  for seqs, layout in samplers.items() for greedy in (True, False)]
+        steps += [((seqs, greedy, masked), lambda layout=layout, greedy=greedy, masked=masked:
+                   sample_step(self._buffers, layout, greedy, masked))
+                  for seqs, layout in samplers.items() for greedy in (True, False) for masked in (False, True)]
         steps.sort(key=lambda step: -(step[0].tokens if isinstance(step[0], Layout) else step[0][0]))
         scratch = np.zeros(self._buffers.frame.numel(), dtype=np.int32)
         for key, run in steps:
@@ -256,8 +261,12 @@ class GraphExecutor:
         rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
         rt.eventRecord(self._start[k], model)
         rt.memcpyAsync(self._buffers.frame.data_ptr(), self._host[k].data_ptr(), words * 4, H2D, model)
+        if plan.masks:  # grammar masks, one row per plan row; rows past the plan are padding and sample nothing
+            self._masks_host[k].numpy().reshape(-1)[:len(plan.masks) // 4] = np.frombuffer(plan.masks, np.int32)
+            rt.memcpyAsync(self._buffers.masks.data_ptr(), self._masks_host[k].data_ptr(), len(plan.masks), H2D,
+                           model)
         rt.graphLaunch(self._exec[layout], model)
-        rt.graphLaunch(self._exec[(seqs, greedy)], model)
+        rt.graphLaunch(self._exec[(seqs, greedy, bool(plan.masks))], model)
         labels = self._gather_labels(plan, k) if any(row.scores for row in plan.rows) else ()
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)

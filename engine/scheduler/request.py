@@ -55,6 +55,9 @@ class Request:
     # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
     label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     label_logits: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # Structured output: the request's llguidance matcher (engine/grammar.py), advanced on every committed token.
+    # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
+    grammar: object | None = None
 
     @property
     def scored(self) -> bool:

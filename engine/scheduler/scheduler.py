@@ -185,8 +185,10 @@ class RequestScheduler:
                 request.phase = Phase.DECODE
 
     def _decode_candidates(self) -> list[Request]:
+        """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
+        (its mask depends on that step's token), while free ones keep a second step in flight."""
         return [r for r in self.slots if r is not None and r.phase is Phase.DECODE
-                and r.outputs_scheduled < r.max_outputs]
+                and r.outputs_scheduled < r.max_outputs and not (r.grammar is not None and r.in_flight)]
 
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is Phase.PREFILL]
