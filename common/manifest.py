@@ -8,6 +8,7 @@ from pathlib import Path
 import msgspec
 
 from common.errors import CoreError
+from common.vision import ImageProcessing
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -44,6 +45,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True):
     files: dict[str, str]  # relative path -> SHA-256 hex
     bos_token_id: int | None = None
     created: int = 0  # unix time of export
+    vision: ImageProcessing | None = None  # a vision core's image settings; None: text only
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:
