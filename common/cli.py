@@ -99,9 +99,12 @@ def run(args: argparse.Namespace) -> int:
                                                 engine_commands(args.core, address, args.tp, args.device))))
     frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
                      "--port", str(args.port)]
-    for flag in ("api_key", "capacity", "body_limit", "workers"):
+    for flag in ("api_key", "capacity", "body_limit", "workers", "max_images", "max_image_bytes",
+                 "max_image_pixels", "media_timeout"):
         if getattr(args, flag) is not None:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.allowed_media_domains:
+        frontend_args += ["--allowed-media-domains", *args.allowed_media_domains]
     frontends = [spawn(frontend_args, output) for _ in range(args.frontends)]
     children = {**engines, **{f"frontend {i}": f for i, f in enumerate(frontends)}}
     stop = False
@@ -160,6 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--body-limit", type=int, help="largest request body in bytes (frontend default 32 MiB)")
     run_parser.add_argument("--workers", type=int, help="template/tokenizer threads per frontend (default 2)")
     run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket)")
+    run_parser.add_argument("--allowed-media-domains", nargs="*", help="domains remote image URLs may name "
+                                                                        "(default: none, data: URLs only)")
+    run_parser.add_argument("--max-images", type=int, help="images per request (frontend default 16)")
+    run_parser.add_argument("--max-image-bytes", type=int, help="encoded bytes per image (frontend default 16 MiB)")
+    run_parser.add_argument("--max-image-pixels", type=int, help="decoded pixels per image (frontend default 32M)")
+    run_parser.add_argument("--media-timeout", type=float, help="seconds to fetch a remote image (default 10)")
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,
                                   help="the engine's request address, as given to flare-engine --listen")

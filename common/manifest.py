@@ -12,7 +12,7 @@ from common.vision import ImageProcessing
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3_vl")
 
 
 class Capacities(msgspec.Struct, forbid_unknown_fields=True):

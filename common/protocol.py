@@ -39,12 +39,22 @@ class Hello(_Wire, tag="hello"):
     frontend_id: str
 
 
+class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One prepared image of a prompt (DESIGN.md, Images): its placeholder tokens start at `offset`."""
+
+    identity: bytes  # BLAKE2b-128 of the source bytes and the processor settings (common.vision)
+    offset: int  # prompt position of its first placeholder token
+    grid: list[int]  # (t, h, w) in patches
+    patches: bytes  # float32 rows of (3 * temporal * patch * patch), t*h*w of them
+
+
 class Submit(_Wire, tag="submit"):
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
     message_ends: list[int] = []  # token positions where a chat message ends
     arrival: float = 0.0  # time.time() at the frontend
+    images: list[ImageInput] = []  # in prompt order
 
 
 class Abort(_Wire, tag="abort"):

@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from common.errors import InvalidRequest
+from common.protocol import ImageInput
 from frontend.errors_render import anthropic_error_event, as_flare_error
 from frontend.generation import Delta, Finish, GenerationRequest, merge, with_tool_calls
+from frontend.image_inputs import content_of, encode_chat, image_part, text_part
 from frontend.models_api import requested_model
 from frontend.params import get_bool, get_int, get_stop
 from frontend.sampling import sampling_params
@@ -20,7 +22,7 @@ from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
 from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
 
-UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload")
 
 
 def text_of(content: object, where: str) -> str:
@@ -31,6 +33,17 @@ def text_of(content: object, where: str) -> str:
                                          and isinstance(b.get("text"), str) for b in content):
         return "".join(b["text"] for b in content)
     raise InvalidRequest(f"{where} must be a string or a list of text blocks", param=where.split("[")[0])
+
+
+def image_source_url(source: object, where: str) -> str:
+    """An image block's source as a URL: base64 becomes a data: URL (its media type checked with the bytes)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise InvalidRequest(f"{where} must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                         f"{{\"type\": \"url\", \"url\"}}", param="messages")
 
 
 def conversation(body: dict) -> list[dict]:
@@ -55,12 +68,14 @@ def conversation(body: dict) -> list[dict]:
         if not isinstance(content, list) or not content:
             raise InvalidRequest(f"{where}.content must be a string or a non-empty list of content blocks",
                                  param="messages")
-        texts, calls, results = [], [], []
+        parts, calls, results = [], [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
+                parts.append(text_part(block["text"]))
+            elif kind == "image" and role == "user":
+                parts.append(image_part(image_source_url(block.get("source"), f"{at}.source")))
             elif kind == "tool_use" and role == "assistant" and isinstance(block.get("id"), str) \
                     and isinstance(block.get("name"), str) and isinstance(block.get("input"), dict):
                 calls.append(assistant_tool_call(block["id"], block["name"], block["input"]))
@@ -76,8 +91,8 @@ def conversation(body: dict) -> list[dict]:
                 raise InvalidRequest(f"{at}: invalid or unknown block for a {role} message "
                                      f"(type {str(kind)[:40]!r})", param="messages")
         result += results
-        if texts or calls or not results:
-            turn = {"role": role, "content": "".join(texts)}
+        if parts or calls or not results:
+            turn = {"role": role, "content": content_of(parts)}
             if calls:
                 turn["tool_calls"] = calls
             result.append(turn)
@@ -109,14 +124,15 @@ def unsupported_features(body: dict) -> None:
         raise InvalidRequest("output_config.format: structured output is not supported", param="output_config")
 
 
-async def encode(frontend: Frontend, body: dict) -> tuple[list[int], list[int], list[dict] | None, bool, bool]:
-    """Token ids, message ends, tools, whether calls are parsed, and whether a prefill is continued."""
+async def encode(frontend: Frontend, body: dict
+                 ) -> tuple[list[int], list[int], list[ImageInput], list[dict] | None, bool, bool]:
+    """Token ids, message ends, images, tools, whether calls are parsed, and whether a prefill is continued."""
     messages = conversation(body)
     tools, parse = anthropic_tools(body)
     unsupported_features(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
-    ids, ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {}, prefill)
-    return ids, ends, tools, parse, prefill
+    ids, ends, images = await encode_chat(frontend, messages, tools, True, {}, prefill)
+    return ids, ends, images, tools, parse, prefill
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -155,9 +171,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:
         raise InvalidRequest("max_tokens: field required", param="max_tokens")
     stream = get_bool(body, "stream", False)
-    ids, ends, tools, parse, _ = await encode(frontend, body)
+    ids, ends, images, tools, parse, _ = await encode(frontend, body)
     params = sampling_params(frontend.model, body, len(ids), max_tokens)
-    generation = GenerationRequest(ids, params, get_stop(body, "stop_sequences"), ends, time.time())
+    generation = GenerationRequest(ids, params, get_stop(body, "stop_sequences"), ends, time.time(), images)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name,
                "content": []}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import ExecutionFailed
-from common.protocol import Logprobs, SamplingParams, Submit
+from common.protocol import ImageInput, Logprobs, SamplingParams, Submit
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from frontend.engine_client import EngineClient
 from frontend.metrics import RequestTimer
@@ -26,6 +26,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     message_ends: list[int] = field(default_factory=list)
     arrival: float = 0.0
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
     """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
     request_id = uuid.uuid4().hex
     queue = await client.submit(Submit(request_id, request.prompt_ids, request.sampling, request.message_ends,
-                                       request.arrival))
+                                       request.arrival, request.images))
     detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids)
     stops = StopMatcher(request.stop)
     hidden_ids = set(request.sampling.stop_token_ids)

@@ -17,6 +17,7 @@ from frontend.generation import Delta, Finish, GenerationRequest, merge, with_to
 from frontend.logprobs import TokenLogprob, token_logprobs, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
+from frontend.image_inputs import encode_chat
 from frontend.openai_api import message_text, request_tools, text_format
 from frontend.params import get_bool, get_stop, get_str
 from frontend.sampling import requested_max_tokens, sampling_params, top_logprobs
@@ -51,7 +52,7 @@ def input_messages(body: dict) -> list[dict]:
             if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {str(item.get('role'))[:40]!r}",
                                      param="input")
-            content = message_text(item.get("content"), where)
+            content = message_text(item.get("content"), where, images=item["role"] == "user")
             if content is None:
                 raise InvalidRequest(f"{where}.content is required", param="input")
             messages.append({"role": ROLES[item["role"]], "content": content})
@@ -198,7 +199,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         raise InvalidRequest("'metadata' must be an object", param="metadata")
     stream = get_bool(body, "stream", False)
     tools, parse_tools = request_tools(body, flat=True)
-    ids, message_ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {})
+    ids, message_ends, images = await encode_chat(frontend, messages, tools, True, {})
     max_tokens = requested_max_tokens(body, "max_output_tokens")
     params = sampling_params(frontend.model, body, len(ids), max_tokens, logprobs=logprobs)
     arrival = time.time()
@@ -211,7 +212,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "tools": [{"type": "function", **t["function"]} for t in tools or []], "usage": None,
             "metadata": metadata}
     builder = ResponseBuilder(frontend.model, base, logprobs is not None)
-    generation = GenerationRequest(ids, params, get_stop(body, "stop"), message_ends, arrival)
+    generation = GenerationRequest(ids, params, get_stop(body, "stop"), message_ends, arrival, images)
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
         events = with_tool_calls(events, tools if parse_tools else None)
         if stream:

@@ -21,6 +21,7 @@ from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Mani
 from common.manifest import write_manifest
 from ignition.gguf_source import GgufSource
 from ignition.hf_source import HfSource, token_ids
+from ignition.qwen3_vl import MODEL_TYPE as QWEN3_VL, image_processing, qwen3_vl_config, qwen3_vl_shapes
 from ignition.template_marks import annotate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,7 +88,8 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
               disable=None) as bar:
         bar.set_postfix_str("config")
         raw = source.config()
-        config = llama_config(raw, source.config_file, dtype, source.checkpoint)
+        family_config = qwen3_vl_config if raw.get("model_type") == QWEN3_VL else llama_config
+        config = family_config(raw, source.config_file, dtype, source.checkpoint)
         bar.update()
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
@@ -107,21 +109,24 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
 
 def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], config: dict[str, object],
               dtype: str, eos_ids: list[int], staging: Path) -> Manifest:
+    vision = config.get("model_type") == QWEN3_VL
+    positions = config["text_config"]["max_position_embeddings"] if vision else config["max_position_embeddings"]
     try:
         return Manifest(
             format_version=FORMAT_VERSION,
-            architecture="llama",
+            architecture=QWEN3_VL if vision else "llama",
             config=config,
             dtype=dtype,
             served_names=list(options.served_names) or source.default_names,
             checkpoint=source.checkpoint,
-            context_limit=min(int(config["max_position_embeddings"]), options.context_limit or sys.maxsize),
+            context_limit=min(int(positions), options.context_limit or sys.maxsize),
             eos_token_ids=_unique(eos_ids + source.generation_eos_ids + token_ids(raw.get("eos_token_id"))),
             bos_token_id=raw["bos_token_id"] if isinstance(raw.get("bos_token_id"), int) else None,
             capacities=Capacities(),
             generation=source.generation,
             files={file.name: sha256_file(file) for file in sorted(staging.iterdir())},
             created=int(time.time()),
+            vision=image_processing(source.preprocessor, config, source.preprocessor_file) if vision else None,
         )
     except ValueError as exc:  # the Manifest's own checks
         raise CoreError(f"{source.path}: cannot make a valid manifest: {exc}") from None
@@ -187,7 +192,7 @@ def expected_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
 def _write_files(source: Source, config: dict[str, object], dtype: torch.dtype, staging: Path,
                  bar: tqdm) -> list[int]:
     """Write tokenizer, annotated template and weights into `staging`; return the tokenizer's EOS ids."""
-    shapes = expected_shapes(config)
+    shapes = qwen3_vl_shapes(config) if config.get("model_type") == QWEN3_VL else expected_shapes(config)
     weights: dict[str, torch.Tensor] = {}
     bar.set_postfix_str("tokenizer")
     eos_ids = source.write_tokenizer(staging / TOKENIZER_NAME)
@@ -199,7 +204,7 @@ def _write_files(source: Source, config: dict[str, object], dtype: torch.dtype, 
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in shapes):
             continue  # recomputed by the engine / a tied copy of the embeddings
         if name not in shapes:
-            raise CoreError(f"{source.path}: unexpected tensor {name} for a llama model")
+            raise CoreError(f"{source.path}: unexpected tensor {name} for a {config.get('model_type')} model")
         if tuple(tensor.shape) != shapes[name]:
             raise CoreError(f"{source.path}: {name} has shape {tuple(tensor.shape)}, "
                             f"the config says {shapes[name]}")

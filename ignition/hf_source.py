@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen3_vl")
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -44,6 +44,8 @@ class HfSource:
         except msgspec.ValidationError as exc:
             raise CoreError(f"{path / 'generation_config.json'}: {exc}") from None
         self.generation_eos_ids = token_ids(generation.get("eos_token_id"))
+        self.preprocessor_file = path / "preprocessor_config.json"  # a vision checkpoint's image processor
+        self.preprocessor = _read_json(self.preprocessor_file, required=model_type == "qwen3_vl")
         self._shards = self._find_shards()
 
     @property
