@@ -80,6 +80,16 @@ def stop_all(frontends: list[subprocess.Popen], engines: list[subprocess.Popen])
             engine.kill()
 
 
+# `flare run` flags that every engine rank receives as they are.
+ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_fraction", "dtype")
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
+             if getattr(args, name) is not None]
+    return flags + (["--eager"] if args.eager else [])
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         manifest = load_manifest(args.core)
@@ -96,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     relay = OutputRelay() if sys.stderr.isatty() else None
     output = relay.write_fd if relay else None
     engines = dict(zip(engine_names(args.tp), (spawn(command, output) for command in
-                                                engine_commands(args.core, address, args.tp, args.device))))
+                                                engine_commands(args.core, address, args.tp, args.device,
+                                                                engine_flags(args)))))
     frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
                      "--port", str(args.port)]
     for flag in ("api_key", "capacity", "body_limit", "workers", "max_images", "max_image_bytes",
@@ -169,6 +180,15 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--max-image-bytes", type=int, help="encoded bytes per image (frontend default 16 MiB)")
     run_parser.add_argument("--max-image-pixels", type=int, help="decoded pixels per image (frontend default 32M)")
     run_parser.add_argument("--media-timeout", type=float, help="seconds to fetch a remote image (default 10)")
+    engine_group = run_parser.add_argument_group("engine capacities (default: sized from the device's memory on a "
+                                                 "GPU, the core's recipe on the CPU)")
+    engine_group.add_argument("--max-active", type=int, help="live request slots per engine")
+    engine_group.add_argument("--max-batched-tokens", type=int, help="prompt tokens one step may carry")
+    engine_group.add_argument("--kv-cache-bytes", type=int, help="KV cache size in bytes")
+    engine_group.add_argument("--kv-cache-fraction", type=float,
+                              help="on a GPU: the share of its memory that weights, KV cache and graphs may use")
+    engine_group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the core's dtype")
+    engine_group.add_argument("--eager", action="store_true", help="on a GPU, run eagerly instead of in graphs")
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,
                                   help="the engine's request address, as given to flare-engine --listen")

@@ -30,6 +30,14 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return after[len(before):]
 
+    def flush(self) -> str:
+        """At the end of generation: the text of tokens still held back. Bytes that never completed a character
+        decode to U+FFFD, as `tokenizer.decode` gives them, so the whole text equals the full decode."""
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return after[len(before):]
+
 
 class StopMatcher:
     """Holds back text that might begin a stop string, so a stop string's prefix is never sent."""

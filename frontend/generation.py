@@ -67,7 +67,10 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
             generated += len(update.token_ids)
             timer.delivered(len(update.token_ids))
             visible = [t for t in update.token_ids if t not in hidden_ids]
-            text = stops.feed(detokenizer.add(visible)) if visible else ""
+            pieces = detokenizer.add(visible) if visible else ""
+            if update.finish_reason is not None:
+                pieces += detokenizer.flush()
+            text = stops.feed(pieces) if pieces else ""
             delta = Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
             if stops.matched is not None:
                 finished = True
