@@ -12,7 +12,8 @@ from common.vision import ImageProcessing
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3_vl")
+# Model families the engine serves (engine/model/config.py).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_vl")
 
 
 class Capacities(msgspec.Struct, forbid_unknown_fields=True):

@@ -1,10 +1,9 @@
-"""Qwen3-VL checkpoints for `ignition export` (DESIGN.md, Cores): the config as transformers reads it, every tensor's
-expected shape (taken from transformers' own model built on the meta device, so the vision tower's layout is
-never restated here), and the image processor's settings from preprocessor_config.json for the manifest."""
+"""What `ignition export` adds for Qwen3-VL (ignition/families.py does the rest; DESIGN.md, Cores): the text model's
+tensors renamed to the generic decoder's, the vision tower's shapes, and the image processor's settings from
+preprocessor_config.json for the manifest."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -13,35 +12,31 @@ from common.errors import CoreError
 from common.vision import ImageProcessing
 
 MODEL_TYPE = "qwen3_vl"
+TEXT_CHECKPOINT_PREFIX = "model.language_model."
+VISION_CHECKPOINT_PREFIX = "model.visual."
+VISION_PREFIX = "visual."
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, as preprocessor configs spell it
 PROCESSOR_FLAGS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
 
 
-def qwen3_vl_config(raw: dict[str, object], where: Path, dtype: str, checkpoint: str) -> dict[str, object]:
+def vision_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
+    """The vision tower's tensors by core name (`visual.`), from transformers' own tower built on the meta device
+    (no memory), so its layout is never restated here."""
     from transformers import Qwen3VLConfig
-
-    cleaned = {k: v for k, v in raw.items() if k not in ("architectures", "transformers_version")}
-    try:
-        config = Qwen3VLConfig.from_dict(cleaned).to_dict()
-    except Exception as exc:  # transformers validates the config in many ways
-        raise CoreError(f"{where}: invalid qwen3_vl config: {exc}") from None
-    if config["vision_config"].get("hidden_act") != "gelu_pytorch_tanh" or \
-            config["text_config"].get("hidden_act", "silu") != "silu" or config["text_config"].get("attention_bias"):
-        raise CoreError(f"{where}: unsupported qwen3_vl variant (activations or attention bias differ)")
-    config.update(architectures=["Qwen3VLForConditionalGeneration"], dtype=dtype, _name_or_path=checkpoint)
-    return json.loads(json.dumps(config))
-
-
-def qwen3_vl_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint by name, from transformers' model on the meta device (no memory)."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
     with torch.device("meta"):
-        model = Qwen3VLForConditionalGeneration(Qwen3VLConfig.from_dict(config))
-    shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    if config.get("tie_word_embeddings"):
-        shapes.pop("lm_head.weight", None)
-    return shapes
+        tower = Qwen3VLVisionModel(Qwen3VLConfig.from_dict(config).vision_config)
+    return {VISION_PREFIX + name: tuple(tensor.shape) for name, tensor in tower.state_dict().items()}
+
+
+def core_name(name: str) -> str:
+    """Checkpoint names to core names: the text model's are the generic decoder's (`model.`), the tower's
+    `visual.`."""
+    for checkpoint, core in ((TEXT_CHECKPOINT_PREFIX, "model."), (VISION_CHECKPOINT_PREFIX, VISION_PREFIX)):
+        if name.startswith(checkpoint):
+            return core + name[len(checkpoint):]
+    return name
 
 
 def image_processing(preprocessor: dict[str, object], config: dict[str, object], where: Path) -> ImageProcessing:

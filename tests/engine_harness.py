@@ -9,7 +9,8 @@ import torch
 
 from common.protocol import SamplingParams
 from engine.executor.eager import EagerExecutor
-from engine.model.llama import LlamaConfig, LlamaForCausalLM
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 
@@ -18,9 +19,9 @@ TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hid
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
-def tiny_model(seed: int = 0) -> LlamaForCausalLM:
+def tiny_model(seed: int = 0) -> CausalLM:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig.from_hf(TINY)).eval()
+    model = CausalLM(DecoderConfig.from_hf("llama", TINY)).eval()
     with torch.no_grad():  # larger weights than the default init, so outputs vary from token to token
         for p in model.parameters():
             p.normal_(0, 0.5) if p.dim() > 1 else None
@@ -28,7 +29,7 @@ def tiny_model(seed: int = 0) -> LlamaForCausalLM:
 
 
 class Harness:
-    def __init__(self, model: LlamaForCausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
+    def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
                  chunk: int = 48) -> None:
         self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device("cpu"))
         self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk)

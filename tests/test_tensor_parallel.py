@@ -23,7 +23,8 @@ from common import protocol as wire
 from common.errors import CoreError
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
 from common.ranks import GROUP_FAILED, engine_commands
-from engine.model.llama import LlamaConfig, LlamaForCausalLM
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
 from engine.model.loader import load_model
 from engine.model.sharding import Shard, supported_world_sizes
 from engine.parallel.worker import check_plan
@@ -42,8 +43,8 @@ CHATS = [[{"role": "user", "content": "Name the planets of the solar system."}],
          [{"role": "user", "content": "Write a haiku about the sea."}]]
 
 
-def config(heads: int, kv_heads: int) -> LlamaConfig:
-    return LlamaConfig.from_hf({**TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads})
+def config(heads: int, kv_heads: int) -> DecoderConfig:
+    return DecoderConfig.from_hf("llama", {**TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads})
 
 
 # --- sharding rules ---------------------------------------------------------------------------------------------
@@ -87,7 +88,7 @@ def test_a_rank_refuses_a_step_it_cannot_run() -> None:
 def tiny_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
     core = tmp_path_factory.mktemp("tiny-core")
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig.from_hf(TINY))
+    model = CausalLM(DecoderConfig.from_hf("llama", TINY))
     with torch.no_grad():  # larger weights than the default init, so outputs vary from token to token
         for p in model.parameters():
             p.normal_(0, 0.5) if p.dim() > 1 else None
