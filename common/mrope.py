@@ -33,3 +33,19 @@ def mrope_positions(length: int, images: Sequence[tuple[int, Sequence[int]]], me
         cursor = offset + span
     positions[:, cursor:] = np.arange(position, position + length - cursor)
     return positions, position - cursor
+
+
+def mrope_delta(images: Sequence[tuple[int, Sequence[int]]], merge_size: int) -> int:
+    """What `mrope_positions` returns as delta, without the positions: each image moves the text on by its grid's
+    longer side instead of its token count."""
+    return sum(max(h, w) // merge_size - t * (h // merge_size) * (w // merge_size) for _, (t, h, w) in images)
+
+
+def mrope_rows(start: int, end: int, images: Sequence[tuple[int, Sequence[int]]], merge_size: int) -> np.ndarray:
+    """Positions [3, end - start] of the prompt tokens start..end (images after `end` do not matter)."""
+    before = [image for image in images if image[0] < end]
+    if not before:
+        return np.broadcast_to(np.arange(start, end), (3, end - start))
+    offset, (t, h, w) = before[-1]  # a row may end inside an image's span: lay out the whole span
+    length = max(end, offset + t * (h // merge_size) * (w // merge_size))
+    return mrope_positions(length, before, merge_size)[0][:, start:end]

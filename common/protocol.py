@@ -42,7 +42,7 @@ class Hello(_Wire, tag="hello"):
 class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One prepared image of a prompt (DESIGN.md, Images): its placeholder tokens start at `offset`."""
 
-    identity: bytes  # BLAKE2b-128 of the source bytes and the processor settings (common.vision)
+    identity: bytes  # BLAKE2b-256 of the source bytes and the processor settings (common.vision)
     offset: int  # prompt position of its first placeholder token
     grid: list[int]  # (t, h, w) in patches
     patches: bytes  # float32 rows of (3 * temporal * patch * patch), t*h*w of them

@@ -41,8 +41,9 @@ class ImageProcessing(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return t * h * w // (self.merge_size * self.merge_size)
 
     def identity(self, source: bytes) -> bytes:
-        """BLAKE2b-128 of the image's source bytes and these settings: what the prefix cache keys on."""
-        digest = hashlib.blake2b(digest_size=16)
+        """BLAKE2b-256 of the image's source bytes and these settings: the prefix cache keys on it (32 bytes, as
+        engine/cache/prefix_history.py's events are)."""
+        digest = hashlib.blake2b(digest_size=32)
         digest.update(msgspec.msgpack.encode(self))
         digest.update(source)
         return digest.digest()

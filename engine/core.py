@@ -11,6 +11,7 @@ from dataclasses import replace
 import zmq
 
 from common import protocol as wire
+from common.vision import ImageProcessing
 from engine.executor.base import Executor
 from engine.scheduler.plan import Plan
 from engine.telemetry import EngineTelemetry
@@ -24,10 +25,31 @@ HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 
 
+def image_problem(submit: wire.Submit, vision: ImageProcessing | None, model: str) -> str | None:
+    """Why a Submit's images cannot be run (the frontend's checks, repeated where a peer could be wrong)."""
+    if vision is None:
+        return f"the model '{model}' does not accept images (it is text only)"
+    end = 0
+    for i, image in enumerate(submit.images):
+        if len(image.grid) != 3 or min(image.grid) < 1 or image.grid[1] % vision.merge_size \
+                or image.grid[2] % vision.merge_size:
+            return f"image {i + 1}: grid {image.grid} is not a (t, h, w) grid of merged patches"
+        t, h, w = image.grid
+        tokens = vision.tokens(image.grid)
+        if len(image.patches) != 4 * t * h * w * vision.patch_dim:
+            return f"image {i + 1}: {len(image.patches)} bytes of patches for a {t}x{h}x{w} grid"
+        if image.offset < end or submit.prompt[image.offset:image.offset + tokens] != [vision.image_token_id] * tokens:
+            return f"image {i + 1}: its {tokens} placeholder tokens are not at prompt position {image.offset}"
+        end = image.offset + tokens
+    return None
+
+
 class Engine:
     def __init__(self, card: wire.ModelCard, executor: Executor, scheduler: RequestScheduler,
-                 vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str) -> None:
+                 vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str,
+                 vision: ImageProcessing | None = None) -> None:
         self.card = card
+        self.vision = vision  # a vision model's image settings
         self.executor = executor
         self.scheduler = scheduler
         self.vocab_size = vocab_size
@@ -133,7 +155,8 @@ class Engine:
             tokens=list(submit.prompt), sampling=params,
             seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
             stop_ids=stop_ids, max_outputs=min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
-            arrival=time.monotonic(), message_ends=list(submit.message_ends))
+            arrival=time.monotonic(), message_ends=list(submit.message_ends), images=tuple(submit.images),
+            image_spans=tuple((i.offset, i.offset + self.vision.tokens(i.grid)) for i in submit.images))
         request.last_commit = request.arrival
         self.scheduler.add(request)
         self._owned[identity].add(request.request_id)
@@ -164,6 +187,8 @@ class Engine:
         if pages > self.scheduler.pages.num_pages:
             return reject(400, f"the request needs {pages} KV pages ({total} tokens) and the cache has "
                                f"{self.scheduler.pages.num_pages}", "capacity_hint: raise --kv-cache-bytes")
+        if submit.images and (problem := image_problem(submit, self.vision, self.card.served_names[0])):
+            return reject(400, problem)
         if self.scheduler.get(submit.request_id) is not None:
             return reject(400, f"request id {submit.request_id!r} is already in use")
         return None

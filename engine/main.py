@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     telemetry_address = protocol.telemetry_address(args.listen)
     telemetry_socket.bind(telemetry_address)
     telemetry = EngineTelemetry(telemetry_socket, f"engine-{uuid.uuid4().hex[:8]}")
-    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address)
+    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address,
+                    manifest.vision)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
     log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",

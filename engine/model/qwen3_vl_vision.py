@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.llama import rotate_half
+from engine.model.decoder import rotate_half
 
 LAYER_NORM_EPS = 1e-6
 
@@ -137,15 +137,20 @@ class VisionTower(nn.Module):
         super().__init__()
         self.config = config
         self.side = int(config.num_position_embeddings ** 0.5)
+        self.patch_dim = 3 * config.temporal_patch_size * config.patch_size ** 2
         self.patch_embed = PatchEmbed(config)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.depth))
         self.merger = PatchMerger(config, norm_after_fold=False)
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, norm_after_fold=True)
                                                    for _ in config.deepstack_layers)
-        head_dim = config.hidden_size // config.num_heads
+        self.set_rope()
+
+    def set_rope(self, device: torch.device | None = None) -> None:
+        """The rotary frequencies (not weights: a model built on the meta device sets them again on its own)."""
+        head_dim = self.config.hidden_size // self.config.num_heads
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        self.register_buffer("inv_freq", 1.0 / config.rope_theta ** quarter, persistent=False)
+        self.register_buffer("inv_freq", (1.0 / self.config.rope_theta ** quarter).to(device), persistent=False)
 
     def positions(self, grid: tuple[int, int, int]) -> torch.Tensor:
         """The learned table resampled to this grid, in patch order: (t*h*w, hidden)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import Logprobs, SamplingParams
+from common.protocol import ImageInput, Logprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Row:
     prompt_targets: tuple[int, ...] = ()
     epoch: int = 0  # the request's epoch when planned: commit refuses the plan if it changed
     banned: tuple[int, ...] = ()  # token ids the sampled token may not be (stop ids before min_tokens)
+    images: tuple[ImageInput, ...] = ()  # the request's images (a vision model's prompt), shared, not copied
 
 
 @dataclass(frozen=True, eq=False)

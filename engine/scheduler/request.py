@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.protocol import Logprobs, SamplingParams
+from common.protocol import ImageInput, Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
 from engine.cache.prefix_history import PrefixHistory
 
@@ -29,6 +29,8 @@ class Request:
     max_outputs: int  # output tokens allowed (max_tokens capped by the context)
     arrival: float
     message_ends: list[int] = field(default_factory=list)
+    images: tuple[ImageInput, ...] = ()  # prompt images, in order (DESIGN.md, Images)
+    image_spans: tuple[tuple[int, int], ...] = ()  # their placeholder tokens [first, end), atomic for chunking
     phase: Phase = Phase.WAITING
     slot: int = -1
     generation: int = 0
@@ -52,6 +54,15 @@ class Request:
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
     finish_reason: str | None = None
+
+    def atomic_length(self, start: int, length: int) -> int:
+        """`length` tokens from `start`, moved off the inside of an image span: a chunk stops before the span, or,
+        starting at or in it, takes it to its end (over the budget if need be), so its tower call happens once."""
+        end = start + length
+        for first, last in self.image_spans:
+            if first < end < last:
+                return first - start if first > start else last - start
+        return length
 
     @property
     def outputs(self) -> int:
