@@ -92,3 +92,20 @@ def test_mrope_positions_match_get_rope_index(layout: list[tuple[int, tuple[int,
     positions, ours_delta = mrope_positions(length, layout, merge_size=2)
     assert np.array_equal(positions, expected[:, 0].numpy())
     assert ours_delta == int(delta)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_tower_on_the_gpu_matches_the_cpu(towers: tuple[Qwen3VLVisionModel, VisionTower]) -> None:
+    _, ours = towers
+    patches, grids = prepared(SIZES)
+    with torch.no_grad():
+        expected, expected_stack = ours(patches, grids)
+        gpu = VisionTower(ours.config).eval()
+        gpu.load_state_dict(ours.state_dict())
+        gpu = gpu.cuda()
+        gpu.set_rope(torch.device("cuda"))
+        features, deepstack = gpu(patches.cuda(), grids)
+    torch.testing.assert_close(features.cpu(), expected, rtol=1e-4, atol=1e-4)
+    for layer, reference in zip(deepstack, expected_stack):
+        torch.testing.assert_close(layer.cpu(), reference, rtol=1e-4, atol=1e-4)
