@@ -109,3 +109,22 @@ def test_tower_on_the_gpu_matches_the_cpu(towers: tuple[Qwen3VLVisionModel, Visi
     torch.testing.assert_close(features.cpu(), expected, rtol=1e-4, atol=1e-4)
     for layer, reference in zip(deepstack, expected_stack):
         torch.testing.assert_close(layer.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("start, length, expected", [
+    (0, 10, 10),  # ends before the image at 10
+    (0, 12, 10),  # would end inside it: stops before it
+    (10, 5, 16),  # starts at it: takes all of it, over the budget
+    (12, 2, 14),  # starts inside it (a cached prefix ended there): takes the rest
+    (0, 26, 26),  # ends exactly at its end
+    (20, 10, 10),  # after it, then before the next at 40
+    (30, 12, 10),  # would cut the second image: stops before it
+    (30, 15, 15),  # takes the second image whole
+])
+def test_prefill_chunks_never_cut_an_image_span(start: int, length: int, expected: int) -> None:
+    from common.protocol import SamplingParams
+    from engine.scheduler.request import Request
+
+    request = Request("r", b"f", 60, [0] * 60, SamplingParams(), 0, frozenset(), 8, 0.0,
+                      image_spans=((10, 26), (40, 44)))
+    assert request.atomic_length(start, length) == expected
