@@ -202,7 +202,7 @@ class CausalLM(nn.Module):
         and add to the first layers' outputs."""
         if self.kernels:
             return self._forward_kernels(input_ids, positions, kv_cache,
-                                         meta.kernel if isinstance(meta, AttentionMetadata) else meta)
+                                         meta.kernel if isinstance(meta, AttentionMetadata) else meta, images)
         rotations = self.rotations(positions)
         x = self.embed(input_ids)
         if images is not None:
@@ -225,22 +225,31 @@ class CausalLM(nn.Module):
         return rotations
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: KernelMetadata) -> torch.Tensor:
+                         meta: KernelMetadata, images: ImageFeatures | None = None) -> torch.Tensor:
         from engine.kernels.rmsnorm import add_rms_norm
 
         eps = self.config.rms_norm_eps
+        tables, positions = self.rope_inputs(positions)
         x, residual = self.embed(input_ids), None
+        if images is not None:
+            x = images.splice(x)
         for i, layer in enumerate(self.model.layers):
             h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps)
             attn = layer.self_attn
-            x = attn.forward_kernels(h, positions, self.rope_tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+            x = attn.forward_kernels(h, positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
             if layer.sandwich:
                 x = add_rms_norm(x, None, layer.post_attention_layernorm.kernel_weight(), eps)[0]
             h, residual = add_rms_norm(x, residual, layer.mlp_norm().kernel_weight(), eps)
             x = layer.mlp.forward_kernels(h)
             if layer.sandwich:
                 x = add_rms_norm(x, None, layer.post_feedforward_layernorm.kernel_weight(), eps)[0]
+            if images is not None:  # the layer's output is residual + x: adding to x adds to it
+                x = images.after_layer(i, x)
         return add_rms_norm(x, residual, self.model.norm.kernel_weight(), eps)[0]
+
+    def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The kernel path's rotary: a table per distinct rope, and the row of it each token reads."""
+        return self.rope_tables, positions
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -49,6 +49,6 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.set_rope(device)
-    if device.type == "cuda" and not config.mrope_section:  # M-RoPE runs the torch path (engine/model/qwen3_vl.py)
+    if device.type == "cuda":
         model.use_kernels(manifest.context_limit)
     return manifest, model.eval()

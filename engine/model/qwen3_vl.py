@@ -2,8 +2,10 @@
 positions, plus the vision tower (engine/model/qwen3_vl_vision.py) whose features replace the image tokens'
 embeddings and whose deepstack features add to the first layers' outputs at those tokens.
 
-Runs the torch path on every device: the kernel path's rotary reads one position per token, M-RoPE needs three, and
-images vary in size, so neither the tower nor an image-bearing step is captured in a graph.
+On a GPU the text model runs the kernel path (Triton attention, fused norms and projections): its rotary kernel reads
+a table row per token, so a step's table is made of each token's own (t, h, w) angles. The tower runs plain torch,
+and the eager executor runs every step: image steps vary in size and carry the tower's output, and a graph's rotary
+table would have to be filled per step; capturing the decode steps is what is left to do.
 """
 
 from __future__ import annotations
@@ -50,17 +52,30 @@ class VisionLanguageLM(CausalLM):
         if hasattr(self, "visual"):  # CausalLM's constructor sets the text rope before the tower exists
             self.visual.set_rope(device)
 
-    def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """positions [3, T] (t, h, w): frequency i turns by h where i % 3 == 1 and by w where i % 3 == 2, within
-        3 × mrope_section of each, by t elsewhere (transformers' interleaved M-RoPE)."""
-        dtype = self.model.embed_tokens.weight.dtype
+    def mrope_angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions [3, T] (t, h, w) -> angles [T, D/2]: frequency i turns by h where i % 3 == 1 and by w where
+        i % 3 == 2, within 3 × mrope_section of each, by t elsewhere (transformers' interleaved M-RoPE)."""
         freqs = positions.float()[..., None] * self.inv_freqs[0]  # [3, T, D/2]
         mixed = freqs[0].clone()
         for axis in (1, 2):
             turned = slice(axis, 3 * self.config.mrope_section[axis], 3)
             mixed[:, turned] = freqs[axis][:, turned]
-        angles = torch.cat((mixed, mixed), dim=-1)[:, None, :]
+        return mixed
+
+    def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        dtype = self.model.embed_tokens.weight.dtype
+        angles = self.mrope_angles(positions)
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         return [(angles.cos().to(dtype), angles.sin().to(dtype))] * len(self.config.ropes)
+
+    def use_kernels(self, max_positions: int) -> None:
+        super().use_kernels(1)  # its rotary table is built per step (rope_inputs), not per position
+
+    def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One table row per token, made of its own (t, h, w) angles; token i reads row i."""
+        angles = self.mrope_angles(positions)
+        table = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
+        return [table] * len(self.config.ropes), torch.arange(table.shape[0], device=table.device)
 
     def encode_images(self, images: list[ImageInput]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """Each image's features [tokens, E] and its deepstack features, from one tower call over all of them."""
