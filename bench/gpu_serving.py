@@ -5,7 +5,7 @@
 Each row starts the server its workload needs (synth cores of random bf16 weights, written once under --cores),
 runs `flare-bench serve` against it (completions endpoint, --ignore-eos) and prints the figure beside its target.
 Rows that share a server run back to back on it. A row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for
-the `tp2-*` rows); on the device machine pyzmq, msgspec and minijinja come as wheels (../shared/tools/gpu-wheels.sh).
+the `tp2-*` and `replicas2-*` rows); on the device machine pyzmq, msgspec and minijinja come as wheels (../shared/tools/gpu-wheels.sh).
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ MAX256 = ("--max-active", "256")
 MAX64 = ("--max-active", "64")
 BATCH1 = bench("--input-len", "512", "--output-len", "256", "--num-prompts", "8", "--max-concurrency", "1")
 MIXED256 = bench("--input-len", "562", "--range-ratio", "0.82", "--output-len", "256", "--num-prompts", "256")
+SHARED16 = bench("--dataset", "shared-prefix", "--prefix-len", "2000", "--num-groups", "16", "--input-len", "128",
+                 "--output-len", "128", "--num-prompts", "1024", "--max-concurrency", "64")
 ROWS = [
     Row("8b-batch1", "llama-8b", MAX256, BATCH1, ("mean_tpot_ms",), "mean TPOT <= 4.0 ms"),
     Row("8b-mixed256", "llama-8b", MAX256, MIXED256, ("output_throughput",), ">= 8,000 output tok/s"),
@@ -70,6 +72,11 @@ ROWS = [
     Row("qwen3-8b-c64", "qwen3-8b", MAX256,
         bench("--input-len", "512", "--output-len", "128", "--num-prompts", "128", "--max-concurrency", "64"),
         ("output_throughput",), "within 10% of 8b-c64"),
+    *[Row(name, "llama-8b", (*server, *MAX256), SHARED16, ("total_token_throughput", "mean_ttft_ms", "hit_rate"),
+          target) for name, server, target in (
+        ("replicas2-prefix", ("--replicas", "2"), "prefix routing: hit rate near the workload's share of prefix"),
+        ("replicas2-rr", ("--replicas", "2", "--routing", "round-robin"), "(round-robin yardstick)"),
+        ("replicas1-shared", (), "(one replica: the scaling factor's yardstick)"))],
     Row("tp2-batch1", "llama-8b", ("--tp", "2", *MAX256),
         bench("--input-len", "512", "--output-len", "128", "--num-prompts", "8", "--max-concurrency", "1"),
         ("mean_tpot_ms",), "mean TPOT <= 3.0 ms"),
@@ -129,6 +136,7 @@ def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device
                             "--tokenizer", str(core), "--json", str(report), *row.bench], check=True,
                            stdout=subprocess.DEVNULL)
             summary = json.loads(report.read_text())["metrics"]
+            summary["hit_rate"] = summary["cached_input_tokens"] / max(summary["total_input_tokens"], 1)
             results.append((row, summary))
             print(f"{row.name:18} " + "  ".join(f"{k}={summary.get(k)}" for k in row.figures), flush=True)
     finally:

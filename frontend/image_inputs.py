@@ -18,6 +18,7 @@ from common.vision import ImageProcessing
 from frontend.image_decode import ImageLimits
 from frontend.image_prepare import PreparedImage, prepare
 from frontend.image_source import data_url_bytes, fetch
+from frontend.model import EncodedChat
 from frontend.server import Frontend
 
 
@@ -103,15 +104,14 @@ def wire_images(images: list[PreparedImage], offsets: list[int]) -> list[ImageIn
 
 
 async def encode_chat(frontend: Frontend, messages: list[dict], tools: list[dict] | None,
-                      add_generation_prompt: bool, extra: dict, continue_final: bool = False
-                      ) -> tuple[list[int], list[int], list[ImageInput]]:
-    """ServedModel.encode_chat with the conversation's images: (token ids, message ends, images for the wire)."""
+                      add_generation_prompt: bool, extra: dict, continue_final: bool = False) -> EncodedChat:
+    """ServedModel.encode_chat with the conversation's images: placeholders expanded, images for the wire."""
     images = await prepare_images(frontend, messages)
 
-    def encode() -> tuple[list[int], list[int], list[ImageInput]]:
-        ids, ends = frontend.model.encode_chat(messages, tools, add_generation_prompt, extra, continue_final)
+    def encode() -> EncodedChat:
+        encoded = frontend.model.encode_chat(messages, tools, add_generation_prompt, extra, continue_final)
         if not images:
-            return ids, ends, []
-        ids, ends, offsets = expand(ids, ends, images, frontend.model.manifest.vision)
-        return ids, ends, wire_images(images, offsets)
+            return encoded
+        ids, ends, offsets = expand(encoded.ids, encoded.message_ends, images, frontend.model.manifest.vision)
+        return encoded._replace(ids=ids, message_ends=ends, images=wire_images(images, offsets))
     return await frontend.on_pool(encode)
