@@ -20,6 +20,7 @@ from tests.image_samples import bad_inputs, data_url, encode, picture, samples
 from tests.vision_checkpoint import build, export
 
 MAX_IMAGES = 3
+MAX_BYTES = 200_000
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +40,17 @@ def remote_png() -> tuple[str, bytes]:
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/elsewhere.png":  # a redirect could leave the allowed domains: not followed
+                self.send_response(302)
+                self.send_header("Location", "http://example.invalid/cat.png")
+                self.end_headers()
+                return
+            body = data if self.path == "/cat.png" else bytes(MAX_BYTES + 1)  # /big.png: over the limit
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(data)
+            self.wfile.write(body)
 
         def log_message(self, *args: object) -> None:
             pass
@@ -57,7 +64,8 @@ def remote_png() -> tuple[str, bytes]:
 
 @pytest.fixture(scope="module")
 def stack(vision_core: Path):
-    stack = ScriptedStack(vision_core, "--max-images", str(MAX_IMAGES), "--allowed-media-domains", "localhost")
+    stack = ScriptedStack(vision_core, "--max-images", str(MAX_IMAGES), "--max-image-bytes", str(MAX_BYTES),
+                          "--allowed-media-domains", "localhost")
     yield stack
     stack.stop()
 
@@ -131,6 +139,14 @@ def test_a_remote_image_from_an_allowed_domain_is_fetched(stack: ScriptedStack, 
     assert response.status_code == 200, response.text
     [submit] = stack.engine.submits_with("marker-remote")
     assert submit.images[0].identity == load_manifest(vision_core).vision.identity(data)
+
+
+@pytest.mark.parametrize("path, phrase", [("/big.png", f"over {MAX_BYTES} bytes"), ("/elsewhere.png", "HTTP 302")])
+def test_remote_images_keep_to_the_size_limit_and_are_not_redirected(stack: ScriptedStack, vision_core: Path,
+                                                                     remote_png: tuple[str, bytes], path: str,
+                                                                     phrase: str) -> None:
+    response = post(stack, vision_core, "chat", [remote_png[0].replace("/cat.png", path)])
+    assert response.status_code == 400 and phrase in error_message("chat", response.json())
 
 
 @pytest.mark.parametrize("dialect", sorted(DIALECTS))
