@@ -5,9 +5,9 @@
 The core is made here with `ignition synth --preset qwen3-vl-8b` (random bf16 weights of Qwen3-VL-8B's architecture;
 --layers shortens only the text model). Measured: the vision tower's time for 1, 4 and 16 prepared 1024x1024 JPEGs
 (CUDA events, median of 5), and, through `flare run` and the openai client, time to first token of a one-image chat
-against a text chat of the same prompt length. Vision cores run the kernel path in the eager executor
-(engine/model/qwen3_vl.py says why), so there is no graph-vs-eager comparison for them yet; the kernel path against
-the torch path is `pytest -m gpu tests/test_qwen3_vl_kernels.py`.
+against a text chat of the same prompt length. Image steps run eagerly, the steps after them in graphs
+(engine/model/qwen3_vl.py); greedy tokens graph vs eager, and kernel path vs torch path, are
+`pytest -m gpu tests/test_qwen3_vl_kernels.py`.
 """
 
 from __future__ import annotations

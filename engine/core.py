@@ -11,6 +11,7 @@ from dataclasses import replace
 import zmq
 
 from common import protocol as wire
+from common.mrope import mrope_delta
 from common.vision import ImageProcessing
 from engine.executor.base import Executor
 from engine.scheduler.plan import Plan
@@ -157,7 +158,8 @@ class Engine:
             seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
             stop_ids=stop_ids, max_outputs=min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
             arrival=time.monotonic(), message_ends=list(submit.message_ends), images=tuple(submit.images),
-            image_spans=tuple((i.offset, i.offset + self.vision.tokens(i.grid)) for i in submit.images))
+            image_spans=tuple((i.offset, i.offset + self.vision.tokens(i.grid),
+                               mrope_delta([(i.offset, i.grid)], self.vision.merge_size)) for i in submit.images))
         request.last_commit = request.arrival
         self.scheduler.add(request)
         self._owned[identity].add(request.request_id)

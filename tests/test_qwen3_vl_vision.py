@@ -126,5 +126,15 @@ def test_prefill_chunks_never_cut_an_image_span(start: int, length: int, expecte
     from engine.scheduler.request import Request
 
     request = Request("r", b"f", 60, [0] * 60, SamplingParams(), 0, frozenset(), 8, 0.0,
-                      image_spans=((10, 26), (40, 44)))
+                      image_spans=((10, 26, -8), (40, 44, -2)))
     assert request.atomic_length(start, length) == expected
+
+
+def test_text_rows_after_images_are_plain_rope_rows_shifted() -> None:
+    from common.protocol import SamplingParams
+    from engine.scheduler.request import Request
+
+    request = Request("r", b"f", 60, [0] * 60, SamplingParams(), 0, frozenset(), 8, 0.0,
+                      image_spans=((10, 26, -8), (40, 44, -2)))
+    assert request.rope_shift(0, 10) == 0 and request.rope_shift(26, 40) == -8 and request.rope_shift(60, 61) == -10
+    assert request.rope_shift(5, 12) is None and request.rope_shift(43, 50) is None

@@ -28,9 +28,8 @@ def gpu_kv_budget(model: CausalLM, max_active: int, device: torch.device,
 
 def make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
                   context_limit: int, prefill_chunk: int, graphs: bool) -> Executor:
-    """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere, and for vision models
-    (engine/model/qwen3_vl.py says why)."""
-    if device.type != "cuda" or not graphs or model.config.mrope_section:
+    """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere."""
+    if device.type != "cuda" or not graphs:
         return EagerExecutor(model, num_pages, page_size, max_active, device)
     from engine.executor.graph import GraphExecutor
 

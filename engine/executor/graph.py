@@ -222,7 +222,7 @@ class GraphExecutor:
         """The smallest graph that holds the plan, or None for a step that runs eagerly."""
         rows = plan.rows
         if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets
-                           for r in rows):
+                           or r.rope_shift is None for r in rows):
             return None
         if all(row.tokens is None for row in rows):
             i = bisect.bisect_left(self._decode_caps, len(rows))

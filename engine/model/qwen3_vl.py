@@ -2,10 +2,11 @@
 positions, plus the vision tower (engine/model/qwen3_vl_vision.py) whose features replace the image tokens'
 embeddings and whose deepstack features add to the first layers' outputs at those tokens.
 
-On a GPU the text model runs the kernel path (Triton attention, fused norms and projections): its rotary kernel reads
-a table row per token, so a step's table is made of each token's own (t, h, w) angles. The tower runs plain torch,
-and the eager executor runs every step: image steps vary in size and carry the tower's output, and a graph's rotary
-table would have to be filled per step; capturing the decode steps is what is left to do.
+On a GPU the text model runs the kernel path (Triton attention, fused norms and projections). A step holding image
+tokens runs eagerly (GraphExecutor falls back for it: it varies in size and carries the tower's output, which runs in
+plain torch), its rotary table made of each token's own (t, h, w) angles, one row per token. Every other step, the
+decode steps included, is text after the images, where t = h = w: plain rope at the position plus the images' shift
+(Row.rope_shift), so it replays the same captured graphs as a text model's.
 """
 
 from __future__ import annotations
@@ -63,16 +64,18 @@ class VisionLanguageLM(CausalLM):
         return mixed
 
     def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if positions.dim() == 1:  # plain positions (text after the images, shifted): t = h = w
+            return super().rotations(positions)
         dtype = self.model.embed_tokens.weight.dtype
         angles = self.mrope_angles(positions)
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         return [(angles.cos().to(dtype), angles.sin().to(dtype))] * len(self.config.ropes)
 
-    def use_kernels(self, max_positions: int) -> None:
-        super().use_kernels(1)  # its rotary table is built per step (rope_inputs), not per position
-
     def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One table row per token, made of its own (t, h, w) angles; token i reads row i."""
+        """Plain positions read the model's table (a graph's steps); M-RoPE positions [3, T] a table of one row
+        per token, made of its own (t, h, w) angles, token i reading row i."""
+        if positions.dim() == 1:
+            return super().rope_inputs(positions)
         angles = self.mrope_angles(positions)
         table = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
         return [table] * len(self.config.ropes), torch.arange(table.shape[0], device=table.device)

@@ -32,6 +32,9 @@ class Row:
     epoch: int = 0  # the request's epoch when planned: commit refuses the plan if it changed
     banned: tuple[int, ...] = ()  # token ids the sampled token may not be (stop ids before min_tokens)
     images: tuple[ImageInput, ...] = ()  # the request's images (a vision model's prompt), shared, not copied
+    # Added to the positions for the rotary (a vision model's text after images); None: the row holds image tokens,
+    # whose positions only the eager step computes (engine/executor/images.py).
+    rope_shift: int | None = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,7 +30,9 @@ class Request:
     arrival: float
     message_ends: list[int] = field(default_factory=list)
     images: tuple[ImageInput, ...] = ()  # prompt images, in order (DESIGN.md, Images)
-    image_spans: tuple[tuple[int, int], ...] = ()  # their placeholder tokens [first, end), atomic for chunking
+    # Their placeholder tokens [first, end), atomic for chunking, and how far each moves the M-RoPE position of the
+    # text after it (common/mrope.py).
+    image_spans: tuple[tuple[int, int, int], ...] = ()
     phase: Phase = Phase.WAITING
     slot: int = -1
     generation: int = 0
@@ -59,10 +61,21 @@ class Request:
         """`length` tokens from `start`, moved off the inside of an image span: a chunk stops before the span, or,
         starting at or in it, takes it to its end (over the budget if need be), so its tower call happens once."""
         end = start + length
-        for first, last in self.image_spans:
+        for first, last, _ in self.image_spans:
             if first < end < last:
                 return first - start if first > start else last - start
         return length
+
+    def rope_shift(self, start: int, end: int) -> int | None:
+        """Positions start..end as plain rope positions: each M-RoPE position of text after images is its index
+        plus what those images moved it (t = h = w then). None when the range holds image tokens."""
+        shift = 0
+        for first, last, moved in self.image_spans:
+            if first < end and start < last:
+                return None
+            if last <= start:
+                shift += moved
+        return shift
 
     @property
     def outputs(self) -> int:

@@ -256,6 +256,7 @@ class RequestScheduler:
             sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
             prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
             prompt_targets=targets, epoch=request.epoch, images=request.images,
+            rope_shift=request.rope_shift(start, end),
             banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else ())
 
     # --- completion ---------------------------------------------------------------------------------------------
