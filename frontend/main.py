@@ -13,7 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from common.errors import CoreError
-from frontend import anthropic_api, completions_api, models_api, ollama_api, openai_api, responses_api
+from frontend import anthropic_api, chat_page, completions_api, models_api, ollama_api, openai_api, responses_api
 from frontend.image_decode import ImageLimits
 from frontend.metrics import EngineSnapshots, frontend_gauges, serve_metrics
 from frontend.model import ServedModel
@@ -55,6 +55,7 @@ def create_app(frontend: Frontend, body_limit: int) -> web.Application:
     app[FRONTEND_KEY] = frontend
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", serve_metrics)
+    chat_page.add_routes(app)
     for dialect in (models_api, openai_api, completions_api, responses_api, anthropic_api, ollama_api):
         dialect.add_routes(app)
     return app

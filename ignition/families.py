@@ -20,16 +20,22 @@ from common.errors import CoreError
 from engine.model.config import DecoderConfig
 from ignition import qwen3_vl
 
-# Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama.
+# Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama; a multimodal Gemma 3 (`gemma3`)
+# exports its text model, without the vision tower.
 FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-          "mixtral": "mixtral", "gemma3_text": "gemma3_text", "qwen3_vl": "qwen3_vl"}
+          "mixtral": "mixtral", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text", "qwen3_vl": "qwen3_vl"}
+# A multimodal checkpoint's text-model prefixes (original and transformers 5 layouts), and its other parts.
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 # Config flags that change the function computed and that Flare does not implement: (key, the value that is fine).
 _UNSUPPORTED = (("attn_logit_softcapping", None), ("final_logit_softcapping", None), ("mlp_bias", False),
                 ("use_bidirectional_attention", False), ("partial_rotary_factor", 1.0))
 _ACTIVATION = {"gemma3_text": "gelu_pytorch_tanh"}  # every other family: silu
-# Checkpoint expert tensors: per expert (layer, expert, which), or already stacked (layer, which).
+# Checkpoint expert tensors: per expert (layer, expert, which), or stacked over experts (layer, which): gate_up_proj
+# as transformers 5 holds it, gate_proj, up_proj and down_proj as GGUF does (ignition/gguf_source.py).
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
 _W13 = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1}
 _W2 = ("down_proj", "w2")
 
@@ -46,6 +52,8 @@ def normalised_config(raw: dict[str, object], where: Path, dtype: str, checkpoin
     """(family, the config as the family's transformers config class writes it); an unsupported feature is a
     CoreError naming it."""
     family = family_of(raw, where)
+    if raw.get("model_type") == "gemma3":
+        raw = text_config(raw)
     if family == "llama":
         config = _llama_config(raw, where)
     else:
@@ -63,6 +71,13 @@ def normalised_config(raw: dict[str, object], where: Path, dtype: str, checkpoin
         return family, json.loads(json.dumps(config))
     except (TypeError, ValueError) as exc:
         raise CoreError(f"{where}: config is not JSON-serialisable: {exc}") from None
+
+
+def text_config(raw: dict[str, object]) -> dict[str, object]:
+    """A multimodal Gemma 3's text model config: its text_config, which ties the head to the embeddings."""
+    text = dict(raw.get("text_config") or {})
+    return {"tie_word_embeddings": raw.get("tie_word_embeddings", True), **text, "model_type": "gemma3_text",
+            "architectures": ["Gemma3ForCausalLM"]}
 
 
 def _class_name(raw: dict[str, object]) -> str:
@@ -144,9 +159,22 @@ def core_tensors(family: str, config: dict[str, object],
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # layer prefix -> {(expert, part): tensor}
     for name, tensor in tensors:
         name = qwen3_vl.core_name(name) if family == "qwen3_vl" else name
+        if name.startswith(_NOT_TEXT):
+            continue
+        prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+        if prefix:
+            name = _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
         if (match := _STACKED.match(name)):
-            yield f"model.layers.{match[1]}.mlp." + ("w13" if match[2] == "gate_up_proj" else "w2"), tensor
+            layer = f"model.layers.{match[1]}.mlp."
+            if match[2] in ("gate_proj", "up_proj"):  # joined into w13 once both are read
+                halves = pending.setdefault(layer, {})
+                halves[(-1, _W13[match[2]])] = tensor
+                if len(halves) == 2:
+                    del pending[layer]
+                    yield layer + "w13", torch.cat([halves[(-1, 0)], halves[(-1, 1)]], dim=1)
+                continue
+            yield layer + ("w13" if match[2] == "gate_up_proj" else "w2"), tensor
             continue
         match = _EXPERT.match(name)
         if match is None:

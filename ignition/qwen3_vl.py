@@ -1,5 +1,5 @@
-"""What `ignition export` adds for Qwen3-VL (ignition/families.py does the rest; DESIGN.md, Cores): the text model's
-tensors renamed to the generic decoder's, the vision tower's shapes, and the image processor's settings from
+"""What `ignition export` adds for Qwen3-VL (ignition/families.py does the rest, the text model's renaming included;
+DESIGN.md, Cores): the vision tower's names and shapes, and the image processor's settings from
 preprocessor_config.json for the manifest."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from common.errors import CoreError
 from common.vision import ImageProcessing
 
 MODEL_TYPE = "qwen3_vl"
-TEXT_CHECKPOINT_PREFIX = "model.language_model."
 VISION_CHECKPOINT_PREFIX = "model.visual."
 VISION_PREFIX = "visual."
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, as preprocessor configs spell it
@@ -31,11 +30,9 @@ def vision_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
 
 
 def core_name(name: str) -> str:
-    """Checkpoint names to core names: the text model's are the generic decoder's (`model.`), the tower's
-    `visual.`."""
-    for checkpoint, core in ((TEXT_CHECKPOINT_PREFIX, "model."), (VISION_CHECKPOINT_PREFIX, VISION_PREFIX)):
-        if name.startswith(checkpoint):
-            return core + name[len(checkpoint):]
+    """The tower's checkpoint names as the core's (`visual.`); the text model's prefix is families.py's to drop."""
+    if name.startswith(VISION_CHECKPOINT_PREFIX):
+        return VISION_PREFIX + name.removeprefix(VISION_CHECKPOINT_PREFIX)
     return name
 
 

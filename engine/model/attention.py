@@ -108,14 +108,13 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     from engine.kernels.extend_attention import extend_attention
 
     out = torch.empty_like(q)
-    sliding = {} if window is None else {"window": window}  # full-attention layers call the kernels as before
     if meta.decode is not None:
         d = meta.decode
         rows = q if d.rows is None else q[d.rows]
         # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
         splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
         result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
-                                  meta.page_size, scale, splits, **sliding)
+                                  meta.page_size, scale, splits, window=window or 0)
         if d.rows is None:
             out = result
         else:
@@ -123,7 +122,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if meta.extend is not None:
         e = meta.extend
         extend_attention(q, k_cache, v_cache, out, e.page_tables, e.seq_table, e.query_start, e.query_len,
-                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, **sliding)
+                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0)
     return out
 
 

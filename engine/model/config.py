@@ -113,7 +113,7 @@ class DecoderConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
         types = list(config.get("layer_types") or ["full_attention"] * layers)
         window = config.get("sliding_window")
-        if family == "mixtral" and window:  # Mixtral's window, when set, is on every layer
+        if family in ("mixtral", "qwen3_moe") and window:  # their window, when set, is on every layer
             types = ["sliding_attention"] * layers
         base["layer_window"] = tuple(int(window) if t == "sliding_attention" else None for t in types)
         ropes = _ropes(config, types, where)

@@ -69,13 +69,12 @@ class Attention(nn.Module):
 
         c = self.c
         qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
-        if c.qk_norm:  # normalised in place, before the kernel rotates q and k and stores k and v
-            q_end, k_end = c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim
-            q, k = qkv[:, :q_end].view(-1, c.num_heads, c.head_dim), qkv[:, q_end:k_end].view(-1, c.num_kv_heads,
-                                                                                               c.head_dim)
-            q.copy_(self.q_norm(q))
-            k.copy_(self.k_norm(k))
-        q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads)
+        norms = {}
+        if c.qk_norm:  # the kernel normalises each q and k head before rotating, rounding as the family does
+            norms = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, norm_eps=c.rms_norm_eps,
+                         norm_style="gemma" if c.gemma_norms else "llama")
+        q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
+                           **norms)
         out = kernel_attention(q, k_cache, v_cache, meta, self.attn.scale, self.attn.window)
         return self.o_proj(out.flatten(1))
 
@@ -192,7 +191,7 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as transformers does
-            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+            x = x * float(torch.tensor(self.config.embed_scale, dtype=x.dtype))
         return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
