@@ -55,6 +55,21 @@ def test_tower_features_match_transformers(towers: tuple[Qwen3VLVisionModel, Vis
         torch.testing.assert_close(ours_layer, reference_layer, rtol=1e-5, atol=1e-5)
 
 
+def test_tower_runs_in_bfloat16(towers: tuple[Qwen3VLVisionModel, VisionTower]) -> None:
+    """GPU cores are bf16 while the frontend's patches are float32: the tower takes them (it once failed on the
+    H200 with a dtype mismatch that fp32 tests could not show) and stays close to its fp32 self."""
+    _, ours = towers
+    patches, grids = prepared(SIZES[:2])
+    half = VisionTower(ours.config).eval()
+    half.load_state_dict(ours.state_dict())
+    half.to(torch.bfloat16)
+    with torch.no_grad():
+        features, deepstack = half(patches, grids)
+        expected, _ = ours(patches, grids)
+    assert features.dtype == torch.bfloat16 and len(deepstack) == 2
+    torch.testing.assert_close(features.float(), expected, rtol=0.1, atol=0.1)
+
+
 def test_images_do_not_attend_to_each_other(towers: tuple[Qwen3VLVisionModel, VisionTower]) -> None:
     _, ours = towers
     patches, grids = prepared(SIZES[:2])

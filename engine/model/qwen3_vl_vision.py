@@ -155,7 +155,7 @@ class VisionTower(nn.Module):
     def positions(self, grid: tuple[int, int, int]) -> torch.Tensor:
         """The learned table resampled to this grid, in patch order: (t*h*w, hidden)."""
         t, h, w = grid
-        table = self.pos_embed.weight.reshape(self.side, self.side, -1)
+        table = self.pos_embed.weight.reshape(self.side, self.side, -1).float()  # bilinear weights are float32
         device = table.device
         resampled = torch.einsum("hi,ijc,wj->hwc", bilinear_weights(h, self.side).to(device), table,
                                  bilinear_weights(w, self.side).to(device))
