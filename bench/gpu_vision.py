@@ -69,7 +69,8 @@ def tower_times(core_dir: Path) -> None:
 
 def ttft(client: openai.OpenAI, content: object) -> tuple[float, int]:
     started = time.perf_counter()
-    stream = client.chat.completions.create(model="bench", messages=[{"role": "user", "content": content}],
+    model = client.models.list().data[0].id
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
                                             max_tokens=8, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
     first, prompt_tokens = None, 0
