@@ -32,6 +32,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     repetition_penalty: float = 1.0  # on prompt and output tokens, as transformers defines it
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's logprob and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
+    speculative: bool = True  # False: this request never drafts (docs/speculative.md); its output is the same
 
 
 class Hello(_Wire, tag="hello"):

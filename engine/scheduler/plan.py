@@ -31,6 +31,10 @@ class Row:
     prompt_targets: tuple[int, ...] = ()
     epoch: int = 0  # the request's epoch when planned: commit refuses the plan if it changed
     banned: tuple[int, ...] = ()  # token ids the sampled token may not be (stop ids before min_tokens)
+    # A verify row (docs/speculative.md): `tokens` is the last committed token then these drafts; every position
+    # samples (output_index + i at position i) and the executor accepts the drafts the samples agree with.
+    draft: tuple[int, ...] = ()
+    proposer: str = ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +43,7 @@ class Plan:
     # KV pages to copy (source, destination) before the step's forward: private copies of partial pages for exact
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
-    shape: tuple[str, int] = ("", 0)  # (kind, capacity) whose cost the policy learns from this step's duration
+    shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +51,8 @@ class Plan:
 
     @property
     def kind(self) -> str:
+        if any(row.draft for row in self.rows):
+            return "verify"
         decode = any(row.tokens is None for row in self.rows)
         prefill = any(row.tokens is not None for row in self.rows)
         return "mixed" if decode and prefill else "decode" if decode else "prefill"
@@ -62,3 +68,6 @@ class Completion:
     error: str | None = None  # the step failed; its requests fail with this message
     logprobs: tuple[Logprobs | None, ...] = ()  # per sampled row, when its request asked
     prompt_logprobs: tuple[tuple[int, int, Logprobs], ...] = ()  # (slot, generation, logprobs) per row that asked
+    # Per sampled row, when the plan verified drafts: how many of the row's drafts were accepted; `tokens` then
+    # holds the target's token after them (the correction, or the bonus when all were accepted).
+    accepted: tuple[int, ...] = ()

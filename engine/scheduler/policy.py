@@ -32,7 +32,7 @@ class PolicyConfig:
     stale_after: float = 30.0
 
 
-Shape = tuple[str, int]  # (kind, capacity): the step shape whose cost is learned
+Shape = tuple  # (kind, capacity), or ("verify", batch capacity, width): the step shape whose cost is learned
 
 
 @dataclass

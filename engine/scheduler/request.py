@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.protocol import Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
 from engine.cache.prefix_history import PrefixHistory
+
+if TYPE_CHECKING:
+    from engine.speculative.planner import SpeculationState
 
 
 class Phase(enum.Enum):
@@ -52,6 +56,7 @@ class Request:
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
     finish_reason: str | None = None
+    speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
 
     @property
     def outputs(self) -> int:
