@@ -96,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     relay = OutputRelay() if sys.stderr.isatty() else None
     output = relay.write_fd if relay else None
     engines = dict(zip(engine_names(args.tp), (spawn(command, output) for command in
-                                                engine_commands(args.core, address, args.tp, args.device))))
+                                                engine_commands(args.core, address, args.tp, args.device,
+                                                                speculative_args(args)))))
     frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
                      "--port", str(args.port)]
     for flag in ("api_key", "capacity", "body_limit", "workers"):
@@ -143,6 +144,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def speculative_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The engine's speculative decoding flags (docs/speculative.md)."""
+    extra = ("--speculative", args.speculative) if args.speculative else ()
+    return extra + (("--draft", str(args.draft)) if args.draft else ())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="flare", description="Flare: serve a core over HTTP.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +166,11 @@ def main(argv: list[str] | None = None) -> None:
                                                        "(default: the engine's queue plus its slots)")
     run_parser.add_argument("--body-limit", type=int, help="largest request body in bytes (frontend default 32 MiB)")
     run_parser.add_argument("--workers", type=int, help="template/tokenizer threads per frontend (default 2)")
+    run_parser.add_argument("--speculative", choices=("auto", "ngram", "draft", "off"),
+                            help="speculative decoding: ngram (copy proposals), draft (the --draft model), off; "
+                                 "default auto: draft with --draft, else ngram")
+    run_parser.add_argument("--draft", type=Path, help="DRAFT_CORE: a smaller core with the same tokenizer that "
+                                                       "proposes drafts")
     run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket)")
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,

@@ -119,6 +119,7 @@ class GraphStat(msgspec.Struct, array_like=True, gc=False):
     mean_ms: float
     max_ms: float
     requests_per_call: float
+    width: int = 0  # a verify graph's target positions per request (capacity is then its batch capacity)
 
 
 class RequestRow(msgspec.Struct, array_like=True, gc=False):
@@ -131,6 +132,7 @@ class RequestRow(msgspec.Struct, array_like=True, gc=False):
     outputs: int
     since_publish_ms: float  # -1 before the first publication
     bursts: int
+    speculative_rounds: int = 0  # completed verify rounds (each publication of one counts as one burst)
 
 
 class Telemetry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="telemetry"):

@@ -23,9 +23,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_commands(core: Path, address: str, world_size: int, device: str | None) -> list[list[str]]:
-    """Module and arguments of each rank; rank 0 serves the frontends at `address`."""
-    common = ["--core", str(core)] + (["--device", device] if device else [])
+def engine_commands(core: Path, address: str, world_size: int, device: str | None,
+                    extra: tuple[str, ...] = ()) -> list[list[str]]:
+    """Module and arguments of each rank; rank 0 serves the frontends at `address`; `extra` goes to every rank."""
+    common = ["--core", str(core)] + (["--device", device] if device else []) + list(extra)
     if world_size == 1:
         return [["engine.main", "--rank", "0", "--listen", address, *common]]
     group = ["--world-size", str(world_size), "--dist-address", f"127.0.0.1:{free_port()}",

@@ -63,10 +63,12 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
             if update.error is not None:
                 finished = True
                 raise update.error
+            text, kept = _consume(update.token_ids, hidden_ids, detokenizer, stops)
+            if kept < len(update.token_ids):  # a stop string ended inside a speculative burst: the rest never was
+                update = dataclasses.replace(update, token_ids=update.token_ids[:kept],
+                                             logprobs=_first_logprobs(update.logprobs, kept))
             generated += len(update.token_ids)
             timer.delivered(len(update.token_ids))
-            visible = [t for t in update.token_ids if t not in hidden_ids]
-            text = stops.feed(detokenizer.add(visible)) if visible else ""
             delta = Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
             if stops.matched is not None:
                 finished = True
@@ -93,6 +95,30 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
             client.release(request_id)
         else:
             client.abort(request_id)
+
+
+def _consume(token_ids: list[int], hidden_ids: set[int], detokenizer: IncrementalDetokenizer,
+             stops: StopMatcher) -> tuple[str, int]:
+    """The text of new tokens that is safe to send, and how many of them count: with stop strings, a burst of
+    several tokens (speculative decoding) is fed one token at a time, so tokens after a stop string's end are
+    dropped as if never generated."""
+    if not stops.stops or len(token_ids) <= 1:
+        visible = [t for t in token_ids if t not in hidden_ids]
+        return (stops.feed(detokenizer.add(visible)) if visible else ""), len(token_ids)
+    text = ""
+    for count, token in enumerate(token_ids, 1):
+        if token not in hidden_ids:
+            text += stops.feed(detokenizer.add([token]))
+        if stops.matched is not None:
+            return text, count
+    return text, len(token_ids)
+
+
+def _first_logprobs(logprobs: Logprobs | None, count: int) -> Logprobs | None:
+    if logprobs is None:
+        return None
+    return Logprobs(logprobs.token_ids[:count], logprobs.logprobs[:count], logprobs.top_ids[:count],
+                    logprobs.top_logprobs[:count])
 
 
 async def merge(client: EngineClient, model: ServedModel, requests: list[GenerationRequest]

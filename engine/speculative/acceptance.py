@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DECAY = 0.9
-PRIOR_ACCEPTED, PRIOR_OFFERED = 1.0, 2.0  # a position never observed is accepted half the time
+PRIOR_ACCEPTED, PRIOR_OFFERED = 0.5, 1.0  # a position never observed is accepted half the time
 MAX_DEPTH = 7
 
 

@@ -89,6 +89,9 @@ class Speculation:
         self.costs = costs
         self.counters = counters
         self.probe_credit = 0.0
+        for name in (f"spec_drafted_tokens_{proposer.name}", f"spec_accepted_tokens_{proposer.name}",
+                     f"spec_verified_tokens_{proposer.name}", "draft_rounds", "draft_accepted_tokens"):
+            counters[name] += 0  # on /metrics from the start
 
     def depth(self, request: Request, batch: int) -> Choice:
         """The request's next round in a step of `batch` capacity (depth 0: a plain decode row)."""
