@@ -277,6 +277,7 @@ class RequestScheduler:
         while needed > self.pages.free_count:
             if not self._preempt_one(request, planned):
                 return False
+            self.prefix.free_pages(needed)  # the victim's pins are gone: what it read may be evictable now
         if needed > 0:
             request.pages.extend(self.pages.allocate(needed))
         return True
