@@ -238,7 +238,7 @@ def test_depth_follows_acceptance_and_step_costs() -> None:
     for _ in range(30):
         state_of(request).stats.observe("ngram", 7, 0, False)
     assert speculation.depth(request, 1).depth == 0  # unpredictable text decodes plainly
-    speculation.earn(0.013 / 0.02)  # enough measured time to fund one probe of the next width
+    speculation.earn(0.014 / 0.02)  # enough measured time to fund one probe of the next width
     choice = speculation.depth(request, 1)
     assert choice.depth == 1 and choice.probe_cost == pytest.approx(0.013)
     speculation.propose([(request, choice)], set())
