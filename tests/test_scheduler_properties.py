@@ -69,8 +69,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         fence, plan = self.in_flight.popleft()
         sampled = [row for row in plan.rows if row.sample]
         tokens = tuple(self.random.randrange(50) for _ in sampled)
+        # A verify row accepts any number of its drafts (the executor's verdict is not the scheduler's business).
+        accepted = tuple(self.random.randint(0, len(r.draft)) for r in sampled) if plan.kind == "verify" else ()
         completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled), tokens,
-                                0.001)
+                                0.001, accepted=accepted)
         self.scheduler.complete(completion, plan)
         self.completed = fence
 
@@ -115,6 +117,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(count == 1 for count in places.values()), places
 
     @invariant()
+    def outputs_stay_within_limits_and_positions_follow_tokens(self) -> None:
+        for request in self.requests:
+            assert request.outputs <= request.max_outputs
+            if request.phase is Phase.DECODE and request.in_flight == 0:
+                assert request.scheduled == len(request.tokens) - 1  # rejected drafts left no positions behind
+                assert -(-request.scheduled // PAGE) <= len(request.pages) <= -(-len(request.tokens) // PAGE)
+
+    @invariant()
     def no_free_page_is_still_in_use(self) -> None:
         for page in self.scheduler.pages._free:
             assert self.last_use.get(page, 0) <= self.completed
@@ -133,6 +143,32 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert checkpoint.pins == expected[checkpoint.id]
 
 
-# Derandomized: CI runs the same 300 interleavings each time (a soak with more examples is a local job).
+class RandomProposer:
+    """Drafts of random tokens (the stop id among them), as deep as asked."""
+
+    name = "random"
+
+    def __init__(self) -> None:
+        self.random = random.Random(2)
+
+    def available(self, request: Request, depth: int) -> int:
+        return depth
+
+    def propose(self, batch: list[tuple[Request, int]], live: set) -> list[tuple[int, ...]]:
+        return [tuple(self.random.randrange(50) for _ in range(depth)) for _, depth in batch]
+
+
+class SpeculativeSchedulerMachine(SchedulerMachine):
+    """The same rules with verify rounds among the plans: variable accepted lengths, stops inside drafts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, proposer=RandomProposer())
+
+
+# Derandomized: CI runs the same interleavings each time (a soak with more examples is a local job).
 SchedulerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+SpeculativeSchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                                                         derandomize=True)
+test_speculative_scheduler_state_machine = SpeculativeSchedulerMachine.TestCase
