@@ -36,7 +36,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.random = random.Random(0)
 
     @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 40), max_size=9),
-          max_tokens=st.integers(1, 12), ends=st.lists(st.integers(1, 18), max_size=3))
+          max_tokens=st.integers(1, 24), ends=st.lists(st.integers(1, 18), max_size=3))
     def admit(self, prefix: list[int], extra: list[int], max_tokens: int, ends: list[int]) -> None:
         if not self.scheduler.can_admit():
             return
@@ -54,6 +54,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.scheduler.plan()
         if plan is None:
             return
+        for row in plan.rows:
+            request = self.scheduler.slots[row.slot]
+            if row.draft:  # a verify round starts from the committed state: nothing of the request is pending
+                assert request.in_flight == 0 and row.tokens[0] == request.tokens[-1]
+                assert row.start == len(request.tokens) - 1
         self.fence += 1
         self.scheduler.commit(plan, self.fence)
         for row in plan.rows:
@@ -71,8 +76,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens = tuple(self.random.randrange(50) for _ in sampled)
         # A verify row accepts any number of its drafts (the executor's verdict is not the scheduler's business).
         accepted = tuple(self.random.randint(0, len(r.draft)) for r in sampled) if plan.kind == "verify" else ()
+        # Durations grow with the step's tokens, so a verify round is not always worth its cost (or its bubble).
         completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled), tokens,
-                                0.001, accepted=accepted)
+                                0.001 * (4 + plan.num_tokens), accepted=accepted)
         self.scheduler.complete(completion, plan)
         self.completed = fence
         for row in plan.rows:

@@ -113,8 +113,10 @@ class RequestScheduler:
         decoders = self._decode_candidates()
         depths = self._draft_depths(decoders)
         # A request that would draft waits for its step in flight rather than take the second frame (its proposal
-        # needs its last token), and one with a verify round in flight waits for that round's accepted length.
-        decoders = [r for r in decoders if r.in_flight == 0 or r not in depths and not self._verifying(r)]
+        # needs its last token) when drafting promises enough; one with a verify round in flight waits for that
+        # round's accepted length. Either waits for its own completion only: other requests fill the frame.
+        decoders = [r for r in decoders if r.in_flight == 0 or not self._verifying(r) and not (
+            r in depths and depths[r].worth_draining)]
         prefills = self._prefill_candidates()
         choice = self._choose(decoders, prefills, time.monotonic(), depths)
         drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
@@ -205,7 +207,7 @@ class RequestScheduler:
         return {r: choice for r, choice in depths.items() if choice.depth > 0}
 
     def _drafts(self, decoders: list[Request], depths: dict[Request, Choice]) -> dict[Request, tuple]:
-        batch = [(r, depths[r]) for r in decoders if r in depths]
+        batch = [(r, depths[r]) for r in decoders if r in depths and r.in_flight == 0]  # others' last token is pending
         live = {(r.slot, r.generation) for r in self.slots if r is not None}
         proposals = self.speculation.propose(batch, live)
         return {request: draft for (request, _), draft in zip(batch, proposals) if draft}

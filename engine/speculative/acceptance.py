@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 DECAY = 0.9
 PRIOR_ACCEPTED, PRIOR_OFFERED = 0.5, 1.0  # a position never observed is accepted half the time
+ADOPTED_WEIGHT = 2.0  # observations a new request's statistics take over from the engine's recent rounds
 MAX_DEPTH = 7
 
 
@@ -29,6 +30,15 @@ class AcceptanceStats:
         for j in range(min(observed, MAX_DEPTH)):
             offers[j] = offers[j] * DECAY + 1
             accepts[j] = accepts[j] * DECAY + (1 if j < accepted else 0)
+
+    def adopt(self, proposer: str, recent: AcceptanceStats) -> None:
+        """Start from the engine's recent rounds with this proposer, weighed as ADOPTED_WEIGHT observations at
+        most, so a request's own rounds soon dominate (a new request need not rediscover that copying pays)."""
+        offers = recent.offered.get(proposer, [0.0] * MAX_DEPTH)
+        accepts = recent.accepted.get(proposer, [0.0] * MAX_DEPTH)
+        scales = [min(1.0, ADOPTED_WEIGHT / o) if o else 0.0 for o in offers]
+        self.offered[proposer] = [o * s for o, s in zip(offers, scales)]
+        self.accepted[proposer] = [a * s for a, s in zip(accepts, scales)]
 
     def rates(self, proposer: str) -> list[float]:
         """Mean conditional acceptance of each position 1..MAX_DEPTH."""

@@ -22,6 +22,7 @@ from engine.speculative.ngram import NgramIndex
 
 WIDTHS = (2, 4, MAX_DEPTH + 1)  # verify step widths (target positions per request); depth = width - 1
 PROBE_FRACTION = 0.02  # of measured step time, spent on rounds one width deeper than the best
+
 MAX_PROBE_CREDIT = 1.0  # seconds: idle stretches do not bank an unbounded probing spree
 
 
@@ -32,6 +33,7 @@ class SpeculationState:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     ngram: NgramIndex = field(default_factory=NgramIndex)
     verifying: bool = False  # a verify round is in flight: the next step waits for its accepted length
+    observed: set[str] = field(default_factory=set)  # proposers whose rounds this request has completed
     rounds: int = 0  # completed verify rounds (the dashboard marks them)
 
 
@@ -74,6 +76,9 @@ class Choice:
     depth: int  # drafts to propose; 0: a plain decode row
     expected: float  # tokens the round emits on average
     probe_cost: float = 0.0  # > 0: a probe one width deeper than the best, paid from the probing budget
+    # A request decoding with a step in flight gives up the second frame (drains) to start drafting only when the
+    # round pays for the pipeline bubble too (see Speculation.depth).
+    worth_draining: bool = False
 
 
 PLAIN = Choice(0, 1.0)
@@ -89,6 +94,7 @@ class Speculation:
         self.costs = costs
         self.counters = counters
         self.probe_credit = 0.0
+        self.recent = AcceptanceStats()  # every request's rounds, ageing: what a new request starts from
         for name in (f"spec_drafted_tokens_{proposer.name}", f"spec_accepted_tokens_{proposer.name}",
                      f"spec_verified_tokens_{proposer.name}", "draft_rounds", "draft_accepted_tokens"):
             counters[name] += 0  # on /metrics from the start
@@ -100,7 +106,10 @@ class Speculation:
         limit = min(request.max_outputs - request.outputs - 1, MAX_DEPTH)  # the target's own token comes too
         if limit < 1 or (limit := min(limit, self.proposer.available(request, limit))) < 1:
             return PLAIN
-        rates = state_of(request).stats.rates(self.proposer.name)
+        stats = state_of(request).stats
+        if self.proposer.name not in stats.offered:
+            stats.adopt(self.proposer.name, self.recent)
+        rates = stats.rates(self.proposer.name)
         options = [(0, 1.0, self.costs.estimate(("decode", batch)))]
         for width in WIDTHS:
             depth = min(width - 1, limit)
@@ -113,7 +122,14 @@ class Speculation:
         probe = 0.0
         if best + 1 < len(options) and self.probe_credit >= options[best + 1][2] > 0:
             best, probe = best + 1, options[best + 1][2]
-        return Choice(options[best][0], options[best][1], probe)
+        depth, expected, cost = options[best]
+        # Draining costs a bubble of up to a plain step: worth it when the round beats a plain step plus that
+        # bubble, for a probe or an unmeasured shape (learning), and for a request's first round (its own text
+        # may copy far better or worse than the engine's recent rounds say).
+        decode = options[0][2]
+        drain = (probe > 0 or cost == 0 or decode == 0 or self.proposer.name not in state_of(request).observed
+                 or expected * decode > decode + cost)
+        return Choice(depth, expected, probe, drain)
 
     def propose(self, batch: list[tuple[Request, Choice]], live: set[tuple[int, int]]) -> list[tuple[int, ...]]:
         """Proposals for the chosen rounds; a probe's cost comes out of the budget now that it runs."""
@@ -129,6 +145,8 @@ class Speculation:
         state = state_of(request)
         state.rounds += 1
         state.stats.observe(proposer, offered, accepted, censored)
+        state.observed.add(proposer)
+        self.recent.observe(proposer, offered, accepted, censored)
         self.counters[f"spec_drafted_tokens_{proposer}"] += offered
         self.counters[f"spec_accepted_tokens_{proposer}"] += accepted
         self.counters[f"spec_verified_tokens_{proposer}"] += offered + 1
