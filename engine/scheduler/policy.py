@@ -53,6 +53,11 @@ class GraphCostModel:
         fresh = [seconds for when, seconds in samples if now - when <= self.config.stale_after]
         return statistics.median(fresh) if fresh else 0.0
 
+    def last_known(self, shape: Shape) -> float:
+        """Median of the recent observations however old; 0.0 only for a shape never measured."""
+        samples = self._samples.get(shape)
+        return statistics.median(seconds for _, seconds in samples) if samples else 0.0
+
 
 def decode_capacity(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()

@@ -110,10 +110,12 @@ class Speculation:
         if self.proposer.name not in stats.offered:
             stats.adopt(self.proposer.name, self.recent)
         rates = stats.rates(self.proposer.name)
-        options = [(0, 1.0, self.costs.estimate(("decode", batch)))]
+        # Costs as last measured, stale or not: only a shape never measured is explored for its cost (a verify
+        # shape that went stale is not worth a round of text that does not copy).
+        options = [(0, 1.0, self.costs.last_known(("decode", batch)))]
         for width in WIDTHS:
             depth = min(width - 1, limit)
-            options.append((depth, expected_tokens(rates, depth), self.costs.estimate(("verify", batch, width))))
+            options.append((depth, expected_tokens(rates, depth), self.costs.last_known(("verify", batch, width))))
             if depth == limit:
                 break
         # Unmeasured shapes first (their cost is learned by running them), then tokens per second.
