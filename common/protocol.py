@@ -35,9 +35,34 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     speculative: bool = True  # False: this request never drafts (docs/speculative.md); its output is the same
 
 
+class LabelQuery(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A scored prefill reads the logits of `token_ids` at prompt position `position` (DESIGN.md, Decisions)."""
+
+    position: int
+    token_ids: list[int]
+
+
+class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Structured output: the grammar the output must follow, as the frontend validated it (DESIGN.md, Beyond
+    plain decoding). kind is an llguidance grammar format: "json_schema", "regex", "choice" (a JSON list of
+    strings), "lark" or "gbnf"; text is the schema or grammar itself."""
+
+    kind: str
+    text: str
+
+
 class Hello(_Wire, tag="hello"):
     protocol_version: int
     frontend_id: str
+
+
+class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One prepared image of a prompt (DESIGN.md, Images): its placeholder tokens start at `offset`."""
+
+    identity: bytes  # BLAKE2b-256 of the source bytes and the processor settings (common.vision)
+    offset: int  # prompt position of its first placeholder token
+    grid: list[int]  # (t, h, w) in patches
+    patches: bytes  # float32 rows of (3 * temporal * patch * patch), t*h*w of them
 
 
 class Submit(_Wire, tag="submit"):
@@ -46,6 +71,11 @@ class Submit(_Wire, tag="submit"):
     sampling: SamplingParams
     message_ends: list[int] = []  # token positions where a chat message ends
     arrival: float = 0.0  # time.time() at the frontend
+    # A scored prefill (decisions): no token is sampled; the request ends once its prompt is computed, and its
+    # Outputs carry the logits of each query's label tokens, in query order.
+    label_queries: list[LabelQuery] = []
+    constraint: Constraint | None = None  # structured output; None: free text
+    images: list[ImageInput] = []  # in prompt order
 
 
 class Abort(_Wire, tag="abort"):
@@ -74,6 +104,8 @@ class Welcome(_Wire, tag="welcome"):
     queue_capacity: int
     heartbeat_interval: float
     telemetry_address: str = ""  # where the engine publishes Telemetry snapshots (ZMQ PUB)
+    cache_identity: bytes = b""  # seeds the engine's prefix keys (common/prefix_history.py), for routing
+    page_size: int = 64  # tokens per KV page: the block size of those keys
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -96,6 +128,7 @@ class Outputs(_Wire, tag="outputs"):
     cached_tokens: list[int]
     logprobs: list[Logprobs | None] = []  # per request, for its new tokens, when asked for
     prompt_logprobs: list[Logprobs | None] = []  # per request, once, with its first tokens, when asked for
+    label_logits: list[list[list[float]]] = []  # per request: per label query, its labels' logits (else [])
 
 
 class Rejected(_Wire, tag="rejected"):
@@ -150,6 +183,7 @@ class Telemetry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, t
 
 
 TELEMETRY_METRICS_TOPIC = b"m"  # snapshots for /metrics
+TELEMETRY_CACHE_TOPIC = b"c"  # CacheEvents: the block keys the engine's prefix cache gains and loses
 TELEMETRY_DASHBOARD_TOPIC = b"d"  # the same with graph and request detail, recorded only while subscribed
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -178,6 +212,23 @@ _telemetry_decoder = msgspec.msgpack.Decoder(Telemetry)
 
 def decode_telemetry(data: bytes) -> Telemetry:
     return _telemetry_decoder.decode(data)
+
+
+class CacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What an engine's prefix cache gained and lost since its last announcement, as block keys (complete 64-token
+    blocks only). `full`: `stored` is everything it holds, sent when a subscriber arrives; replaces what was known."""
+
+    engine_id: str
+    stored: list[bytes] = []
+    evicted: list[bytes] = []
+    full: bool = False
+
+
+_cache_events_decoder = msgspec.msgpack.Decoder(CacheEvents)
+
+
+def decode_cache_events(data: bytes) -> CacheEvents:
+    return _cache_events_decoder.decode(data)
 
 
 def telemetry_address(listen: str) -> str:

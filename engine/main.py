@@ -22,6 +22,7 @@ from common import protocol
 from common.protocol import ModelCard
 from common.ranks import GROUP_FAILED
 from engine.core import Engine
+from engine.grammar import GrammarCompiler
 from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, make_executor
 from engine.model.loader import DTYPES, load_model
@@ -58,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-active", type=int, help="live request slots (default: the core's capacities)")
     parser.add_argument("--kv-cache-bytes", type=int,
                         help="KV cache budget (default: the core's capacities on cpu, free memory on cuda)")
+    parser.add_argument("--kv-cache-fraction", type=float,
+                        help="on cuda: the share of the GPU's memory this process may fill (default 0.92)")
+    parser.add_argument("--max-batched-tokens", type=int,
+                        help="prompt tokens one step may carry (default: the core's prefill chunk size)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--speculative", choices=MODES, default="auto",
                         help="draft proposals verified in one wider step: ngram (copies from the prompt and output), "
@@ -70,18 +75,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--world-size > 1 needs --dist-address HOST:PORT")
     if args.rank == 0 and not args.listen:
         parser.error("rank 0 needs --listen")
+    if args.kv_cache_fraction is not None and not 0 < args.kv_cache_fraction <= 1:
+        parser.error(f"--kv-cache-fraction must be in (0, 1], got {args.kv_cache_fraction}")
+    for flag in ("max_active", "max_batched_tokens", "kv_cache_bytes"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     return args
 
 
-def select_device(name: str) -> torch.device:
-    """`auto` takes the GPU only when both CuPy (graph launches) and torch can use it."""
+def select_device(name: str) -> tuple[torch.device, str]:
+    """The device and why it was chosen: `auto` takes the GPU only when both CuPy (graph launches) and torch can
+    use it."""
     if name != "auto":
-        return torch.device(name)
+        return torch.device(name), "as asked"
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "torch sees no CUDA GPU"
     try:
         import cupy
     except ImportError:
-        return torch.device("cpu")
-    return torch.device("cuda") if cupy.cuda.is_available() and torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cpu"), "a GPU is present but CuPy is missing (install the gpu extra)"
+    if not cupy.cuda.is_available():
+        return torch.device("cpu"), "a GPU is present but CuPy cannot use it"
+    return torch.device("cuda"), f"{torch.cuda.get_device_name()} found"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     started = time.monotonic()
-    device = rank_device(select_device(args.device), args.rank)
+    chosen, reason = select_device(args.device)
+    device = rank_device(chosen, args.rank)
+    log.info("device %s: %s", device, reason)
     tp = join(args.rank, args.world_size, args.dist_address, device) if args.world_size > 1 else None
     try:
         manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None, tp=tp)
@@ -98,14 +115,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flare-engine: error: {exc}")
     caps = manifest.capacities
     max_active = args.max_active or caps.max_active
-    budget = args.kv_cache_bytes or (gpu_kv_budget(model, max_active, device) if device.type == "cuda"
-                                     else caps.kv_cache_bytes)
+    budget = args.kv_cache_bytes or (gpu_kv_budget(model, max_active, device, args.kv_cache_fraction)
+                                     if device.type == "cuda" else caps.kv_cache_bytes)
+    step_tokens = args.max_batched_tokens or caps.prefill_chunk_size
     num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
     channel = connect(tp, args.dist_address) if tp else None
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
-                             caps.prefill_chunk_size, graphs=not args.eager and channel is None)
+                             step_tokens, graphs=not args.eager and channel is None)
     if channel:
         channel.start()
         if isinstance(channel, Follower):
@@ -117,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         proposer = make_proposer(args.speculative, args.draft, manifest, device, caps.page_size, budget)
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
-    scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, caps.prefill_chunk_size,
+    scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
                                  cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
@@ -134,7 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     telemetry_address = protocol.telemetry_address(args.listen)
     telemetry_socket.bind(telemetry_address)
     telemetry = EngineTelemetry(telemetry_socket, f"engine-{uuid.uuid4().hex[:8]}")
-    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address)
+    tokenizer = args.core / "tokenizer.json"  # a core without one serves token ids only: no structured output
+    grammars = GrammarCompiler(tokenizer.read_text(), model.config.vocab_size, manifest.eos_token_ids) \
+        if tokenizer.is_file() else None
+    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address,
+                    grammars, manifest.vision)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
     log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots, speculative %s; listening on "
@@ -149,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
         status = GROUP_FAILED
     finally:
         executor.close()
+        if grammars is not None:
+            grammars.close()
         socket.close()
         telemetry_socket.close()
         context.term()

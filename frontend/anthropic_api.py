@@ -11,16 +11,22 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from common.errors import InvalidRequest
+from common.protocol import Constraint
 from frontend.errors_render import anthropic_error_event, as_flare_error
-from frontend.generation import Delta, Finish, GenerationRequest, merge, with_tool_calls
+from frontend.generation import Delta, Finish, GenerationRequest, merge
+from frontend.image_inputs import content_of, encode_chat, image_part, text_part
 from frontend.models_api import requested_model
+from frontend.model import EncodedChat, ServedModel
 from frontend.params import get_bool, get_int, get_stop
+from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import sampling_params
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
-from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
+from frontend.structured import after_reasoning, one_of, response_format
+from frontend.tool_parsers import forced_call
+from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tool_choice
 
-UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload")
 
 
 def text_of(content: object, where: str) -> str:
@@ -33,9 +39,21 @@ def text_of(content: object, where: str) -> str:
     raise InvalidRequest(f"{where} must be a string or a list of text blocks", param=where.split("[")[0])
 
 
+def image_source_url(source: object, where: str) -> str:
+    """An image block's source as a URL: base64 becomes a data: URL (its media type checked with the bytes)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise InvalidRequest(f"{where} must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                         f"{{\"type\": \"url\", \"url\"}}", param="messages")
+
+
 def conversation(body: dict) -> list[dict]:
-    """`system` and `messages` as chat messages: tool_use blocks become the assistant's tool_calls, tool_result
-    blocks become tool messages (before the user's own text, which follows them)."""
+    """`system` and `messages` as chat messages: tool_use blocks become the assistant's tool_calls, thinking blocks
+    its reasoning_content, tool_result blocks become tool messages (before the user's own text, which follows
+    them)."""
     result = []
     if body.get("system") is not None:
         system = text_of(body["system"], "system")
@@ -55,12 +73,14 @@ def conversation(body: dict) -> list[dict]:
         if not isinstance(content, list) or not content:
             raise InvalidRequest(f"{where}.content must be a string or a non-empty list of content blocks",
                                  param="messages")
-        texts, calls, results = [], [], []
+        parts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
+                parts.append(text_part(block["text"]))
+            elif kind == "image" and role == "user":
+                parts.append(image_part(image_source_url(block.get("source"), f"{at}.source")))
             elif kind == "tool_use" and role == "assistant" and isinstance(block.get("id"), str) \
                     and isinstance(block.get("name"), str) and isinstance(block.get("input"), dict):
                 calls.append(assistant_tool_call(block["id"], block["name"], block["input"]))
@@ -68,23 +88,28 @@ def conversation(body: dict) -> list[dict]:
                 output = text_of(block.get("content", ""), f"{at}.content")
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                                 "content": f"Error: {output}" if block.get("is_error") else output})
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # a non-reasoning model has no use for them
+            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by another server: nothing this model can read
             elif kind in UNSUPPORTED_BLOCKS:
                 raise InvalidRequest(f"{at}: {kind} blocks are not supported by this model", param="messages")
             else:
                 raise InvalidRequest(f"{at}: invalid or unknown block for a {role} message "
                                      f"(type {str(kind)[:40]!r})", param="messages")
         result += results
-        if texts or calls or not results:
-            turn = {"role": role, "content": "".join(texts)}
+        if parts or calls or not results:
+            turn = {"role": role, "content": content_of(parts)}
             if calls:
                 turn["tool_calls"] = calls
+            if thoughts:
+                turn["reasoning_content"] = "".join(thoughts)
             result.append(turn)
     return result
 
 
-def anthropic_tools(body: dict) -> tuple[list[dict] | None, bool]:
+def anthropic_tools(body: dict, tool_format: str) -> tuple[list[dict] | None, bool, Constraint | None]:
+    """The tools, whether calls are parsed, and the grammar of a forced call (tool_choice any or tool)."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise InvalidRequest("tools: must be a list", param="tools")
@@ -97,34 +122,59 @@ def anthropic_tools(body: dict) -> tuple[list[dict] | None, bool]:
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
                                    f"tools[{i}]"))
     choice = body.get("tool_choice")
-    return check_tools(tools), bool(tools) and tools_enabled(choice, anthropic=True)
+    if not tools and isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        raise InvalidRequest("tool_choice: forcing a tool call needs 'tools'", param="tool_choice")
+    parse, forced = tool_choice(choice, tools, anthropic=True)
+    return check_tools(tools), bool(tools) and parse, forced_call(forced, tools, tool_format) if forced else None
 
 
-def unsupported_features(body: dict) -> None:
-    thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
-        raise InvalidRequest("thinking: extended thinking is not supported by this model", param="thinking")
+def output_format(body: dict) -> Constraint | None:
+    """output_config.format: {"type": "json_schema", "schema": {...}} (Anthropic's structured outputs)."""
     config = body.get("output_config")
-    if config is not None and (not isinstance(config, dict) or config.get("format") is not None):
-        raise InvalidRequest("output_config.format: structured output is not supported", param="output_config")
+    if config is not None and not isinstance(config, dict):
+        raise InvalidRequest("output_config: must be an object", param="output_config")
+    return response_format((config or {}).get("format"), "output_config.format", flat=True)
 
 
-async def encode(frontend: Frontend, body: dict) -> tuple[list[int], list[int], list[dict] | None, bool, bool]:
-    """Token ids, message ends, tools, whether calls are parsed, and whether a prefill is continued."""
+def thinking_enabled(body: dict, model: ServedModel) -> bool:
+    """Whether the reply has thinking blocks. A model whose template reasons gets `enable_thinking` as this says;
+    `budget_tokens` is checked but not enforced (the reasoning runs until the model closes it or max_tokens)."""
+    thinking = body.get("thinking")
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if thinking is None or kind == "disabled":
+        return False
+    if kind not in ("enabled", "adaptive"):
+        raise InvalidRequest('thinking: must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
+                             '{"type": "disabled"}', param="thinking")
+    if kind == "enabled":
+        get_int(thinking, "budget_tokens", None, 1)
+    if not model.reasons:
+        raise InvalidRequest("thinking: extended thinking is not supported by this model", param="thinking")
+    return True
+
+
+async def encode(frontend: Frontend, body: dict
+                 ) -> tuple[EncodedChat, list[dict] | None, bool, bool, Constraint | None]:
+    """The prompt, tools, whether calls are parsed, whether the reply thinks, and the output's constraint (a
+    forced call or an output format)."""
     messages = conversation(body)
-    tools, parse = anthropic_tools(body)
-    unsupported_features(body)
+    tools, parse, forced = anthropic_tools(body, frontend.model.tool_format)
+    constraint = one_of(("tool_choice", forced), ("output_config.format", output_format(body)))
+    thinking = thinking_enabled(body, frontend.model)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
-    ids, ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {}, prefill)
-    return ids, ends, tools, parse, prefill
+    extra = {"enable_thinking": thinking} if frontend.model.reasons else {}
+    encoded = await encode_chat(frontend, messages, tools, True, extra, prefill)
+    if frontend.model.reasons:
+        constraint = after_reasoning(constraint, encoded.opens_reasoning)
+    return encoded, tools, parse, thinking, constraint
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     frontend = frontend_of(request)
     body = await read_json(request)
     requested_model(frontend.model, body)
-    ids, *_ = await encode(frontend, body)
-    return web.json_response({"input_tokens": len(ids)})
+    encoded, *_ = await encode(frontend, body)
+    return web.json_response({"input_tokens": len(encoded.ids)})
 
 
 def stop_reason(finish: Finish) -> tuple[str, str | None]:
@@ -147,6 +197,17 @@ def tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": f"toolu_{call.id}", "name": call.name, "input": call.arguments}
 
 
+# Text and thinking blocks: their type, the field that holds their text, the delta that streams it, an empty one.
+TEXT_BLOCKS = {"text": ("text", "text_delta", {"type": "text", "text": ""}),
+               "thinking": ("thinking", "thinking_delta", {"type": "thinking", "thinking": "", "signature": ""})}
+
+
+def text_pieces(event: Delta, thinking: bool) -> list[tuple[str, str]]:
+    """(block type, text) of a delta; reasoning shows only when the request enabled thinking."""
+    pieces = [("thinking", event.reasoning)] if thinking and event.reasoning else []
+    return pieces + ([("text", event.text)] if event.text else [])
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
     frontend = frontend_of(request)
     body = await read_json(request)
@@ -155,23 +216,27 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:
         raise InvalidRequest("max_tokens: field required", param="max_tokens")
     stream = get_bool(body, "stream", False)
-    ids, ends, tools, parse, _ = await encode(frontend, body)
-    params = sampling_params(frontend.model, body, len(ids), max_tokens)
-    generation = GenerationRequest(ids, params, get_stop(body, "stop_sequences"), ends, time.time())
+    encoded, tools, parse, thinking, constraint = await encode(frontend, body)
+    params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens)
+    generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop_sequences"), encoded.message_ends,
+                                   time.time(), constraint, encoded.images)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name,
                "content": []}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
-        events = with_tool_calls(events, tools if parse else None)
+        events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse else None))
         if stream:
-            return await stream_message(request, await primed(events), message, len(ids))
+            return await stream_message(request, await primed(events), message, len(encoded.ids), thinking)
         finish = None
+        content = message["content"]
         async for _, event in events:
-            if isinstance(event, Delta) and event.text:
-                if not message["content"] or message["content"][-1]["type"] != "text":
-                    message["content"].append({"type": "text", "text": ""})
-                message["content"][-1]["text"] += event.text
+            if isinstance(event, Delta):
+                for kind, text in text_pieces(event, thinking):
+                    field, _, empty = TEXT_BLOCKS[kind]
+                    if not content or content[-1]["type"] != kind:
+                        content.append(dict(empty))
+                    content[-1][field] += text
             elif isinstance(event, ToolCall):
-                message["content"].append(tool_use(event))
+                content.append(tool_use(event))
             elif isinstance(event, Finish):
                 finish = event
     reason, sequence = stop_reason(finish)
@@ -179,39 +244,42 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def stream_message(request: web.Request, events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]],
-                         message: dict, prompt_tokens: int) -> web.StreamResponse:
+                         message: dict, prompt_tokens: int, thinking: bool) -> web.StreamResponse:
     response = await open_stream(request)
     block = -1  # index of the last block started
-    text_open = False
+    open_kind: str | None = None  # the text or thinking block still open
 
     async def send(kind: str, **fields: object) -> None:
         await response.write(sse({"type": kind, **fields}, kind))
 
-    async def close_text() -> None:
-        nonlocal text_open
-        if text_open:
+    async def close_block() -> None:
+        nonlocal open_kind
+        if open_kind is not None:
             await send("content_block_stop", index=block)
-            text_open = False
+            open_kind = None
 
     await send("message_start", message={**message, "stop_reason": None, "stop_sequence": None,
                                          "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
     await send("ping")
     try:
         async for _, event in events:
-            if isinstance(event, Delta) and event.text:
-                if not text_open:
-                    block, text_open = block + 1, True
-                    await send("content_block_start", index=block, content_block={"type": "text", "text": ""})
-                await send("content_block_delta", index=block, delta={"type": "text_delta", "text": event.text})
+            if isinstance(event, Delta):
+                for kind, text in text_pieces(event, thinking):
+                    field, delta, empty = TEXT_BLOCKS[kind]
+                    if open_kind != kind:
+                        await close_block()
+                        block, open_kind = block + 1, kind
+                        await send("content_block_start", index=block, content_block=empty)
+                    await send("content_block_delta", index=block, delta={"type": delta, field: text})
             elif isinstance(event, ToolCall):
-                await close_text()
+                await close_block()
                 block += 1
                 await send("content_block_start", index=block, content_block={**tool_use(event), "input": {}})
                 await send("content_block_delta", index=block,
                            delta={"type": "input_json_delta", "partial_json": event.arguments_json})
                 await send("content_block_stop", index=block)
             elif isinstance(event, Finish):
-                await close_text()
+                await close_block()
                 reason, sequence = stop_reason(event)
                 await send("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                            usage=usage(event))

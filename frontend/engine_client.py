@@ -31,6 +31,7 @@ class Update:
     cached_tokens: int
     logprobs: wire.Logprobs | None = None
     prompt_logprobs: wire.Logprobs | None = None
+    label_logits: list[list[float]] | None = None  # a scored prefill's, with its finish
 
 
 def failure(error: FlareError) -> Update:
@@ -64,13 +65,25 @@ class EngineClient:
         interval = self.welcome.heartbeat_interval if self.welcome else 1.0
         return time.monotonic() - self._last_heard < MISSED_HEARTBEATS * interval
 
-    async def start(self, timeout: float = 600.0) -> wire.Welcome:
+    @property
+    def in_flight(self) -> int:
+        """Requests of this frontend that the engine is running."""
+        return len(self._queues)
+
+    def connect(self) -> None:
+        """Start talking to the engine; ZMQ keeps reconnecting while it is away, and each (re)start welcomes us."""
         self._socket.connect(self.address)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._keepalive()),
                        asyncio.create_task(self._watch())]
-        await asyncio.wait_for(self._welcomed.wait(), timeout)
+
+    async def welcomed(self) -> wire.Welcome:
+        await self._welcomed.wait()
         assert self.welcome is not None
         return self.welcome
+
+    async def start(self, timeout: float = 600.0) -> wire.Welcome:
+        self.connect()
+        return await asyncio.wait_for(self.welcomed(), timeout)
 
     async def close(self) -> None:
         self._send(wire.Goodbye(self.frontend_id))
@@ -165,7 +178,8 @@ class EngineClient:
                 outputs.token_ids[i], outputs.finish_reasons[i], error_for_status(500, message) if message else None,
                 outputs.prompt_tokens[i], outputs.cached_tokens[i],
                 outputs.logprobs[i] if i < len(outputs.logprobs) else None,
-                outputs.prompt_logprobs[i] if i < len(outputs.prompt_logprobs) else None))
+                outputs.prompt_logprobs[i] if i < len(outputs.prompt_logprobs) else None,
+                outputs.label_logits[i] if i < len(outputs.label_logits) else None))
 
     async def _keepalive(self) -> None:
         """Say hello every interval: the engine's liveness check of us, and how a restarted engine learns of us.

@@ -11,15 +11,21 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from common.errors import InvalidRequest
+from common.protocol import Constraint
 from frontend.errors_render import finish_openai_stream
-from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge, with_tool_calls
+from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
+from frontend.image_inputs import content_of, encode_chat, image_part, text_part
 from frontend.logprobs import token_logprobs, unpack
 from frontend.models_api import requested_model
 from frontend.params import get_bool, get_int, get_stop
+from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import choice_params, requested_max_tokens, sampling_params, top_logprobs
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
-from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
+from frontend.model import ServedModel
+from frontend.structured import after_reasoning, extension, one_of, response_format
+from frontend.tool_parsers import forced_call
+from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tool_choice
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_CHOICES = 16
@@ -33,8 +39,10 @@ def usage(outcomes: list[Outcome], n: int) -> dict:
     firsts = [o.finish for o in outcomes[::n] if o.finish]
     prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(o.finish.completion_tokens for o in outcomes if o.finish)
+    reasoning = sum(o.finish.reasoning_tokens for o in outcomes if o.finish)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def stream_options(body: dict, stream: bool) -> bool:
@@ -49,14 +57,6 @@ def stream_options(body: dict, stream: bool) -> bool:
     return get_bool(options, "include_usage", False)
 
 
-def text_format(value: object, name: str) -> None:
-    """Plain text is all this server produces; structured output is refused rather than silently ignored."""
-    kind = value.get("type") if isinstance(value, dict) else value
-    if value is not None and kind != "text":
-        raise InvalidRequest(f"'{name}' of type {str(kind)[:40]!r} is not supported; only 'text' is",
-                             param=name)
-
-
 def choices_count(body: dict) -> int:
     n = get_int(body, "n", 1, 1, MAX_CHOICES)
     best_of = get_int(body, "best_of", None, 1, MAX_CHOICES)
@@ -65,9 +65,11 @@ def choices_count(body: dict) -> int:
     return n
 
 
-def request_tools(body: dict, flat: bool) -> tuple[list[dict] | None, bool]:
-    """The tools to render, and whether calls are parsed from the output. Chat nests each function under
-    "function"; Responses (`flat`) puts its fields on the tool itself."""
+def request_tools(body: dict, flat: bool, model: ServedModel
+                  ) -> tuple[list[dict] | None, bool, Constraint | None]:
+    """The tools to render, whether calls are parsed from the output, and the grammar of a forced call
+    (tool_choice "required" or a named function). Chat nests each function under "function"; Responses (`flat`)
+    puts its fields on the tool itself."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise InvalidRequest("'tools' must be a list", param="tools")
@@ -83,23 +85,44 @@ def request_tools(body: dict, flat: bool) -> tuple[list[dict] | None, bool]:
     choice = body.get("tool_choice")
     if not tools and choice not in (None, "none"):
         raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
-    return check_tools(tools), bool(tools) and tools_enabled(choice)
+    parse, forced = tool_choice(choice, tools)
+    constraint = forced_call(forced, tools, model.tool_format) if forced else None
+    return check_tools(tools), bool(tools) and parse, constraint
+
+
+def output_constraint(body: dict, forced_call_: Constraint | None, format_name: str, format_value: object,
+                      flat: bool = False) -> Constraint | None:
+    """The one structured-output constraint of an OpenAI request: a forced call, a response format, or the
+    `structured_outputs` extension."""
+    return one_of(("tool_choice", forced_call_), (format_name, response_format(format_value, format_name, flat)),
+                  ("structured_outputs", extension(body)))
 
 
 # --- chat ---------------------------------------------------------------------------------------------------------
-def message_text(content: object, where: str) -> str | None:
+def image_url_of(part: dict) -> object:
+    """Chat's {"type": "image_url", "image_url": {"url": ...}} or Responses' {"type": "input_image",
+    "image_url": ...}."""
+    url = part.get("image_url")
+    return url.get("url") if isinstance(url, dict) else url
+
+
+def message_text(content: object, where: str, images: bool = False) -> str | list[dict] | None:
+    """A message's content: text parts joined, or, where `images` are allowed and present, the parts in order
+    (frontend/image_inputs.py)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
-                    or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"{where}.content: part type {str(kind)[:40]!r} is not supported by this model",
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+                parts.append(text_part(part["text"]))
+            elif kind in ("image_url", "input_image") and images:
+                parts.append(image_part(image_url_of(part)))
+            else:
+                raise InvalidRequest(f"{where}.content: part type {str(kind)[:40]!r} is not supported here",
                                      param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        return content_of(parts)
     raise InvalidRequest(f"{where}.content must be a string or a list of parts", param="messages")
 
 
@@ -117,6 +140,18 @@ def past_tool_calls(calls: object, where: str) -> list[dict]:
     return result
 
 
+def past_reasoning(message: dict, where: str) -> str | None:
+    """An assistant turn's reasoning: `reasoning_content` as DeepSeek and vLLM return it, or vLLM's newer
+    `reasoning`."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequest(f"{where}.{key} must be a string", param="messages")
+        if value:
+            return value
+    return None
+
+
 def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -130,12 +165,14 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise InvalidRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {str(role)[:40]!r}",
                                  param="messages")
-        content = message_text(message.get("content"), where)
+        content = message_text(message.get("content"), where, images=role == "user")
         converted = {"role": "system" if role == "developer" else role, "content": content or ""}
         if role == "assistant" and message.get("tool_calls"):
             converted["tool_calls"] = past_tool_calls(message["tool_calls"], where)
         elif content is None:
             raise InvalidRequest(f"{where}.content is required", param="messages")
+        if role == "assistant" and (reasoning := past_reasoning(message, where)):
+            converted["reasoning_content"] = reasoning  # what reasoning templates (Qwen3) render back
         if role == "tool":
             converted["tool_call_id"] = str(message.get("tool_call_id") or "")
         if isinstance(message.get("name"), str):
@@ -171,28 +208,32 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     name = requested_model(frontend.model, body)
     messages = chat_messages(body)
     logprobs = chat_logprobs(body)
-    text_format(body.get("response_format"), "response_format")
     if body.get("logit_bias"):
         raise InvalidRequest("'logit_bias' is not supported", param="logit_bias")
     stream = get_bool(body, "stream", False)
     include_usage = stream_options(body, stream)
     n = choices_count(body)
-    tools, parse_tools = request_tools(body, flat=False)
+    tools, parse_tools, forced = request_tools(body, False, frontend.model)
+    constraint = output_constraint(body, forced, "response_format", body.get("response_format"))
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     continue_final = get_bool(body, "continue_final_message", False)  # vLLM's extension: prefill the reply
     if continue_final and (messages[-1]["role"] != "assistant" or body.get("add_generation_prompt")):
         raise InvalidRequest("'continue_final_message' needs a final assistant message and "
                              "'add_generation_prompt' not true", param="continue_final_message")
-    ids, message_ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
-                                               template_kwargs(body), continue_final)
+    encoded = await encode_chat(frontend, messages, tools, add_generation_prompt, template_kwargs(body),
+                                continue_final)
+    ids = encoded.ids
+    constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     params = sampling_params(frontend.model, body, len(ids),
                              requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")
     arrival = time.time()
-    requests = [GenerationRequest(ids, choice_params(params, i), stop, message_ends, arrival) for i in range(n)]
+    requests = [GenerationRequest(ids, choice_params(params, i), stop, encoded.message_ends, arrival, constraint,
+                                  encoded.images)
+                for i in range(n)]
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:
-        events = with_tool_calls(events, tools if parse_tools else None)
+        events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse_tools else None))
         if stream:
             return await stream_chat(request, frontend, await primed(events), meta, n, include_usage,
                                      logprobs is not None)
@@ -201,6 +242,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     for i, outcome in enumerate(outcomes):
         message = {"role": "assistant", "content": outcome.text if outcome.text or not outcome.tool_calls else None,
                    "refusal": None}
+        if frontend.model.reasons:
+            message["reasoning_content"] = outcome.reasoning or None
         if outcome.tool_calls:
             message["tool_calls"] = [tool_call_json(c) for c in outcome.tool_calls]
         choices.append({"index": i, "message": message, "finish_reason": outcome.finish.reason,
@@ -240,8 +283,11 @@ async def stream_chat(request: web.Request, frontend: Frontend,
             outcomes[index].add(event)
             if isinstance(event, Delta):
                 entries = unpack(event.logprobs) if logprobs else []
-                if event.text or entries:
-                    await response.write(chunk(index, {"content": event.text}, None, {
+                if event.text or event.reasoning or entries:
+                    delta = {"reasoning_content": event.reasoning} if event.reasoning else {}
+                    if event.text or not event.reasoning:
+                        delta["content"] = event.text
+                    await response.write(chunk(index, delta, None, {
                         "content": token_logprobs(frontend.model, entries), "refusal": None} if logprobs else None))
             elif isinstance(event, ToolCall):
                 # As OpenAI streams a call: its id and name with empty arguments, then the arguments.

@@ -14,8 +14,9 @@ from aiohttp import web
 
 from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest,
                            NotFound, Unauthorized)
-from frontend.engine_client import EngineClient
+from frontend.replicas import Replicas
 from frontend.errors_render import dialect_of, error_response
+from frontend.image_decode import ImageLimits
 from frontend.model import ServedModel
 
 log = logging.getLogger("flare.frontend")
@@ -23,15 +24,18 @@ log = logging.getLogger("flare.frontend")
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-OPEN_PATHS = ("/health", "/metrics")
+# The chat page (chat_page.py) loads without a key and asks for one; its API calls carry it.
+OPEN_PATHS = ("/health", "/metrics", "/")
+OPEN_PREFIX = "/static/"
 
 
 class Frontend:
     """State shared by the handlers of one frontend process."""
 
-    def __init__(self, model: ServedModel, client: EngineClient, workers: int, capacity: int,
-                 api_key: str | None) -> None:
+    def __init__(self, model: ServedModel, client: Replicas, workers: int, capacity: int,
+                 api_key: str | None, image_limits: ImageLimits = ImageLimits()) -> None:
         self.model = model
+        self.image_limits = image_limits
         self.client = client
         self.capacity = capacity
         self.api_key = api_key
@@ -41,7 +45,7 @@ class Frontend:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontend-worker")
 
     async def on_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        """CPU work (template rendering, tokenization) on the bounded worker pool."""
+        """CPU work (template rendering, tokenization, images) on the bounded worker pool."""
         self.pool_busy += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -85,7 +89,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     dialect = dialect_of(request)
     admitted = False
     try:
-        if frontend.api_key and request.path not in OPEN_PATHS:
+        if frontend.api_key and request.path not in OPEN_PATHS and not request.path.startswith(OPEN_PREFIX):
             check_api_key(request, frontend.api_key)
         if request.method == "POST":
             if frontend.draining:
@@ -127,5 +131,7 @@ def check_api_key(request: web.Request, api_key: str) -> None:
 async def health(request: web.Request) -> web.Response:
     frontend = frontend_of(request)
     if frontend.client.connected and not frontend.draining:
-        return web.json_response({"status": "ok"})
+        replicas = [{"connected": r.client.connected, "load": r.load(), "routed": r.routed, "cached_blocks": len(r.keys)}
+                    for r in frontend.client.replicas]
+        return web.json_response({"status": "ok", "replicas": replicas})
     raise EngineUnavailable("the engine is unreachable" if not frontend.client.connected else "draining")

@@ -15,8 +15,11 @@ import time
 import torch
 
 from common.protocol import Logprobs
+from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
-from engine.model.llama import LlamaForCausalLM
+from engine.executor.label_scores import eager_scores
+from engine.model.decoder import CausalLM
+from engine.model.qwen3_vl import VisionLanguageLM
 from engine.sampling import apply_penalties, sample, token_logprobs
 from engine.scheduler.plan import Completion, Plan, Row
 from engine.speculative.verify import accept
@@ -24,19 +27,19 @@ from engine.speculative.verify import accept
 MAX_IN_FLIGHT = 2
 
 
-def kv_cache_shape(model: LlamaForCausalLM, num_pages: int, page_size: int) -> tuple[int, ...]:
+def kv_cache_shape(model: CausalLM, num_pages: int, page_size: int) -> tuple[int, ...]:
     c = model.config
     return (c.num_layers, 2, num_pages * page_size, c.num_kv_heads, c.head_dim)
 
 
-def pages_for_budget(model: LlamaForCausalLM, page_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
+def pages_for_budget(model: CausalLM, page_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
     c = model.config
     page_bytes = c.num_layers * 2 * page_size * c.num_kv_heads * c.head_dim * dtype.itemsize
     return max(budget_bytes // page_bytes, 1)
 
 
 class EagerExecutor:
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_active: int,
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, max_active: int,
                  device: torch.device) -> None:
         self.model = model
         self.device = device
@@ -111,7 +114,10 @@ class EagerExecutor:
         if step.device_token_rows.numel():
             input_ids[step.device_token_rows] = self.slot_tokens[step.device_token_slots]
         self._record_prompt_tokens(plan)
-        hidden = self.model(input_ids, step.positions, self.kv_cache, step.meta)
+        positions, images = step.positions, None
+        if isinstance(self.model, VisionLanguageLM):
+            positions, images = vision_step(self.model, plan, self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache, step.meta, images)
         logits = self.model.logits(hidden[step.sample_rows])
         logits = apply_penalties(logits, step.sampling, self.output_counts[step.sample_slots],
                                  self.seen[step.sample_slots])
@@ -130,7 +136,8 @@ class EagerExecutor:
         return Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
                           tuple(tokens.tolist()), time.perf_counter() - started,
                           logprobs=self._logprobs(sampled, logits, tokens),
-                          prompt_logprobs=self._prompt_logprobs(plan, hidden), accepted=accepted)
+                          prompt_logprobs=self._prompt_logprobs(plan, hidden),
+                          scores=eager_scores(plan, hidden, self.model.logits), accepted=accepted)
 
     def _verify(self, sampled: list[Row], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                            tuple[int, ...]]:

@@ -101,8 +101,9 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
 
 
 def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
-                     scale: float) -> torch.Tensor:
-    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined."""
+                     scale: float, window: int | None = None) -> torch.Tensor:
+    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined.
+    With a window, a query sees its own key and the window - 1 before it (sliding-window layers)."""
     from engine.kernels.decode_attention import decode_attention, num_splits
     from engine.kernels.extend_attention import extend_attention
 
@@ -113,7 +114,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
         splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
         result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
-                                  meta.page_size, scale, splits)
+                                  meta.page_size, scale, splits, window=window or 0)
         if d.rows is None:
             out = result
         else:
@@ -121,7 +122,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if meta.extend is not None:
         e = meta.extend
         extend_attention(q, k_cache, v_cache, out, e.page_tables, e.seq_table, e.query_start, e.query_len,
-                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale)
+                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0)
     return out
 
 
@@ -133,11 +134,16 @@ def gather_pages(cache: torch.Tensor, page_tables: torch.Tensor, page_size: int)
 
 
 class PagedAttention(torch.nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """A layer's attention over its cache. With a window W (sliding-window layers), the query at position p sees
+    the keys at p - W + 1 .. p, as transformers' sliding-window mask has it; the cache keeps older keys, which the
+    mask skips, so prefix reuse works unchanged."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, scale: float, window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = scale
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -157,7 +163,10 @@ class PagedAttention(torch.nn.Module):
         keys = gather_pages(k_cache, meta.decode_page_tables, meta.page_size).transpose(1, 2)
         values = gather_pages(v_cache, meta.decode_page_tables, meta.page_size).transpose(1, 2)
         positions = torch.arange(keys.shape[2], device=q.device)
-        mask = (positions < meta.decode_context_lens.unsqueeze(1))[:, None, None, :]
+        visible = positions < meta.decode_context_lens.unsqueeze(1)
+        if self.window is not None:
+            visible &= positions >= meta.decode_context_lens.unsqueeze(1) - self.window
+        mask = visible[:, None, None, :]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.squeeze(2)
@@ -168,7 +177,10 @@ class PagedAttention(torch.nn.Module):
         values = gather_pages(v_cache, span.page_table[None], page_size)[0, : span.context_len]
         first = span.context_len - span.length
         query_pos = torch.arange(first, span.context_len, device=q.device)
-        mask = torch.arange(span.context_len, device=q.device)[None, :] <= query_pos[:, None]
+        key_pos = torch.arange(span.context_len, device=q.device)[None, :]
+        mask = key_pos <= query_pos[:, None]
+        if self.window is not None:
+            mask &= key_pos > query_pos[:, None] - self.window
         out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                              attn_mask=mask, scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)

@@ -1,4 +1,5 @@
-"""Build a model from a core directory: manifest checked, weights hashed and loaded without a random init."""
+"""Build a model from a core directory: manifest checked, weights hashed and loaded without a random init; the
+family (engine/model/config.py) comes from the manifest's architecture."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
-from engine.model.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
+from engine.model.qwen3_vl import VisionLanguageLM
+from engine.model.qwen3_vl_vision import VisionConfig
 from engine.model.sharding import Shard, read_weights
 from engine.parallel.group import TensorParallel
 
@@ -20,16 +24,19 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 
 
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
-               verify: bool = True, tp: TensorParallel | None = None) -> tuple[Manifest, LlamaForCausalLM]:
+               verify: bool = True, tp: TensorParallel | None = None) -> tuple[Manifest, CausalLM]:
     """On CUDA the model runs the kernel path (Triton, fused projections); elsewhere the torch reference."""
     manifest = load_manifest(core, verify=verify)
-    config = LlamaConfig.from_hf(manifest.config)
+    config = DecoderConfig.from_hf(manifest.architecture, manifest.config, str(core / "manifest.json"))
     shard = Shard.of(config, tp.rank, tp.world_size) if tp else None  # with a group, only this rank's part
     if shard:
         config = shard.local_config(config)
     dtype = dtype or DTYPES[manifest.dtype]
+    if manifest.vision is not None and tp:
+        raise CoreError(f"{core}: tensor parallelism is not supported for vision models")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = VisionLanguageLM(config, VisionConfig.from_hf(manifest.config["vision_config"])) \
+            if manifest.vision is not None else CausalLM(config, tp)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(core, manifest):
         state.update(read_weights(file, device, shard))
@@ -41,7 +48,7 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config).to(device)
+    model.set_rope(device)
     if device.type == "cuda":
         model.use_kernels(manifest.context_limit)
     return manifest, model.eval()

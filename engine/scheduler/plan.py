@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import Logprobs, SamplingParams
+from common.protocol import ImageInput, Logprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class Row:
     prompt_targets: tuple[int, ...] = ()
     epoch: int = 0  # the request's epoch when planned: commit refuses the plan if it changed
     banned: tuple[int, ...] = ()  # token ids the sampled token may not be (stop ids before min_tokens)
+    # A scored prefill's label queries in [start, start + length): (position, label token ids) whose logits the
+    # step reads at that position's hidden state. Such a row never samples.
+    scores: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    images: tuple[ImageInput, ...] = ()  # the request's images (a vision model's prompt), shared, not copied
+    # Added to the positions for the rotary (a vision model's text after images); None: the row holds image tokens,
+    # whose positions only the eager step computes (engine/executor/images.py).
+    rope_shift: int | None = 0
     # A verify row (docs/speculative.md): `tokens` is the last committed token then these drafts; every position
     # samples (output_index + i at position i) and the executor accepts the drafts the samples agree with.
     draft: tuple[int, ...] = ()
@@ -44,6 +51,9 @@ class Plan:
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
     shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
+    # Grammar masks (engine/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
+    # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
+    masks: bytes = b""
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +78,8 @@ class Completion:
     error: str | None = None  # the step failed; its requests fail with this message
     logprobs: tuple[Logprobs | None, ...] = ()  # per sampled row, when its request asked
     prompt_logprobs: tuple[tuple[int, int, Logprobs], ...] = ()  # (slot, generation, logprobs) per row that asked
+    # (slot, generation, position, label logits) per label query of the plan's rows, in plan order.
+    scores: tuple[tuple[int, int, int, tuple[float, ...]], ...] = ()
     # Per sampled row, when the plan verified drafts: how many of the row's drafts were accepted; `tokens` then
     # holds the target's token after them (the correction, or the bonus when all were accepted).
     accepted: tuple[int, ...] = ()

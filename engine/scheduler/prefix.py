@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache
 from engine.cache.page_allocator import PageAllocator
-from engine.cache.prefix_history import PrefixHistory
+from common.prefix_history import PrefixHistory
 from engine.scheduler.request import Request
 
 @dataclass(frozen=True)
@@ -40,7 +40,10 @@ class PrefixReuse:
         self.held_for_copies: set[int] = set()
 
     def track(self, request: Request) -> None:
-        request.history = PrefixHistory(self.identity, self.page_size, request.tokens)
+        request.history = PrefixHistory(self.identity, self.page_size)
+        for image in request.images:  # an image's content keys every prefix that reaches its first token
+            request.history.add_event(image.offset, image.identity)
+        request.history.extend(request.tokens)
 
     def free_pages(self, needed: int) -> None:
         """Evict unpinned checkpoints (least recently used leaves first) until `needed` pages are free or
@@ -55,7 +58,7 @@ class PrefixReuse:
         if request.sampling.prompt_logprobs is not None:
             return  # every prompt position must be computed to report its logprob
         history, size = request.history, self.page_size
-        limit = request.prefill_target - 1  # the last prompt token is always computed: its logits are sampled
+        limit = request.first_computed  # the position whose logits are read is always computed
         chain: list[Checkpoint] = []
         for k, key in enumerate(history.block_keys):
             if (k + 1) * size > limit or (found := self.cache.lookup(key)) is None:

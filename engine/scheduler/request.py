@@ -6,9 +6,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.protocol import Logprobs, SamplingParams
+from common.protocol import ImageInput, Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
-from engine.cache.prefix_history import PrefixHistory
+from common.prefix_history import PrefixHistory
 
 if TYPE_CHECKING:
     from engine.speculative.planner import SpeculationState
@@ -33,6 +33,10 @@ class Request:
     max_outputs: int  # output tokens allowed (max_tokens capped by the context)
     arrival: float
     message_ends: list[int] = field(default_factory=list)
+    images: tuple[ImageInput, ...] = ()  # prompt images, in order (DESIGN.md, Images)
+    # Their placeholder tokens [first, end), atomic for chunking, and how far each moves the M-RoPE position of the
+    # text after it (common/mrope.py).
+    image_spans: tuple[tuple[int, int, int], ...] = ()
     phase: Phase = Phase.WAITING
     slot: int = -1
     generation: int = 0
@@ -56,7 +60,42 @@ class Request:
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
     finish_reason: str | None = None
+    # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
+    label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    label_logits: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # Structured output: the request's llguidance matcher (engine/grammar.py), advanced on every committed token.
+    # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
+    grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
+
+    @property
+    def scored(self) -> bool:
+        return bool(self.label_queries)
+
+    @property
+    def first_computed(self) -> int:
+        """The first position whose hidden state the request reads: prefix reuse must stop before it."""
+        return min(p for p, _ in self.label_queries) if self.scored else self.prefill_target - 1
+
+    def atomic_length(self, start: int, length: int) -> int:
+        """`length` tokens from `start`, moved off the inside of an image span: a chunk stops before the span, or,
+        starting at or in it, takes it to its end (over the budget if need be), so its tower call happens once."""
+        end = start + length
+        for first, last, _ in self.image_spans:
+            if first < end < last:
+                return first - start if first > start else last - start
+        return length
+
+    def rope_shift(self, start: int, end: int) -> int | None:
+        """Positions start..end as plain rope positions: each M-RoPE position of text after images is its index
+        plus what those images moved it (t = h = w then). None when the range holds image tokens."""
+        shift = 0
+        for first, last, moved in self.image_spans:
+            if first < end and start < last:
+                return None
+            if last <= start:
+                shift += moved
+        return shift
 
     @property
     def outputs(self) -> int:

@@ -133,7 +133,7 @@ class RequestScheduler:
                 break
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
-            length = min(budget, request.prefill_target - request.scheduled)
+            length = request.atomic_length(request.scheduled, min(budget, request.prefill_target - request.scheduled))
             if not self._reserve(request, request.scheduled + length, planned):
                 break
             rows.append(self._row(request, length))
@@ -219,7 +219,7 @@ class RequestScheduler:
                    tokens=(request.tokens[-1],) + draft, page_table=tuple(request.pages[: -(-end // self.page_size)]),
                    sample=True, output_index=start + 1 - request.prompt_len, sampling=request.sampling,
                    seed=request.seed, prompt_len=request.prompt_len, epoch=request.epoch, draft=draft,
-                   proposer=self.speculation.proposer.name)
+                   proposer=self.speculation.proposer.name, rope_shift=request.rope_shift(start, end))
 
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
@@ -245,8 +245,10 @@ class RequestScheduler:
                 request.phase = Phase.DECODE
 
     def _decode_candidates(self) -> list[Request]:
+        """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
+        (its mask depends on that step's token), while free ones keep a second step in flight."""
         return [r for r in self.slots if r is not None and r.phase is Phase.DECODE
-                and r.outputs_scheduled < r.max_outputs]
+                and r.outputs_scheduled < r.max_outputs and not (r.grammar is not None and r.in_flight)]
 
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is Phase.PREFILL]
@@ -279,7 +281,7 @@ class RequestScheduler:
         while needed > self.pages.free_count:
             if not self._preempt_one(request, planned):
                 return False
-            self.prefix.free_pages(needed)  # the victim's pins are gone: what it read may be evictable now
+            self.prefix.free_pages(needed)  # the victim's cached pages are unpinned now: evictable
         if needed > 0:
             request.pages.extend(self.pages.allocate(needed))
         return True
@@ -306,7 +308,7 @@ class RequestScheduler:
         start = request.scheduled
         end = start + length
         prefill = request.phase is Phase.PREFILL
-        samples = not prefill or end == request.prefill_target
+        samples = (not prefill or end == request.prefill_target) and not request.scored
         targets = ()
         if prefill and request.sampling.prompt_logprobs is not None:
             targets = tuple(request.tokens[start + 1:min(end + 1, request.prompt_len)])
@@ -316,8 +318,10 @@ class RequestScheduler:
             page_table=tuple(request.pages[: -(-end // self.page_size)]),
             sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
             prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
-            prompt_targets=targets, epoch=request.epoch,
-            banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else ())
+            prompt_targets=targets, epoch=request.epoch, images=request.images,
+            rope_shift=request.rope_shift(start, end),
+            banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else (),
+            scores=tuple((p, ids) for p, ids in request.label_queries if start <= p < end))
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
@@ -352,6 +356,7 @@ class RequestScheduler:
             request = self.slots[row.slot]
             if request is not None and request.generation == row.generation and not row.draft:
                 self.prefix.publish(request, row.start + row.length, completion.fence, self._try_allocate)
+        self._complete_scores(completion, plan, result)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
         accepted = completion.accepted or (0,) * len(completion.tokens)
         sampled = [row for row in plan.rows if row.sample]
@@ -391,6 +396,19 @@ class RequestScheduler:
         keep = -(-len(request.tokens) // self.page_size)
         self.pages.release(request.pages[keep:], fence)
         del request.pages[keep:]
+
+    def _complete_scores(self, completion: Completion, plan: Plan, result: StepResult) -> None:
+        """A scored prefill keeps the label logits it read and ends with the step that computed its prompt: it
+        never holds a slot for decoding. Logits are kept by position, so a recomputed chunk reads them again."""
+        for slot, generation, position, logits in completion.scores:
+            request = self.slots[slot]
+            if request is not None and request.generation == generation:
+                request.label_logits[position] = logits
+        for row in plan.rows:
+            request = self.slots[row.slot]
+            if request is not None and request.generation == row.generation and request.scored \
+                    and row.start + row.length == request.prefill_target:
+                result.finished.append(self._finish(request, "stop"))
 
     def _validate(self, completion: Completion, plan: Plan) -> None:
         """A completion must follow the last one and fit its plan; anything else is a broken executor."""

@@ -17,7 +17,7 @@ from common.protocol import SamplingParams
 from engine.cache.page_allocator import PageAllocator
 from engine.executor.eager import kv_cache_shape
 from engine.executor.inputs import build_inputs
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from engine.scheduler.plan import Plan, Row
 from engine.scheduler.request import Request
 
@@ -43,7 +43,7 @@ class _Lane:
 class DraftProposer:
     name = "draft"
 
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, device: torch.device) -> None:
         self.model = model
         self.page_size = page_size
         self.device = device

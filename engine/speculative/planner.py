@@ -5,8 +5,9 @@ A request drafts when its own acceptance history says a verify round of width W 
 second than a plain decode step: expected tokens (engine/speculative/acceptance.py) over the learned duration of
 that step shape (engine/scheduler/policy.py GraphCostModel: ("decode", batch) and ("verify", batch, W)). A small
 time budget, PROBE_FRACTION of measured step time, funds rounds one width deeper than the best, so estimates that
-look worse are revisited and do not freeze. Requests that ask for penalties, logprobs, or an unmet min_tokens, or
-that opted out (SamplingParams.speculative), always decode plainly.
+look worse are revisited and do not freeze. Requests that ask for penalties, logprobs, an unmet min_tokens, or a
+grammar (its mask per position would need the matcher advanced through the drafts), or that opted out
+(SamplingParams.speculative), always decode plainly.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def eligible(request: Request) -> bool:
     params = request.sampling
     return (params.speculative and params.logprobs is None and params.presence_penalty == 0
             and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and request.outputs >= params.min_tokens)
+            and request.outputs >= params.min_tokens and request.grammar is None)
 
 
 @dataclass(frozen=True)
