@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.errors import ExecutionFailed
 from common.protocol import Constraint, ImageInput, Logprobs, SamplingParams, Submit
@@ -69,8 +69,8 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
                 raise update.error
             text, kept = _consume(update.token_ids, hidden_ids, detokenizer, stops, update.finish_reason is not None)
             if kept < len(update.token_ids):  # a stop string ended inside a speculative burst: the rest never was
-                update = dataclasses.replace(update, token_ids=update.token_ids[:kept],
-                                             logprobs=_first_logprobs(update.logprobs, kept))
+                update = replace(update, token_ids=update.token_ids[:kept],
+                                 logprobs=_first_logprobs(update.logprobs, kept))
             generated += len(update.token_ids)
             timer.delivered(len(update.token_ids))
             delta = Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
