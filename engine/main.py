@@ -31,7 +31,7 @@ from engine.parallel.group import join, rank_device
 from engine.parallel.step_channel import Follower, RankFailure, connect
 from engine.parallel.worker import serve
 from engine.scheduler.scheduler import RequestScheduler
-from engine.speculative.factory import MODES, make_proposer
+from engine.speculative.factory import MODES, make_proposer, target_share
 from engine.telemetry import EngineTelemetry
 
 log = logging.getLogger("flare.engine")
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     max_active = args.max_active or caps.max_active
     budget = args.kv_cache_bytes or (gpu_kv_budget(model, max_active, device, args.kv_cache_fraction)
                                      if device.type == "cuda" else caps.kv_cache_bytes)
+    if device.type == "cuda" and not args.kv_cache_bytes:  # the draft model's weights and pages come out of it
+        budget = target_share(budget, args.speculative, args.draft)
     step_tokens = args.max_batched_tokens or caps.prefill_chunk_size
     num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
     channel = connect(tp, args.dist_address) if tp else None

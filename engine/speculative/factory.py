@@ -21,6 +21,15 @@ def default_mode(draft: Path | None) -> str:
     return "draft" if draft is not None else "ngram"
 
 
+def target_share(budget: int, mode: str, draft: Path | None) -> int:
+    """Of a device's KV budget, what the target keeps when a draft model will load beside it: its weights (their
+    files' size) first, then DRAFT_KV_FRACTION of the target's pages for the draft's."""
+    if draft is None or mode not in ("auto", "draft"):
+        return budget
+    weights = sum(path.stat().st_size for path in draft.glob("*.safetensors"))
+    return max(int((budget - weights) / (1 + DRAFT_KV_FRACTION)), 0)
+
+
 def make_proposer(mode: str, draft: Path | None, target: Manifest, device: torch.device, page_size: int,
                   kv_budget: int) -> Proposer | None:
     if mode == "auto":
