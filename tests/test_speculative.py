@@ -262,3 +262,25 @@ def test_acceptance_statistics_condition_on_earlier_positions_and_censor_termina
     stats.observe("p", offered=4, accepted=1, censored=True)  # ended after position 1: 2.. unseen
     assert stats.rates("p")[2] == rates[2]
     assert expected_tokens([1.0, 1.0, 0.0], 3) == 3.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=50, seed=11)])
+def test_graph_executor_verify_rounds_keep_outputs(plain_greedy, sampling: dict) -> None:
+    """On the GPU: the GraphExecutor with verify rounds (its eager step, kernel path) gives plain decoding's tokens."""
+    from engine.executor.graph import GraphExecutor
+
+    def run(proposer: object) -> list[list[int]]:
+        model = tiny_model().to("cuda", torch.bfloat16)
+        model.use_kernels(256)
+        harness = Harness(model, proposer=proposer)
+        harness.executor.close()
+        harness.executor = GraphExecutor(model, 64, 16, 8, torch.device("cuda"), 256, 48)
+        requests = [harness.add(p, max_tokens=40, **sampling) for p in PROMPTS]
+        harness.run()
+        harness.close()
+        return [r.tokens[r.prompt_len:] for r in requests]
+
+    plain = run(None)
+    assert run(ReplayProposer({tuple(p): o for p, o in zip(PROMPTS, plain)}, 0.3)) == plain
