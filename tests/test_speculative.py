@@ -267,7 +267,7 @@ def test_acceptance_statistics_condition_on_earlier_positions_and_censor_termina
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=50, seed=11)])
-def test_graph_executor_verify_rounds_keep_outputs(plain_greedy, sampling: dict) -> None:
+def test_graph_executor_verify_rounds_keep_outputs(sampling: dict) -> None:
     """On the GPU: the GraphExecutor with verify rounds (its eager step, kernel path) gives plain decoding's tokens."""
     from engine.executor.graph import GraphExecutor
 
