@@ -85,7 +85,7 @@ def stop_all(frontends: list[subprocess.Popen], replicas: list["Replica"]) -> No
 
 
 # `flare run` flags that every engine rank receives as they are.
-ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_fraction", "dtype")
+ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_fraction", "dtype", "speculative", "draft")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -255,6 +255,11 @@ def main(argv: list[str] | None = None) -> None:
                               help="on a GPU: the share of its memory that weights, KV cache and graphs may use")
     engine_group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the core's dtype")
     engine_group.add_argument("--eager", action="store_true", help="on a GPU, run eagerly instead of in graphs")
+    engine_group.add_argument("--speculative", choices=("auto", "ngram", "draft", "off"),
+                            help="speculative decoding: ngram (copy proposals), draft (the --draft model), off; "
+                                 "default auto: draft with --draft, else ngram")
+    engine_group.add_argument("--draft", type=Path, help="DRAFT_CORE: a smaller core with the same tokenizer that "
+                                                       "proposes drafts")
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,
                                   help="the engine's request address, as given to flare-engine --listen")

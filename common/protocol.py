@@ -32,6 +32,7 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     repetition_penalty: float = 1.0  # on prompt and output tokens, as transformers defines it
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's logprob and the top k
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
+    speculative: bool = True  # False: this request never drafts (docs/speculative.md); its output is the same
 
 
 class LabelQuery(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -151,6 +152,7 @@ class GraphStat(msgspec.Struct, array_like=True, gc=False):
     mean_ms: float
     max_ms: float
     requests_per_call: float
+    width: int = 0  # a verify graph's target positions per request (capacity is then its batch capacity)
 
 
 class RequestRow(msgspec.Struct, array_like=True, gc=False):
@@ -163,6 +165,7 @@ class RequestRow(msgspec.Struct, array_like=True, gc=False):
     outputs: int
     since_publish_ms: float  # -1 before the first publication
     bursts: int
+    speculative_rounds: int = 0  # completed verify rounds (each publication of one counts as one burst)
 
 
 class Telemetry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag="telemetry"):

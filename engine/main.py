@@ -31,6 +31,7 @@ from engine.parallel.group import join, rank_device
 from engine.parallel.step_channel import Follower, RankFailure, connect
 from engine.parallel.worker import serve
 from engine.scheduler.scheduler import RequestScheduler
+from engine.speculative.factory import MODES, make_proposer, target_share
 from engine.telemetry import EngineTelemetry
 
 log = logging.getLogger("flare.engine")
@@ -63,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batched-tokens", type=int,
                         help="prompt tokens one step may carry (default: the core's prefill chunk size)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--speculative", choices=MODES, default="auto",
+                        help="draft proposals verified in one wider step: ngram (copies from the prompt and output), "
+                             "draft (the --draft model), off; auto (default): draft with --draft, else ngram")
+    parser.add_argument("--draft", type=Path, help="a smaller core with the same tokenizer that proposes drafts")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is outside [0, --world-size {args.world_size})")
@@ -112,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     max_active = args.max_active or caps.max_active
     budget = args.kv_cache_bytes or (gpu_kv_budget(model, max_active, device, args.kv_cache_fraction)
                                      if device.type == "cuda" else caps.kv_cache_bytes)
+    if device.type == "cuda" and not args.kv_cache_bytes:  # the draft model's weights and pages come out of it
+        budget = target_share(budget, args.speculative, args.draft)
     step_tokens = args.max_batched_tokens or caps.prefill_chunk_size
     num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
     channel = connect(tp, args.dist_address) if tp else None
@@ -126,8 +133,12 @@ def main(argv: list[str] | None = None) -> None:
                      args.world_size, time.monotonic() - started, num_pages)
             os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size))
         executor = TensorParallelExecutor(executor, channel)
+    try:
+        proposer = make_proposer(args.speculative, args.draft, manifest, device, caps.page_size, budget)
+    except CoreError as exc:
+        sys.exit(f"flare-engine: error: {exc}")
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
-                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype))
+                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)
@@ -150,9 +161,9 @@ def main(argv: list[str] | None = None) -> None:
                     grammars, manifest.vision)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
-    log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",
-             manifest.served_names[0], manifest.architecture, manifest.dtype, device, time.monotonic() - started,
-             num_pages, caps.page_size, max_active, args.listen)
+    log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots, speculative %s; listening on "
+             "%s", manifest.served_names[0], manifest.architecture, manifest.dtype, device, time.monotonic() - started,
+             num_pages, caps.page_size, max_active, proposer.name if proposer else "off", args.listen)
     status = 0
     try:
         engine.run()

@@ -28,7 +28,7 @@ GRAPH_WINDOW = 2.0
 RING_SIZE = 1024
 COUNTERS = ("admissions", "completions", "cancellations", "failures", "rejections", "prefix_lookups", "prefix_hits",
             "prefix_misses", "reused_tokens", "checkpoint_publications", "checkpoint_evictions", "prompt_tokens",
-            "output_tokens", "launches_decode", "launches_prefill", "launches_mixed")
+            "output_tokens", "launches_decode", "launches_prefill", "launches_mixed", "launches_verify")
 MAX_REQUEST_ROWS = 128
 
 
@@ -44,7 +44,7 @@ class EngineTelemetry:
         self._last_publish = 0.0
         self._dashboards = 0
         self._cache_subscribed = False  # a subscriber arrived: the next announcement is the whole set
-        self._ring: list[tuple[float, str, int, int, float] | None] = [None] * RING_SIZE
+        self._ring: list[tuple[float, str, int, int, float, int] | None] = [None] * RING_SIZE
         self._ring_next = 0
         self._ring_since_publish = 0
         self.dropped = 0
@@ -69,7 +69,10 @@ class EngineTelemetry:
             self.dropped += 1
             return
         capacity = plan.num_tokens if plan.kind != "decode" else 1 << (len(plan.rows) - 1).bit_length()
-        self._ring[self._ring_next] = (time.monotonic(), plan.kind, capacity, len(plan.rows), duration)
+        width = 0
+        if plan.kind == "verify":  # its batch capacity and width (target positions per request)
+            capacity, width = plan.shape[1], plan.shape[2]
+        self._ring[self._ring_next] = (time.monotonic(), plan.kind, capacity, len(plan.rows), duration, width)
         self._ring_next = (self._ring_next + 1) % RING_SIZE
         self._ring_since_publish += 1
 
@@ -140,21 +143,24 @@ class EngineTelemetry:
             "retiring_pages": scheduler.pages.retiring_count, "cached_pages": scheduler.cached_pages,
             "pending_requests": len(scheduler.waiting), "uptime_seconds": now - self.started,
             "tokens_last_minute": self.counters["output_tokens"] - oldest[1],
+            **({"spec_mean_acceptance_length": scheduler.counters["draft_accepted_tokens"]
+                / max(scheduler.counters["draft_rounds"], 1)} if scheduler.speculation is not None else {}),
         }
 
     def _graph_stats(self, now: float) -> list[wire.GraphStat]:
-        groups: dict[tuple[str, int], list[tuple[int, float]]] = defaultdict(list)
+        groups: dict[tuple[str, int, int], list[tuple[int, float]]] = defaultdict(list)
         for entry in self._ring:
             if entry is not None and now - entry[0] <= GRAPH_WINDOW:
-                groups[(entry[1], entry[2])].append((entry[3], entry[4]))
+                groups[(entry[1], entry[2], entry[5])].append((entry[3], entry[4]))
         return [wire.GraphStat(kind, capacity, len(calls), 1000 * sum(d for _, d in calls) / len(calls),
-                               1000 * max(d for _, d in calls), sum(n for n, _ in calls) / len(calls))
-                for (kind, capacity), calls in sorted(groups.items())]
+                               1000 * max(d for _, d in calls), sum(n for n, _ in calls) / len(calls), width)
+                for (kind, capacity, width), calls in sorted(groups.items())]
 
     def _request_rows(self, scheduler: RequestScheduler, now: float) -> list[wire.RequestRow]:
         live = [r for r in scheduler.slots if r is not None] + list(scheduler.waiting)
         return [wire.RequestRow(
             slot=r.slot, generation=r.generation, phase=r.phase.value, gap_ms=1000 * (now - r.last_commit),
             prompt_done=min(r.scheduled, r.prompt_len), prompt_len=r.prompt_len, outputs=r.outputs,
-            since_publish_ms=1000 * (now - r.last_publish) if r.last_publish else -1.0, bursts=r.bursts)
+            since_publish_ms=1000 * (now - r.last_publish) if r.last_publish else -1.0, bursts=r.bursts,
+            speculative_rounds=r.speculation.rounds if r.speculation else 0)
             for r in live[:MAX_REQUEST_ROWS]]

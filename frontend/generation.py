@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.errors import ExecutionFailed
 from common.protocol import Constraint, ImageInput, Logprobs, SamplingParams, Submit
@@ -67,13 +67,12 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
             if update.error is not None:
                 finished = True
                 raise update.error
+            text, kept = _consume(update.token_ids, hidden_ids, detokenizer, stops, update.finish_reason is not None)
+            if kept < len(update.token_ids):  # a stop string ended inside a speculative burst: the rest never was
+                update = replace(update, token_ids=update.token_ids[:kept],
+                                 logprobs=_first_logprobs(update.logprobs, kept))
             generated += len(update.token_ids)
             timer.delivered(len(update.token_ids))
-            visible = [t for t in update.token_ids if t not in hidden_ids]
-            pieces = detokenizer.add(visible) if visible else ""
-            if update.finish_reason is not None:
-                pieces += detokenizer.flush()
-            text = stops.feed(pieces) if pieces else ""
             delta = Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
             if stops.matched is not None:
                 finished = True
@@ -100,6 +99,32 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
             client.release(request_id)
         else:
             client.abort(request_id)
+
+
+def _consume(token_ids: list[int], hidden_ids: set[int], detokenizer: IncrementalDetokenizer,
+             stops: StopMatcher, last: bool) -> tuple[str, int]:
+    """The text of new tokens that is safe to send (all of it when `last`), and how many of them count: with stop
+    strings, a burst of several tokens (speculative decoding) is fed one token at a time, so tokens after a stop
+    string's end are dropped as if never generated."""
+    bursts = [token_ids] if not stops.stops or len(token_ids) <= 1 else [[t] for t in token_ids]
+    text, count = "", 0
+    for i, burst in enumerate(bursts):
+        visible = [t for t in burst if t not in hidden_ids]
+        pieces = detokenizer.add(visible) if visible else ""
+        if last and i == len(bursts) - 1:
+            pieces += detokenizer.flush()
+        text += stops.feed(pieces) if pieces else ""
+        count += len(burst)
+        if stops.matched is not None:
+            break
+    return text, count
+
+
+def _first_logprobs(logprobs: Logprobs | None, count: int) -> Logprobs | None:
+    if logprobs is None:
+        return None
+    return Logprobs(logprobs.token_ids[:count], logprobs.logprobs[:count], logprobs.top_ids[:count],
+                    logprobs.top_logprobs[:count])
 
 
 async def merge(client: Replicas, model: ServedModel, requests: list[GenerationRequest]

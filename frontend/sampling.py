@@ -35,7 +35,8 @@ def sampling_params(model: ServedModel, body: dict, prompt_len: int, max_tokens:
         frequency_penalty=get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=get_number(body, "repetition_penalty", defaults.repetition_penalty, 0.01, 10.0),
         logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs,
+        speculative=get_bool(body, "speculative", True))
     if params.min_tokens > params.max_tokens:
         raise InvalidRequest(f"'min_tokens' ({params.min_tokens}) must not exceed the maximum output tokens "
                              f"({params.max_tokens})", param="min_tokens")

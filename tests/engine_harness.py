@@ -49,9 +49,9 @@ def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> Causa
 
 class Harness:
     def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
-                 chunk: int = 48) -> None:
+                 chunk: int = 48, proposer: object = None) -> None:
         self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device("cpu"))
-        self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk)
+        self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer)
         self._ids = itertools.count()
         self.steps = 0
 

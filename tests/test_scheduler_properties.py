@@ -36,7 +36,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.random = random.Random(0)
 
     @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 40), max_size=9),
-          max_tokens=st.integers(1, 12), ends=st.lists(st.integers(1, 18), max_size=3))
+          max_tokens=st.integers(1, 24), ends=st.lists(st.integers(1, 18), max_size=3))
     def admit(self, prefix: list[int], extra: list[int], max_tokens: int, ends: list[int]) -> None:
         if not self.scheduler.can_admit():
             return
@@ -54,6 +54,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.scheduler.plan()
         if plan is None:
             return
+        for row in plan.rows:
+            request = self.scheduler.slots[row.slot]
+            if row.draft:  # a verify round starts from the committed state: nothing of the request is pending
+                assert request.in_flight == 0 and row.tokens[0] == request.tokens[-1]
+                assert row.start == len(request.tokens) - 1
         self.fence += 1
         self.scheduler.commit(plan, self.fence)
         for row in plan.rows:
@@ -69,10 +74,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         fence, plan = self.in_flight.popleft()
         sampled = [row for row in plan.rows if row.sample]
         tokens = tuple(self.random.randrange(50) for _ in sampled)
+        # A verify row accepts any number of its drafts (the executor's verdict is not the scheduler's business).
+        accepted = tuple(self.random.randint(0, len(r.draft)) for r in sampled) if plan.kind == "verify" else ()
+        # Durations grow with the step's tokens, so a verify round is not always worth its cost (or its bubble).
         completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled), tokens,
-                                0.001)
+                                0.001 * (4 + plan.num_tokens), accepted=accepted)
         self.scheduler.complete(completion, plan)
         self.completed = fence
+        for row in plan.rows:
+            request = self.scheduler.slots[row.slot]
+            if row.draft and request is not None and request.generation == row.generation and not request.in_flight:
+                assert len(request.pages) <= -(-len(request.tokens) // PAGE)  # rejected positions' pages went back
+
+    @rule(steps=st.integers(1, 8))
+    def advance(self, steps: int) -> None:
+        """Several plan/complete rounds at once, so requests get deep into decoding within an example."""
+        for _ in range(steps):
+            if len(self.in_flight) < 2:
+                self.plan_and_commit()
+            if self.in_flight:
+                self.complete()
 
     @rule(index=st.integers(0, 50))
     def cancel(self, index: int) -> None:
@@ -115,6 +136,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(count == 1 for count in places.values()), places
 
     @invariant()
+    def outputs_stay_within_limits_and_positions_follow_tokens(self) -> None:
+        for request in self.requests:
+            assert request.outputs <= request.max_outputs
+            if request.phase is Phase.DECODE and request.in_flight == 0:
+                assert request.scheduled == len(request.tokens) - 1  # rejected drafts left no positions behind
+                assert len(request.pages) >= -(-request.scheduled // PAGE)
+
+    @invariant()
     def no_free_page_is_still_in_use(self) -> None:
         for page in self.scheduler.pages._free:
             assert self.last_use.get(page, 0) <= self.completed
@@ -133,6 +162,32 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert checkpoint.pins == expected[checkpoint.id]
 
 
-# Derandomized: CI runs the same 300 interleavings each time (a soak with more examples is a local job).
+class RandomProposer:
+    """Drafts of random tokens (the stop id among them), as deep as asked."""
+
+    name = "random"
+
+    def __init__(self) -> None:
+        self.random = random.Random(2)
+
+    def available(self, request: Request, depth: int) -> int:
+        return depth
+
+    def propose(self, batch: list[tuple[Request, int]], live: set) -> list[tuple[int, ...]]:
+        return [tuple(self.random.randrange(50) for _ in range(depth)) for _, depth in batch]
+
+
+class SpeculativeSchedulerMachine(SchedulerMachine):
+    """The same rules with verify rounds among the plans: variable accepted lengths, stops inside drafts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, proposer=RandomProposer())
+
+
+# Derandomized: CI runs the same interleavings each time (a soak with more examples is a local job).
 SchedulerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+SpeculativeSchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                                                         derandomize=True)
+test_speculative_scheduler_state_machine = SpeculativeSchedulerMachine.TestCase

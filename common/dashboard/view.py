@@ -19,12 +19,12 @@ MAX_TRACKED = 128  # request rows kept, live and retired together
 DRAFT_ACCEPTED = "draft_accepted_tokens"
 DRAFT_ROUNDS = "draft_rounds"
 
-PREFILL_MARK, DECODE_MARK, IDLE_MARK, GONE_MARK = "P", "D", "·", " "
+PREFILL_MARK, DECODE_MARK, SPECULATIVE_MARK, IDLE_MARK, GONE_MARK = "P", "D", "S", "·", " "
 
 
 @dataclass
 class GraphRow:
-    label: str  # kind with its capacity: b = batch rows (decode), t = tokens (prefill, mixed)
+    label: str  # kind with its capacity: b = batch rows (decode, verify), t = tokens (prefill, mixed), w = width
     calls: int
     mean_ms: float
     max_ms: float
@@ -120,8 +120,11 @@ class TelemetryView:
 
 
 def progress_mark(previous: RequestRow | None, row: RequestRow) -> str:
-    """The latest kind of progress between two samples: output beats prompt (a decode follows its prefill)."""
+    """The latest kind of progress between two samples: a verify round beats decode, output beats prompt (a
+    decode follows its prefill)."""
     outputs, prompt = (previous.outputs, previous.prompt_done) if previous else (0, 0)
+    if row.speculative_rounds > (previous.speculative_rounds if previous else 0):
+        return SPECULATIVE_MARK
     if row.outputs > outputs:
         return DECODE_MARK
     if row.prompt_done > prompt:
@@ -130,4 +133,6 @@ def progress_mark(previous: RequestRow | None, row: RequestRow) -> str:
 
 
 def graph_label(stat: GraphStat) -> str:
+    if stat.width:  # a verify graph: batch capacity, width, and the target rows it packs
+        return f"{stat.kind} b{stat.capacity} w{stat.width} rows{stat.capacity * stat.width}"
     return f"{stat.kind} {'b' if stat.kind == 'decode' else 't'}{stat.capacity}"

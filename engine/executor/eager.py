@@ -22,6 +22,7 @@ from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import VisionLanguageLM
 from engine.sampling import apply_penalties, sample, token_logprobs
 from engine.scheduler.plan import Completion, Plan, Row
+from engine.speculative.verify import accept
 
 MAX_IN_FLIGHT = 2
 
@@ -121,16 +122,36 @@ class EagerExecutor:
         logits = apply_penalties(logits, step.sampling, self.output_counts[step.sample_slots],
                                  self.seen[step.sample_slots])
         tokens = sample(logits, step.sampling)
-        self.slot_tokens[step.sample_slots] = tokens
+        # Penalty state counts every sampled position; verify rows belong to requests without penalties, whose
+        # state nobody reads (a request's first row resets its slot's).
         self.output_counts.index_put_((step.sample_slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
                                       accumulate=True)
         self.seen[step.sample_slots, tokens] = True
         sampled = [row for row in plan.rows if row.sample]
+        lasts, accepted = None, ()
+        if any(row.draft for row in sampled):
+            lasts, tokens, accepted = self._verify(sampled, tokens)
+            logits = logits[lasts]
+        self.slot_tokens[step.sample_slots if lasts is None else step.sample_slots[lasts]] = tokens
         return Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
                           tuple(tokens.tolist()), time.perf_counter() - started,
                           logprobs=self._logprobs(sampled, logits, tokens),
                           prompt_logprobs=self._prompt_logprobs(plan, hidden),
-                          scores=eager_scores(plan, hidden, self.model.logits))
+                          scores=eager_scores(plan, hidden, self.model.logits), accepted=accepted)
+
+    def _verify(self, sampled: list[Row], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                           tuple[int, ...]]:
+        """Per sampled row: the index of its last sample, the token it emits last, and its accepted drafts
+        (engine/speculative/verify.py)."""
+        widths = [len(row.draft) + 1 for row in sampled]
+        firsts = torch.tensor([0] + widths[:-1], device=self.device).cumsum(0)
+        width = torch.tensor(widths, device=self.device)
+        columns = torch.arange(max(widths), device=self.device)
+        grid = tokens[firsts[:, None] + torch.minimum(columns[None, :], width[:, None] - 1)]
+        drafts = torch.tensor([list(row.draft) + [-1] * (max(widths) - 1 - len(row.draft)) for row in sampled],
+                              dtype=torch.int64, device=self.device).view(len(sampled), max(widths) - 1)
+        accepted, final = accept(grid, drafts, width)
+        return firsts + width - 1, final, tuple(accepted.tolist())
 
     def _copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
         if not copies:
@@ -144,7 +165,7 @@ class EagerExecutor:
     def _record_prompt_tokens(self, plan: Plan) -> None:
         """Host-known tokens enter the slot's penalty state; a request's first row clears what the slot held."""
         for row in plan.rows:
-            if row.tokens is None:
+            if row.tokens is None or row.draft:
                 continue
             known = list(row.tokens)
             if row.history is not None:

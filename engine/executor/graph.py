@@ -239,7 +239,7 @@ class GraphExecutor:
     def _layout_for(self, plan: Plan) -> Layout | None:
         """The smallest graph that holds the plan, or None for a step that runs eagerly."""
         rows = plan.rows
-        if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets
+        if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets or r.draft
                            or r.rope_shift is None for r in rows):
             return None
         if any(row.scores for row in rows):

@@ -10,7 +10,7 @@ import torch
 from engine.model.attention import AttentionMetadata, PrefillSpan
 from common.protocol import SamplingParams
 from engine.sampling import SamplingTensors
-from engine.scheduler.plan import Plan
+from engine.scheduler.plan import Plan, Row
 
 
 def has_penalty(params: SamplingParams) -> bool:
@@ -24,7 +24,7 @@ class StepInputs:
     device_token_rows: torch.Tensor  # [Bd] rows whose input is the slot's last sampled token
     device_token_slots: torch.Tensor  # [Bd]
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] step rows whose hidden state is sampled
+    sample_rows: torch.Tensor  # [S] step rows whose hidden state is sampled: one per sampled row, W per verify row
     sample_slots: torch.Tensor  # [S]
     sampling: SamplingTensors
 
@@ -38,7 +38,8 @@ def sampled_masks(plan: Plan, device: torch.device) -> torch.Tensor | None:
     if not plan.masks:
         return None
     masks = np.frombuffer(plan.masks, dtype=np.int32).reshape(len(plan.rows), -1)
-    rows = [i for i, row in enumerate(plan.rows) if row.sample]
+    # A verify row (never constrained: its mask allows everything) samples every position.
+    rows = [i for i, row in enumerate(plan.rows) if row.sample for _ in range(row.length if row.draft else 1)]
     return torch.from_numpy(masks[rows]).to(device)
 
 
@@ -49,7 +50,8 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
     device_rows, device_slots = [], []
     decode_rows, decode_tables, decode_lens = [], [], []
     prefills: list[PrefillSpan] = []
-    sample_rows, sampled = [], []
+    sample_rows = []
+    sampled: list[tuple[Row, int]] = []  # (row, offset of the sampled position after the row's first sample)
     for row in plan.rows:
         first = len(ids)
         end = row.start + row.length
@@ -68,8 +70,9 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
         else:
             prefills.append(PrefillSpan(first, row.length, end, _tensor(list(row.page_table), torch.int64, device)))
         if row.sample:
-            sample_rows.append(first + row.length - 1)
-            sampled.append(row)
+            count = row.length if row.draft else 1  # a verify row samples every position
+            sample_rows.extend(range(first + row.length - count, first + row.length))
+            sampled.extend((row, i) for i in range(count))
     width = max((len(t) for t in decode_tables), default=0)
     padded = [list(t) + [0] * (width - len(t)) for t in decode_tables]
     meta = AttentionMetadata(
@@ -79,23 +82,23 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
         decode_context_lens=_tensor(decode_lens, torch.int64, device),
         prefills=tuple(prefills), page_size=page_size)
     sampling = SamplingTensors(
-        temperature=_tensor([r.sampling.temperature for r in sampled], torch.float32, device),
-        top_p=_tensor([r.sampling.top_p for r in sampled], torch.float32, device),
-        top_k=_tensor([r.sampling.top_k for r in sampled], torch.int64, device),
-        min_p=_tensor([r.sampling.min_p for r in sampled], torch.float32, device),
-        seed=_tensor([r.seed for r in sampled], torch.int64, device),
-        position=_tensor([r.output_index for r in sampled], torch.int64, device),
-        presence_penalty=_tensor([r.sampling.presence_penalty for r in sampled], torch.float32, device),
-        frequency_penalty=_tensor([r.sampling.frequency_penalty for r in sampled], torch.float32, device),
-        repetition_penalty=_tensor([r.sampling.repetition_penalty for r in sampled], torch.float32, device),
-        banned_rows=_tensor([i for i, r in enumerate(sampled) for _ in r.banned], torch.int64, device),
-        banned_ids=_tensor([t for r in sampled for t in r.banned], torch.int64, device),
+        temperature=_tensor([r.sampling.temperature for r, _ in sampled], torch.float32, device),
+        top_p=_tensor([r.sampling.top_p for r, _ in sampled], torch.float32, device),
+        top_k=_tensor([r.sampling.top_k for r, _ in sampled], torch.int64, device),
+        min_p=_tensor([r.sampling.min_p for r, _ in sampled], torch.float32, device),
+        seed=_tensor([r.seed for r, _ in sampled], torch.int64, device),
+        position=_tensor([r.output_index + i for r, i in sampled], torch.int64, device),
+        presence_penalty=_tensor([r.sampling.presence_penalty for r, _ in sampled], torch.float32, device),
+        frequency_penalty=_tensor([r.sampling.frequency_penalty for r, _ in sampled], torch.float32, device),
+        repetition_penalty=_tensor([r.sampling.repetition_penalty for r, _ in sampled], torch.float32, device),
+        banned_rows=_tensor([i for i, (r, _) in enumerate(sampled) for _ in r.banned], torch.int64, device),
+        banned_ids=_tensor([t for r, _ in sampled for t in r.banned], torch.int64, device),
         allowed=sampled_masks(plan, device),
-        all_greedy=all(r.sampling.temperature == 0 for r in sampled),
-        any_penalty=any(has_penalty(r.sampling) for r in sampled))
+        all_greedy=all(r.sampling.temperature == 0 for r, _ in sampled),
+        any_penalty=any(has_penalty(r.sampling) for r, _ in sampled))
     return StepInputs(
         input_ids=_tensor(ids, torch.int64, device), positions=_tensor(positions, torch.int64, device),
         device_token_rows=_tensor(device_rows, torch.int64, device),
         device_token_slots=_tensor(device_slots, torch.int64, device), meta=meta,
         sample_rows=_tensor(sample_rows, torch.int64, device),
-        sample_slots=_tensor([r.slot for r in sampled], torch.int64, device), sampling=sampling)
+        sample_slots=_tensor([r.slot for r, _ in sampled], torch.int64, device), sampling=sampling)

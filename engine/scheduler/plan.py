@@ -38,6 +38,10 @@ class Row:
     # Added to the positions for the rotary (a vision model's text after images); None: the row holds image tokens,
     # whose positions only the eager step computes (engine/executor/images.py).
     rope_shift: int | None = 0
+    # A verify row (docs/speculative.md): `tokens` is the last committed token then these drafts; every position
+    # samples (output_index + i at position i) and the executor accepts the drafts the samples agree with.
+    draft: tuple[int, ...] = ()
+    proposer: str = ""
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,7 +50,7 @@ class Plan:
     # KV pages to copy (source, destination) before the step's forward: private copies of partial pages for exact
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
-    shape: tuple[str, int] = ("", 0)  # (kind, capacity) whose cost the policy learns from this step's duration
+    shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
     # Grammar masks (engine/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
     masks: bytes = b""
@@ -57,6 +61,8 @@ class Plan:
 
     @property
     def kind(self) -> str:
+        if any(row.draft for row in self.rows):
+            return "verify"
         decode = any(row.tokens is None for row in self.rows)
         prefill = any(row.tokens is not None for row in self.rows)
         return "mixed" if decode and prefill else "decode" if decode else "prefill"
@@ -74,3 +80,6 @@ class Completion:
     prompt_logprobs: tuple[tuple[int, int, Logprobs], ...] = ()  # (slot, generation, logprobs) per row that asked
     # (slot, generation, position, label logits) per label query of the plan's rows, in plan order.
     scores: tuple[tuple[int, int, int, tuple[float, ...]], ...] = ()
+    # Per sampled row, when the plan verified drafts: how many of the row's drafts were accepted; `tokens` then
+    # holds the target's token after them (the correction, or the bonus when all were accepted).
+    accepted: tuple[int, ...] = ()

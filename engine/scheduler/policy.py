@@ -32,7 +32,7 @@ class PolicyConfig:
     stale_after: float = 30.0
 
 
-Shape = tuple[str, int]  # (kind, capacity): the step shape whose cost is learned
+Shape = tuple  # (kind, capacity), or ("verify", batch capacity, width): the step shape whose cost is learned
 
 
 @dataclass
@@ -52,6 +52,11 @@ class GraphCostModel:
         now = now if now is not None else time.monotonic()
         fresh = [seconds for when, seconds in samples if now - when <= self.config.stale_after]
         return statistics.median(fresh) if fresh else 0.0
+
+    def last_known(self, shape: Shape) -> float:
+        """Median of the recent observations however old; 0.0 only for a shape never measured."""
+        samples = self._samples.get(shape)
+        return statistics.median(seconds for _, seconds in samples) if samples else 0.0
 
 
 def decode_capacity(rows: int) -> int:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.protocol import ImageInput, Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
 from common.prefix_history import PrefixHistory
+
+if TYPE_CHECKING:
+    from engine.speculative.planner import SpeculationState
 
 
 class Phase(enum.Enum):
@@ -62,6 +66,7 @@ class Request:
     # Structured output: the request's llguidance matcher (engine/grammar.py), advanced on every committed token.
     # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
     grammar: object | None = None
+    speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
 
     @property
     def scored(self) -> bool:

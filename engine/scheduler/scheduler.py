@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
@@ -18,6 +19,9 @@ from engine.scheduler.policy import (Candidate, GraphCostModel, PolicyConfig, ch
 from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.plan import Completion, Plan, Row
 from engine.scheduler.request import Phase, Request
+
+if TYPE_CHECKING:
+    from engine.speculative.planner import Choice, Proposer
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,9 @@ class StalePlan(ValueError):
 
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
-                 prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig()) -> None:
+                 prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig(),
+                 proposer: Proposer | None = None) -> None:
+        """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step."""
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -58,6 +64,11 @@ class RequestScheduler:
         self._planned: tuple[Plan | None, tuple] = (None, ())
         self.policy = policy
         self.costs = GraphCostModel(policy)
+        self.speculation = None
+        if proposer is not None:
+            from engine.speculative.planner import Speculation
+
+            self.speculation = Speculation(proposer, self.costs, self.counters)
         self._completed_fence = 0
         # Prompt-token capacities of a step: page-aligned, doubling up to the chunk size.
         self._chunk_capacities = [page_size << i for i in range(32) if page_size << i < prefill_chunk_size]
@@ -100,13 +111,21 @@ class RequestScheduler:
     # --- planning -----------------------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         decoders = self._decode_candidates()
+        depths = self._draft_depths(decoders)
+        # A request that would draft waits for its step in flight rather than take the second frame (its proposal
+        # needs its last token) when drafting promises enough; one with a verify round in flight waits for that
+        # round's accepted length. Either waits for its own completion only: other requests fill the frame.
+        decoders = [r for r in decoders if r.in_flight == 0 or not self._verifying(r) and not (
+            r in depths and depths[r].worth_draining)]
         prefills = self._prefill_candidates()
-        choice = self._choose(decoders, prefills, time.monotonic())
+        choice = self._choose(decoders, prefills, time.monotonic(), depths)
+        drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
         rows: list[Row] = []
         planned: set[int] = set()  # slots in this plan: never preempted by it
         for request in decoders:
-            if request.slot >= 0 and self._reserve(request, request.scheduled + 1, planned):
-                rows.append(self._row(request, 1))
+            draft = drafts.get(request, ())
+            if request.slot >= 0 and self._reserve(request, request.scheduled + 1 + len(draft), planned):
+                rows.append(self._verify_row(request, draft) if draft else self._row(request, 1))
                 planned.add(request.slot)
         budget = choice.prefill_tokens if choice is not None else 0
         for request in prefills:
@@ -123,19 +142,31 @@ class RequestScheduler:
         copies = self.prefix.planned_copies()
         if not rows and not copies:
             return None
-        plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies),
-                    shape=choice.shape if choice is not None else ("copy", 0))
+        shape = choice.shape if choice is not None else ("copy", 0)
+        if shape[0] == "verify" and not drafts:  # no proposal came: a plain decode step after all
+            shape = ("decode", shape[1])
+        plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
         self._planned = (plan, copies)
         return plan
 
-    def _choose(self, decoders: list[Request], prefills: list[Request], now: float) -> Candidate | None:
+    def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
+                depths: dict[Request, Choice]) -> Candidate | None:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
-        decode_value = sum(config.output_token_value * (1 + price(config, config.delivery_fairness,
-                                                                  now - r.last_commit)) for r in decoders)
+        values = [config.output_token_value * (1 + price(config, config.delivery_fairness, now - r.last_commit))
+                  for r in decoders]
+        decode_value = sum(values)
         candidates = []
         if decoders:
-            candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", decode_capacity(len(decoders)))))
+            batch = decode_capacity(len(decoders))
+            candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", batch)))
+            drafting = [depths[r] for r in decoders if r in depths and r.in_flight == 0]
+            if drafting:
+                from engine.speculative.planner import width_of
+
+                value = sum(v * depths[r].expected if r in depths else v for v, r in zip(values, decoders))
+                width = width_of(max(choice.depth for choice in drafting))
+                candidates.append(Candidate(len(decoders), 0, value, ("verify", batch, width)))
         waiting = sum(r.prefill_target - r.scheduled for r in prefills)
         for capacity in self._chunk_capacities:
             tokens = min(capacity, waiting)
@@ -163,6 +194,33 @@ class RequestScheduler:
             tokens -= take
         return value
 
+    # --- speculation (engine/speculative/) ------------------------------------------------------------------------
+    def _verifying(self, request: Request) -> bool:
+        return request.speculation is not None and request.speculation.verifying
+
+    def _draft_depths(self, decoders: list[Request]) -> dict[Request, Choice]:
+        """The round of each decoding request that would draft now."""
+        if self.speculation is None or not decoders:
+            return {}
+        batch = decode_capacity(len(decoders))
+        depths = {r: self.speculation.depth(r, batch) for r in decoders if not self._verifying(r)}
+        return {r: choice for r, choice in depths.items() if choice.depth > 0}
+
+    def _drafts(self, decoders: list[Request], depths: dict[Request, Choice]) -> dict[Request, tuple]:
+        batch = [(r, depths[r]) for r in decoders if r in depths and r.in_flight == 0]  # others' last token is pending
+        live = {(r.slot, r.generation) for r in self.slots if r is not None}
+        proposals = self.speculation.propose(batch, live)
+        return {request: draft for (request, _), draft in zip(batch, proposals) if draft}
+
+    def _verify_row(self, request: Request, draft: tuple[int, ...]) -> Row:
+        start = request.scheduled  # the last committed token's position: it comes first, its KV unwritten yet
+        end = start + 1 + len(draft)
+        return Row(slot=request.slot, generation=request.generation, start=start, length=1 + len(draft),
+                   tokens=(request.tokens[-1],) + draft, page_table=tuple(request.pages[: -(-end // self.page_size)]),
+                   sample=True, output_index=start + 1 - request.prompt_len, sampling=request.sampling,
+                   seed=request.seed, prompt_len=request.prompt_len, epoch=request.epoch, draft=draft,
+                   proposer=self.speculation.proposer.name, rope_shift=request.rope_shift(start, end))
+
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
         planned, copies = self._planned
@@ -181,6 +239,8 @@ class RequestScheduler:
             request.last_fence = fence
             request.in_flight += 1
             request.fresh = False
+            if row.draft:
+                request.speculation.verifying = True
             if request.phase is Phase.PREFILL and request.scheduled == request.prefill_target:
                 request.phase = Phase.DECODE
 
@@ -269,6 +329,8 @@ class RequestScheduler:
         self._completed_fence = completion.fence
         if completion.error is None and plan.rows:
             self.costs.observe(plan.shape, completion.duration)
+            if self.speculation is not None:
+                self.speculation.earn(completion.duration)
         self.pages.advance_completed(completion.fence)
         self.prefix.cache.advance_completed(completion.fence)
         result = StepResult([], [])
@@ -276,6 +338,8 @@ class RequestScheduler:
             request = self.slots[row.slot]
             if request is not None and request.generation == row.generation:
                 request.in_flight -= 1
+                if row.draft:
+                    request.speculation.verifying = False
         for request in [r for r in self._retiring if r.last_fence <= completion.fence]:
             self._retiring.discard(request)
         if completion.error is not None:
@@ -290,23 +354,48 @@ class RequestScheduler:
                 request.prompt_logprobs.append(logprobs)
         for row in plan.rows:
             request = self.slots[row.slot]
-            if request is not None and request.generation == row.generation:
+            if request is not None and request.generation == row.generation and not row.draft:
                 self.prefix.publish(request, row.start + row.length, completion.fence, self._try_allocate)
         self._complete_scores(completion, plan, result)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
-        for slot, generation, token, lp in zip(completion.slots, completion.generations, completion.tokens, logprobs):
-            request = self.slots[slot]
-            if request is None or request.generation != generation or request.phase is Phase.FINISHED:
+        accepted = completion.accepted or (0,) * len(completion.tokens)
+        sampled = [row for row in plan.rows if row.sample]
+        for row, token, lp, k in zip(sampled, completion.tokens, logprobs, accepted):
+            request = self.slots[row.slot]
+            if request is None or request.generation != row.generation or request.phase is Phase.FINISHED:
                 continue  # the request ended while this step was in flight
+            emitted, reason = self._emit(request, row.draft[:k] + (token,), lp, result)
+            if row.draft:
+                self.speculation.observe(request, row.proposer, len(row.draft), min(k, emitted), emitted <= k)
+                # Only accepted positions hold KV worth keeping or publishing; the rejected ones give back pages.
+                self.prefix.publish(request, min(row.start + 1 + k, len(request.tokens)), completion.fence,
+                                    self._try_allocate)
+                if reason is None:
+                    self._rewind(request, completion.fence)
+            if reason is not None:
+                result.finished.append(self._finish(request, reason))
+        return result
+
+    def _emit(self, request: Request, tokens: tuple[int, ...], lp: Logprobs | None,
+              result: StepResult) -> tuple[int, str | None]:
+        """Commit tokens in order up to the first that ends the request: (tokens committed, finish reason)."""
+        for count, token in enumerate(tokens, 1):
             request.tokens.append(token)
             request.history.extend((token,))
             request.last_commit = time.monotonic()
             result.tokens.append((request, token, lp))
             if token in request.stop_ids:
-                result.finished.append(self._finish(request, "stop"))
-            elif request.outputs >= request.max_outputs:
-                result.finished.append(self._finish(request, "length"))
-        return result
+                return count, "stop"
+            if request.outputs >= request.max_outputs:
+                return count, "length"
+        return len(tokens), None
+
+    def _rewind(self, request: Request, fence: int) -> None:
+        """After a verify round: the next step feeds the last committed token; pages past it go back."""
+        request.scheduled = len(request.tokens) - 1
+        keep = -(-len(request.tokens) // self.page_size)
+        self.pages.release(request.pages[keep:], fence)
+        del request.pages[keep:]
 
     def _complete_scores(self, completion: Completion, plan: Plan, result: StepResult) -> None:
         """A scored prefill keeps the label logits it read and ends with the step that computed its prompt: it

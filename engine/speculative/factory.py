@@ -1,0 +1,53 @@
+"""`--speculative` and `--draft` as the engine reads them: which proposer the scheduler gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.errors import CoreError
+from common.manifest import Manifest
+from engine.executor.eager import pages_for_budget
+from engine.model.loader import load_model
+from engine.speculative.planner import NgramProposer, Proposer
+
+MODES = ("auto", "ngram", "draft", "off")
+DRAFT_KV_FRACTION = 0.25  # of the target's KV budget, for the draft model's pages
+
+
+def default_mode(draft: Path | None) -> str:
+    """What measured best (docs/speculative.md, Evidence): the draft model when one is given, else copy proposals."""
+    return "draft" if draft is not None else "ngram"
+
+
+def target_share(budget: int, mode: str, draft: Path | None) -> int:
+    """Of a device's KV budget, what the target keeps when a draft model will load beside it: its weights (their
+    files' size) first, then DRAFT_KV_FRACTION of the target's pages for the draft's."""
+    if draft is None or mode not in ("auto", "draft"):
+        return budget
+    weights = sum(path.stat().st_size for path in draft.glob("*.safetensors"))
+    return max(int((budget - weights) / (1 + DRAFT_KV_FRACTION)), 0)
+
+
+def make_proposer(mode: str, draft: Path | None, target: Manifest, device: torch.device, page_size: int,
+                  kv_budget: int) -> Proposer | None:
+    if mode == "auto":
+        mode = default_mode(draft)
+    if mode == "off":
+        return None
+    if mode == "ngram":
+        return NgramProposer()
+    if draft is None:
+        raise CoreError("--speculative draft needs --draft DRAFT_CORE")
+    from engine.speculative.draft import DraftProposer
+
+    manifest, model = load_model(draft, device, torch.float32 if device.type == "cpu" else None)
+    if manifest.files.get("tokenizer.json") != target.files.get("tokenizer.json"):
+        raise CoreError(f"{draft}: the draft core's tokenizer differs from the target's; a draft must share it")
+    if model.config.vocab_size != int(target.config["vocab_size"]):
+        raise CoreError(f"{draft}: the draft's vocabulary ({model.config.vocab_size}) differs from the target's "
+                        f"({target.config['vocab_size']})")
+    dtype = model.model.embed_tokens.weight.dtype
+    pages = pages_for_budget(model, page_size, int(kv_budget * DRAFT_KV_FRACTION), dtype)
+    return DraftProposer(model, pages, page_size, device)
