@@ -44,6 +44,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True):
     files: dict[str, str]  # relative path -> SHA-256 hex
     bos_token_id: int | None = None
     created: int = 0  # unix time of export
+    quantization: str | None = None  # "q4", "q8" or "q4,q8": weights kept in groups of 32 (engine/model/quant.py)
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:

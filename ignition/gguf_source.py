@@ -1,4 +1,4 @@
-"""A GGUF file (llama.cpp's format) as an ignition source: metadata, tokenizer and dequantized weights."""
+"""A GGUF file (llama.cpp's format) as an ignition source: metadata, tokenizer, and weights as blocks or dequantized."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
+from ignition.quantize import Blocks, gguf_blocks, unpermute_rows
 
 # llama.cpp tensor names -> Hugging Face Llama names.
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -73,6 +74,7 @@ class GgufSource:
         if heads is None:
             raise CoreError(f"{path}: no llama.attention.head_count in the GGUF metadata")
         self._heads = (int(heads), int(kv_heads if kv_heads is not None else heads))
+        self._types = {self._hf_name(t.name): t.tensor_type.name for t in self._reader.tensors}
 
     @property
     def default_names(self) -> list[str]:
@@ -105,22 +107,33 @@ class GgufSource:
     def tensor_count(self) -> int:
         return len(self._reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantized fp32 tensors under Hugging Face names, q/k rows back in Hugging Face order."""
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
+        """Tensors under Hugging Face names, q/k rows back in Hugging Face order: Q4_0, Q4_1 and Q8_0 weights as
+        their blocks (ignition/quantize.py), every other type dequantized to fp32."""
         from gguf import dequantize
 
         heads, kv_heads = self._heads
         for tensor in self._reader.tensors:
             name = self._hf_name(tensor.name)
+            unpermute = (lambda w: _unpermute(w, heads)) if name.endswith("q_proj.weight") else \
+                (lambda w: _unpermute(w, kv_heads)) if name.endswith("k_proj.weight") else None
+            shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+            blocks = gguf_blocks(tensor.data, tensor.tensor_type.name, shape) if len(shape) == 2 else None
+            if blocks is not None:
+                yield name, unpermute_rows(blocks, unpermute) if unpermute else blocks
+                continue
             try:
                 weights = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             except Exception as exc:
                 raise CoreError(f"{self.path}: cannot dequantize {tensor.name}: {exc}") from None
-            if name.endswith("q_proj.weight"):
-                weights = _unpermute(weights, heads)
-            elif name.endswith("k_proj.weight"):
-                weights = _unpermute(weights, kv_heads)
-            yield name, torch.from_numpy(weights)
+            yield name, torch.from_numpy(unpermute(weights) if unpermute else weights)
+
+    def quantized_bits(self, name: str) -> int | None:
+        """The bit width a weight keeps by default (its GGUF type's): None for a float type."""
+        kind = self._types[name]
+        if kind in ("F32", "F16", "BF16", "F64"):
+            return None
+        return 4 if kind.startswith(("Q4", "IQ4", "Q3", "IQ3", "Q2", "IQ2", "IQ1")) else 8
 
     def _hf_name(self, gguf_name: str) -> str:
         base = gguf_name.removesuffix(".weight")
