@@ -31,6 +31,7 @@ from engine.parallel.step_channel import Follower, RankFailure, connect
 from engine.parallel.worker import serve
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
+from engine.threads import set_threads
 
 log = logging.getLogger("flare.engine")
 
@@ -57,7 +58,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-active", type=int, help="live request slots (default: the core's capacities)")
     parser.add_argument("--kv-cache-bytes", type=int,
                         help="KV cache budget (default: the core's capacities on cpu, free memory on cuda)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--threads", type=int,
+                        help="torch CPU threads (default: OMP_NUM_THREADS, else the cores this process may use)")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is outside [0, --world-size {args.world_size})")
@@ -82,8 +84,7 @@ def select_device(name: str) -> torch.device:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = set_threads(args.threads)
     started = time.monotonic()
     device = rank_device(select_device(args.device), args.rank)
     tp = join(args.rank, args.world_size, args.dist_address, device) if args.world_size > 1 else None
@@ -128,9 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
-    log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",
-             manifest.served_names[0], manifest.architecture, manifest.dtype, device, time.monotonic() - started,
-             num_pages, caps.page_size, max_active, args.listen)
+    log.info("loaded %s (%s, %s) on %s (%d threads) in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",
+             manifest.served_names[0], manifest.architecture, manifest.quantization or manifest.dtype, device, threads,
+             time.monotonic() - started, num_pages, caps.page_size, max_active, args.listen)
     status = 0
     try:
         engine.run()
