@@ -4,7 +4,8 @@
 
 Each core is loaded as the engine loads it (a quantized core keeps its int4 groups), `--batch` sequences get a
 prompt of `--context` tokens in one prefill step (timed: the prefill ms), then `--steps` greedy decode steps run
-and are timed, then profiled. Matmuls: the self time of the matrix-product operators (dense and int4) outside
+and are timed (wall and CPU time: on a shared machine, CPU time with one thread is the steadier figure), then
+profiled. Operators/step: aten operators called from Python per step. Shares of the profiled step: matmuls, the self time of the matrix-product operators (dense and int4) outside
 attention; attention: everything under PagedAttention (cache writes, page gathers, SDPA); rest: the remainder of
 the step (embedding, norms, rotary, activations, logits' argmax, Python). The engine's own loop and the HTTP
 stack are not in these figures; `flare-bench` measures those.
@@ -56,12 +57,13 @@ def run(core: Path, batch: int, context: int, steps: int) -> dict[str, float]:
             tokens = model.logits(hidden).argmax(-1)
 
         decode(context)  # warm-up
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for i in range(steps):
             decode(context + 1 + i)
         step_ms = (time.perf_counter() - started) / steps * 1e3
+        cpu_ms = (time.process_time() - cpu) / steps * 1e3
         split = profile(lambda: [decode(context + 1 + steps + i) for i in range(steps)], steps)
-    return {"prefill_ms": prefill_ms, "step_ms": step_ms, **split}
+    return {"prefill_ms": prefill_ms, "step_ms": step_ms, "cpu_ms": cpu_ms, **split}
 
 
 def profile(work, steps: int) -> dict[str, float]:
@@ -80,6 +82,7 @@ def profile(work, steps: int) -> dict[str, float]:
     finally:
         PagedAttention.forward = original
     events = prof.events()
+    operators = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
     attention = sum(e.cpu_time_total for e in events if e.name == "flare::attention") / 1e3
     spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == "flare::attention"]
 
@@ -87,9 +90,8 @@ def profile(work, steps: int) -> dict[str, float]:
         return any(start <= event.time_range.start and event.time_range.end <= end for start, end in spans)
 
     matmul = sum(e.self_cpu_time_total for e in events if e.name in MATMULS and not inside(e)) / 1e3
-    # The profiler's own bookkeeping inflates the total; scale the parts to the unprofiled step.
-    return {"profiled_step_ms": total / steps, "matmul_ms": matmul / steps, "attention_ms": attention / steps,
-            "rest_ms": (total - matmul - attention) / steps}
+    # The profiler's own bookkeeping inflates the rest (it costs per operator): read the parts as shares.
+    return {"matmul": matmul / total, "attention": attention / total, "operators": operators / steps}
 
 
 def main() -> None:
@@ -101,13 +103,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int)
     args = parser.parse_args()
     print(f"threads: {set_threads(args.threads)}")
-    print("| core | batch | prefill ms | decode step ms | tok/s | profiled step ms | matmuls | attention | rest |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| core | batch | prefill ms | step ms | step CPU ms | tok/s | operators/step | matmuls | attention | rest |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for core in args.cores:
         r = run(core, args.batch, args.context, args.steps)
-        print(f"| {core.name} | {args.batch} | {r['prefill_ms']:.0f} | {r['step_ms']:.1f} | "
-              f"{args.batch * 1e3 / r['step_ms']:.1f} | {r['profiled_step_ms']:.1f} | {r['matmul_ms']:.1f} | "
-              f"{r['attention_ms']:.1f} | {r['rest_ms']:.1f} |", flush=True)
+        print(f"| {core.name} | {args.batch} | {r['prefill_ms']:.0f} | {r['step_ms']:.1f} | {r['cpu_ms']:.1f} | "
+              f"{args.batch * 1e3 / r['step_ms']:.1f} | {r['operators']:.0f} | {r['matmul']:.0%} | "
+              f"{r['attention']:.0%} | {1 - r['matmul'] - r['attention']:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

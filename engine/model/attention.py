@@ -215,7 +215,7 @@ class PagedAttention(torch.nn.Module):
         """One query per sequence: the query heads of a KV group become that group's rows, so SDPA needs no
         GQA expansion. Returns [B, 1, H, D]."""
         count, kv_heads = batch.rows.shape[0], self.num_kv_heads
-        queries = q[batch.rows[:, 0]].view(count, kv_heads, -1, q.shape[-1])
+        queries = (q if count == q.shape[0] else q[batch.rows[:, 0]]).view(count, kv_heads, -1, q.shape[-1])
         keys = k_cache[batch.slots].transpose(1, 2)
         values = v_cache[batch.slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=self.scale)

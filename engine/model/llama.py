@@ -70,9 +70,11 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, the first half of each head against the second: x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = [-x2, x1] is written as [x2, x1] * [-sin1, sin2] (the same values, bit for bit, in fewer
+    operators: a decode step runs this twice per layer)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class RMSNorm(nn.Module):
@@ -82,6 +84,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one operator for the steps below (bit for bit the same in fp32)
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # The variance is taken in fp32 whatever the weights' dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -100,12 +104,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`sin` carries the sign of rotate_half: [-sin, sin] over the two halves of a head (see `rotate`)."""
         c = self.c
         q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
         k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = self.attn(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.flatten(1))
 
@@ -210,7 +214,9 @@ class LlamaForCausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         dtype = self.model.embed_tokens.weight.dtype
-        cos, sin = angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+        sin = freqs.sin()
+        signed_sin = torch.cat((-sin, sin), dim=-1)
+        cos, sin = angles.cos().to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)

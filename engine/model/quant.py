@@ -74,13 +74,14 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        # Few operators on purpose: a decode step calls this seven times a layer.
+        rows = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)
         if self.repeats > 1:
             rows = rows.repeat(1, self.repeats)
         out = _int4_mm(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 def is_quantized(state: dict[str, torch.Tensor]) -> bool:
