@@ -218,8 +218,8 @@ class LlamaForCausalLM(nn.Module):
         signed_sin = torch.cat((-sin, sin), dim=-1)
         cos, sin = angles.cos().to(dtype)[:, None, :], signed_sin.to(dtype)[:, None, :]
         x = self.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_cache):  # two operators a layer fewer than [i, 0]
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
         return self.model.norm(x)
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
