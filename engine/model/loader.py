@@ -27,6 +27,8 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
     they are dequantized to `dtype` at load."""
     manifest = load_manifest(core, verify=verify)
+    if manifest.quantization and tp and tp.world_size > 1:
+        raise CoreError(f"{core}: a quantized core runs on one rank; export it with --quant none for --tp")
     config = LlamaConfig.from_hf(manifest.config)
     shard = Shard.of(config, tp.rank, tp.world_size) if tp else None  # with a group, only this rank's part
     if shard:
@@ -37,11 +39,8 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(core, manifest):
         state.update(read_weights(file, device, shard))
-    if is_quantized(state):
-        if tp and tp.world_size > 1:
-            raise CoreError(f"{core}: a quantized core runs on one rank; export it with --quant none for --tp")
-        if device.type != "cpu" or dequantized:
-            dequantize_all(state)
+    if is_quantized(state) and (device.type != "cpu" or dequantized):
+        dequantize_all(state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         tied_head = quantized_view("model.embed_tokens.weight", state)

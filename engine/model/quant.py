@@ -64,6 +64,9 @@ class QuantLinear(nn.Module):
         else:
             raise ValueError(f"{bits}-bit codes are not supported (4 or 8)")
         self.repeats = len(halves)
+        # The kernel packs rows in sixteens: pad with zero weights, cut from the output.
+        pad = -self.out_features % 16
+        halves = [tuple(nn.functional.pad(t, (0, 0, 0, pad)) for t in half) for half in halves]
         codes4 = torch.cat([c for c, _, _ in halves], dim=1).contiguous()
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes4, 1), persistent=False)
         # The kernel's layout: [groups, N, (scale, zero)].
@@ -79,6 +82,8 @@ class QuantLinear(nn.Module):
         if self.repeats > 1:
             rows = rows.repeat(1, self.repeats)
         out = _int4_mm(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
+        if out.shape[-1] != self.out_features:
+            out = out[:, :self.out_features]
         if self.bias is not None:
             out = out + self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
