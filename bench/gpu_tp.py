@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 from bench.gpu_steps import decode_plan, generate, replay, time_steps
 from engine.executor.eager import EagerExecutor
-from engine.model.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
 from engine.model.sharding import SPLITS, Shard
 from engine.parallel.group import TensorParallel, join
 from engine.scheduler.scheduler import RequestScheduler
@@ -41,13 +42,13 @@ NEW_TOKENS = 32
 PARITY_DTYPES = (torch.bfloat16, torch.float32)  # fp32 tells a sharding bug from bf16 rounding
 
 
-def build(config: LlamaConfig, tp: TensorParallel | None, device: torch.device,
-          dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+def build(config: DecoderConfig, tp: TensorParallel | None, device: torch.device,
+          dtype: torch.dtype = torch.bfloat16) -> CausalLM:
     shard = Shard.of(config, tp.rank, tp.world_size) if tp else None
     local = shard.local_config(config) if shard else config
     with torch.device("meta"):
-        full_names = LlamaForCausalLM(config).state_dict()
-        model = LlamaForCausalLM(local, tp)
+        full_names = CausalLM(config).state_dict()
+        model = CausalLM(local, tp)
     state = {}
     for name, meta in full_names.items():
         seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "little")
@@ -58,16 +59,15 @@ def build(config: LlamaConfig, tp: TensorParallel | None, device: torch.device,
             full = torch.randn(meta.shape, generator=generator, device=device) * meta.shape[-1] ** -0.5
         split = next((s for suffix, s in SPLITS.items() if name.endswith(suffix)), None)
         if shard is not None and split is not None:
-            dim, by = split
-            full = full[shard.span(by)] if dim == 0 else full[:, shard.span(by)]
+            full = shard.read(full, *split)
         state[name] = full.to(dtype).contiguous()
     model.load_state_dict(state, strict=False, assign=True)
-    model.inv_freq = rope_inv_freq(local).to(device)
+    model.set_rope(device)
     model.use_kernels(8192)
     return model.eval()
 
 
-def executor(kind: str, model: LlamaForCausalLM, device: torch.device, pages: int):
+def executor(kind: str, model: CausalLM, device: torch.device, pages: int):
     if kind == "eager":
         return EagerExecutor(model, pages, PAGE, MAX_ACTIVE, device)
     from engine.executor.graph import GraphExecutor
@@ -75,12 +75,12 @@ def executor(kind: str, model: LlamaForCausalLM, device: torch.device, pages: in
     return GraphExecutor(model, pages, PAGE, MAX_ACTIVE, device, 8192, CHUNK)
 
 
-def weight_bytes(model: LlamaForCausalLM) -> int:
+def weight_bytes(model: CausalLM) -> int:
     embed = model.model.embed_tokens.weight
     return sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
 
 
-def timings(model: LlamaForCausalLM, device: torch.device, batches: list[int], steps: int) -> dict:
+def timings(model: CausalLM, device: torch.device, batches: list[int], steps: int) -> dict:
     pages = max(batches) * -(-CONTEXT // PAGE) + 8
     out = {}
     for kind in ("graph", "eager"):
@@ -100,7 +100,7 @@ def rank_main(rank: int, world: int, address: str, args: argparse.Namespace, rec
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     tp = join(rank, world, address, device) if world > 1 else None
-    config = LlamaConfig.from_hf({**LLAMA_31_8B, "num_hidden_layers": args.layers})
+    config = DecoderConfig.from_hf("llama", {**LLAMA_31_8B, "num_hidden_layers": args.layers})
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
     result: dict = {"world": world, "parity": {}}
@@ -119,7 +119,7 @@ def rank_main(rank: int, world: int, address: str, args: argparse.Namespace, rec
         Path(args.out).with_suffix(f".tp{world}.pkl").write_bytes(pickle.dumps(result))
 
 
-def parity(model: LlamaForCausalLM, device: torch.device, world: int, prompts: list[list[int]],
+def parity(model: CausalLM, device: torch.device, world: int, prompts: list[list[int]],
            record: Path) -> tuple[int, int, int | None] | None:
     """R = 1 records its greedy run's plans and sampled tokens; R > 1 replays the plans and compares tokens:
     (equal tokens, tokens, first step that differs)."""

@@ -1,5 +1,6 @@
-"""`flare run CORE [--tp R]`: the supervisor. Starts the engine (R ranks) and N frontends, waits for readiness, drains
-on a signal, and when a child dies says which and why.
+"""`flare run CORE [--tp R] [--replicas K]`: the supervisor. Starts K engine groups (replicas) of R ranks each and N
+frontends, waits for readiness, drains on a signal, and when a child dies says which and why. With several replicas
+a replica whose rank dies is restarted while the others serve; with one, the supervisor stops.
 On a terminal it then shows the dashboard (common/dashboard/); `flare dashboard --engine ADDR` attaches one later.
 
 Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which then stops them in
@@ -25,7 +26,7 @@ from pathlib import Path
 from common.dashboard.relay import OutputRelay
 from common.errors import CoreError
 from common.manifest import load_manifest
-from common.ranks import RANK_GRACE, engine_commands, engine_names, first_failure, settle
+from common.ranks import RANK_GRACE, engine_commands, engine_names, first_failure, replica_gpus, settle
 
 READY_TIMEOUT = 600.0
 FRONTEND_DRAIN = 5.0
@@ -40,9 +41,9 @@ def _die_with_parent() -> None:
     os.setsid()
 
 
-def spawn(args: list[str], output: int | None = None) -> subprocess.Popen:
+def spawn(args: list[str], output: int | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`output`: a file descriptor for the child's stdout and stderr (default: the supervisor's own)."""
-    return subprocess.Popen([sys.executable, "-m", *args], stdout=output, stderr=output,
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=output, stderr=output, env=env,
                             preexec_fn=_die_with_parent)
 
 
@@ -61,7 +62,7 @@ def wait_ready(url: str, children: dict[str, subprocess.Popen], timeout: float) 
     raise RuntimeError(f"not ready after {timeout:.0f}s")
 
 
-def stop_all(frontends: list[subprocess.Popen], engines: list[subprocess.Popen]) -> None:
+def stop_all(frontends: list[subprocess.Popen], replicas: list["Replica"]) -> None:
     for child in frontends:
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -71,13 +72,61 @@ def stop_all(frontends: list[subprocess.Popen], engines: list[subprocess.Popen])
             child.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             child.kill()
-    if engines[0].poll() is None:
-        engines[0].send_signal(signal.SIGTERM)  # rank 0 drains, then stops the other ranks
-    for engine in engines:
+    for replica in replicas:
+        rank0 = next(iter(replica.processes.values()))
+        if rank0.poll() is None:
+            rank0.send_signal(signal.SIGTERM)  # rank 0 drains, then stops the other ranks
+    for engine in (child for replica in replicas for child in replica.processes.values()):
         try:
             engine.wait(30)
         except subprocess.TimeoutExpired:
             engine.kill()
+
+
+# `flare run` flags that every engine rank receives as they are.
+ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_fraction", "dtype")
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
+             if getattr(args, name) is not None]
+    return flags + (["--eager"] if args.eager else [])
+
+
+def replica_address(base: str, replica: int, replicas: int) -> str:
+    """Replica r's request address: the base for one replica; else a sibling ipc path, or the TCP port 2r further
+    (each engine binds its port and the next, for telemetry)."""
+    if replicas == 1:
+        return base
+    if base.startswith("tcp://"):
+        host, port = base.rsplit(":", 1)
+        return f"{host}:{int(port) + 2 * replica}"
+    return f"{base}.r{replica}"
+
+
+class Replica:
+    """One engine group (its ranks), started and, after a failure when other replicas serve on, restarted together."""
+
+    def __init__(self, index: int, replicas: int, address: str, commands: list[list[str]], env: dict[str, str],
+                 output: int | None) -> None:
+        self.index, self.address, self.commands, self.env, self.output = index, address, commands, env, output
+        self.names = engine_names(len(commands), index if replicas > 1 else None)
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.start()
+
+    def start(self) -> None:
+        self.processes = {name: spawn(command, self.output, self.env)
+                          for name, command in zip(self.names, self.commands)}
+
+    def restart(self, failure: str) -> None:
+        print(f"flare: replica {self.index}: {failure}; restarting it (the other replicas serve meanwhile)",
+              file=sys.stderr, flush=True)
+        settle(self.processes, RANK_GRACE)
+        for child in self.processes.values():
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        self.start()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,25 +135,40 @@ def run(args: argparse.Namespace) -> int:
     except CoreError as exc:
         print(f"flare: error: {exc}", file=sys.stderr)
         return 1
-    if args.tp < 1:
-        print(f"flare: error: --tp must be at least 1, got {args.tp}", file=sys.stderr)
+    for flag in ("tp", "replicas", "frontends"):
+        if getattr(args, flag) < 1:
+            print(f"flare: error: --{flag} must be at least 1, got {getattr(args, flag)}", file=sys.stderr)
+            return 1
+    try:
+        gpus = replica_gpus(args.replicas, args.tp, os.environ.get("CUDA_VISIBLE_DEVICES")) \
+            if args.replicas > 1 else [None]
+    except ValueError as exc:
+        print(f"flare: error: {exc}", file=sys.stderr)
         return 1
     # A random part, so a stale socket file (or an engine left over) from an earlier run with the same pid never
     # answers this run's frontends.
-    address = args.engine_address or f"ipc://{tempfile.gettempdir()}/flare-{os.getpid()}-{secrets.token_hex(4)}.sock"
+    base = args.engine_address or f"ipc://{tempfile.gettempdir()}/flare-{os.getpid()}-{secrets.token_hex(4)}.sock"
     # On a terminal the dashboard takes the screen after loading; the children's output then goes through a relay.
     relay = OutputRelay() if sys.stderr.isatty() else None
     output = relay.write_fd if relay else None
-    engines = dict(zip(engine_names(args.tp), (spawn(command, output) for command in
-                                                engine_commands(args.core, address, args.tp, args.device))))
-    frontend_args = ["frontend.main", "--engine", address, "--core", str(args.core), "--host", args.host,
-                     "--port", str(args.port)]
+    replicas = []
+    for r, visible in enumerate(gpus):
+        address = replica_address(base, r, args.replicas)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible} if visible is not None else dict(os.environ)
+        replicas.append(Replica(r, args.replicas, address, engine_commands(args.core, address, args.tp, args.device,
+                                                                           engine_flags(args)), env, output))
+    frontend_args = ["frontend.main", "--core", str(args.core), "--host", args.host, "--port", str(args.port),
+                     "--routing", args.routing]
+    for replica in replicas:
+        frontend_args += ["--engine", replica.address]
     for flag in ("api_key", "capacity", "body_limit", "workers"):
         if getattr(args, flag) is not None:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    frontends = [spawn(frontend_args, output) for _ in range(args.frontends)]
-    children = {**engines, **{f"frontend {i}": f for i, f in enumerate(frontends)}}
+    frontends = {f"frontend {i}": spawn(frontend_args, output) for i in range(args.frontends)}
     stop = False
+
+    def engines() -> dict[str, subprocess.Popen]:
+        return {name: child for replica in replicas for name, child in replica.processes.items()}
 
     def on_signal(signum: int, _frame: object) -> None:
         nonlocal stop
@@ -113,30 +177,37 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        wait_ready(f"http://{args.host}:{args.port}/health", children, READY_TIMEOUT)
+        wait_ready(f"http://{args.host}:{args.port}/health", {**engines(), **frontends}, READY_TIMEOUT)
         print(f"flare: serving {manifest.served_names[0]} on http://{args.host}:{args.port} "
-              f"({args.frontends} frontends); Ctrl-C stops", file=sys.stderr, flush=True)
+              f"({args.frontends} frontends, {args.replicas} replicas); Ctrl-C stops", file=sys.stderr, flush=True)
         if relay is not None:
             from common.dashboard.app import supervise  # textual loads only when the dashboard shows
 
-            supervise(address, lambda: stop or any(c.poll() is not None for c in children.values()), relay)
+            supervise(replicas[0].address, lambda: stop or any(
+                c.poll() is not None for c in {**engines(), **frontends}.values()), relay)
         while not stop:
-            if (failure := first_failure(children)) is not None:
+            if (failure := first_failure(frontends)) is not None:
                 raise RuntimeError(failure)
+            for replica in replicas:
+                if (failure := first_failure(replica.processes)) is not None:
+                    if len(replicas) == 1:
+                        raise RuntimeError(failure)
+                    replica.restart(failure)
             time.sleep(0.2)
     except RuntimeError as exc:
         print(f"flare: error: {exc}", file=sys.stderr, flush=True)
-        if len(engines) > 1:  # the other ranks fail their requests (frontends still relay the errors) and exit
-            print(f"flare: {settle(engines, RANK_GRACE)}", file=sys.stderr, flush=True)
-        stop_all(frontends, list(engines.values()))
+        if args.tp > 1:  # the other ranks fail their requests (frontends still relay the errors) and exit
+            print(f"flare: {settle(engines(), RANK_GRACE)}", file=sys.stderr, flush=True)
+        stop_all(list(frontends.values()), replicas)
         if relay is not None:
             relay.close()
         return 1
-    print("flare: stopping: frontends drain, then the engine", file=sys.stderr, flush=True)
-    stop_all(frontends, list(engines.values()))
+    print("flare: stopping: frontends drain, then the engines", file=sys.stderr, flush=True)
+    stop_all(list(frontends.values()), replicas)
     if relay is not None:
         relay.close()
-    failed = [name for name, child in children.items() if child.returncode not in (0, -signal.SIGTERM)]
+    failed = [name for name, child in {**engines(), **frontends}.items()
+              if child.returncode not in (0, -signal.SIGTERM)]
     if failed:
         print(f"flare: error: {', '.join(failed)} did not stop cleanly", file=sys.stderr)
         return 1
@@ -153,13 +224,27 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--port", type=int, default=8000)
     run_parser.add_argument("--device", help="cpu or cuda (default: the engine's choice)")
     run_parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one engine process each")
+    run_parser.add_argument("--replicas", type=int, default=1,
+                            help="engine groups of --tp ranks each, on their own GPUs; frontends route between them")
+    run_parser.add_argument("--routing", choices=("prefix", "round-robin"), default="prefix",
+                            help="how frontends pick a replica (default: by cached prefix, traded against load)")
     run_parser.add_argument("--api-key", help="require this bearer token (or x-api-key) on every route but "
                                               "/health and /metrics")
     run_parser.add_argument("--capacity", type=int, help="requests each frontend admits at once "
                                                        "(default: the engine's queue plus its slots)")
     run_parser.add_argument("--body-limit", type=int, help="largest request body in bytes (frontend default 32 MiB)")
     run_parser.add_argument("--workers", type=int, help="template/tokenizer threads per frontend (default 2)")
-    run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket)")
+    run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket); with "
+                                                     "replicas, the first's, the others' derived from it")
+    engine_group = run_parser.add_argument_group("engine capacities (default: sized from the device's memory on a "
+                                                 "GPU, the core's recipe on the CPU)")
+    engine_group.add_argument("--max-active", type=int, help="live request slots per engine")
+    engine_group.add_argument("--max-batched-tokens", type=int, help="prompt tokens one step may carry")
+    engine_group.add_argument("--kv-cache-bytes", type=int, help="KV cache size in bytes")
+    engine_group.add_argument("--kv-cache-fraction", type=float,
+                              help="on a GPU: the share of its memory that weights, KV cache and graphs may use")
+    engine_group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the core's dtype")
+    engine_group.add_argument("--eager", action="store_true", help="on a GPU, run eagerly instead of in graphs")
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,
                                   help="the engine's request address, as given to flare-engine --listen")

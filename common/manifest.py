@@ -11,7 +11,8 @@ from common.errors import CoreError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-SUPPORTED_ARCHITECTURES = ("llama",)
+# Model families the engine serves (engine/model/config.py).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")
 
 
 class Capacities(msgspec.Struct, forbid_unknown_fields=True):

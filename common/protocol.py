@@ -73,6 +73,8 @@ class Welcome(_Wire, tag="welcome"):
     queue_capacity: int
     heartbeat_interval: float
     telemetry_address: str = ""  # where the engine publishes Telemetry snapshots (ZMQ PUB)
+    cache_identity: bytes = b""  # seeds the engine's prefix keys (common/prefix_history.py), for routing
+    page_size: int = 64  # tokens per KV page: the block size of those keys
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -147,6 +149,7 @@ class Telemetry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, t
 
 
 TELEMETRY_METRICS_TOPIC = b"m"  # snapshots for /metrics
+TELEMETRY_CACHE_TOPIC = b"c"  # CacheEvents: the block keys the engine's prefix cache gains and loses
 TELEMETRY_DASHBOARD_TOPIC = b"d"  # the same with graph and request detail, recorded only while subscribed
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -175,6 +178,23 @@ _telemetry_decoder = msgspec.msgpack.Decoder(Telemetry)
 
 def decode_telemetry(data: bytes) -> Telemetry:
     return _telemetry_decoder.decode(data)
+
+
+class CacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What an engine's prefix cache gained and lost since its last announcement, as block keys (complete 64-token
+    blocks only). `full`: `stored` is everything it holds, sent when a subscriber arrives; replaces what was known."""
+
+    engine_id: str
+    stored: list[bytes] = []
+    evicted: list[bytes] = []
+    full: bool = False
+
+
+_cache_events_decoder = msgspec.msgpack.Decoder(CacheEvents)
+
+
+def decode_cache_events(data: bytes) -> CacheEvents:
+    return _cache_events_decoder.decode(data)
 
 
 def telemetry_address(listen: str) -> str:

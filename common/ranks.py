@@ -23,9 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_commands(core: Path, address: str, world_size: int, device: str | None) -> list[list[str]]:
-    """Module and arguments of each rank; rank 0 serves the frontends at `address`."""
-    common = ["--core", str(core)] + (["--device", device] if device else [])
+def engine_commands(core: Path, address: str, world_size: int, device: str | None,
+                    extra: list[str] = ()) -> list[list[str]]:
+    """Module and arguments of each rank; rank 0 serves the frontends at `address`. `extra` (capacities, dtype)
+    goes to every rank, which must all agree on them."""
+    common = ["--core", str(core)] + (["--device", device] if device else []) + list(extra)
     if world_size == 1:
         return [["engine.main", "--rank", "0", "--listen", address, *common]]
     group = ["--world-size", str(world_size), "--dist-address", f"127.0.0.1:{free_port()}",
@@ -34,8 +36,20 @@ def engine_commands(core: Path, address: str, world_size: int, device: str | Non
             for rank in range(world_size)]
 
 
-def engine_names(world_size: int) -> list[str]:
-    return ["engine"] if world_size == 1 else [f"engine rank {rank}" for rank in range(world_size)]
+def engine_names(world_size: int, replica: int | None = None) -> list[str]:
+    """How the supervisor names each rank; `replica` when there are several."""
+    prefix = "engine" if replica is None else f"replica {replica} engine"
+    return [prefix] if world_size == 1 else [f"{prefix} rank {rank}" for rank in range(world_size)]
+
+
+def replica_gpus(replicas: int, world_size: int, visible: str | None) -> list[str]:
+    """CUDA_VISIBLE_DEVICES of each replica: consecutive runs of `world_size` of the visible GPUs (all, by index,
+    when the variable is unset), so replica r's rank k uses its k-th GPU."""
+    pool = visible.split(",") if visible else [str(i) for i in range(replicas * world_size)]
+    if len(pool) < replicas * world_size:
+        raise ValueError(f"{replicas} replicas of {world_size} ranks need {replicas * world_size} GPUs; "
+                         f"CUDA_VISIBLE_DEVICES={visible} names {len(pool)}")
+    return [",".join(pool[r * world_size:(r + 1) * world_size]) for r in range(replicas)]
 
 
 def describe(status: int) -> str:

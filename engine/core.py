@@ -114,7 +114,8 @@ class Engine:
             elif isinstance(message, wire.Hello):
                 self._send(identity, wire.Welcome(self.engine_id, self.card, self.scheduler.max_active,
                                                   self.scheduler.queue_capacity, HEARTBEAT_INTERVAL,
-                                                  self.telemetry_address))
+                                                  self.telemetry_address, self.scheduler.prefix.identity,
+                                                  self.scheduler.page_size))
             elif isinstance(message, wire.Goodbye):
                 self._abort(identity, list(self._owned.pop(identity, ())))
                 self._frontends.pop(identity, None)

@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-active", type=int, help="live request slots (default: the core's capacities)")
     parser.add_argument("--kv-cache-bytes", type=int,
                         help="KV cache budget (default: the core's capacities on cpu, free memory on cuda)")
+    parser.add_argument("--kv-cache-fraction", type=float,
+                        help="on cuda: the share of the GPU's memory this process may fill (default 0.92)")
+    parser.add_argument("--max-batched-tokens", type=int,
+                        help="prompt tokens one step may carry (default: the core's prefill chunk size)")
     parser.add_argument("--threads", type=int,
                         help="torch CPU threads (default: OMP_NUM_THREADS, else the cores this process may use)")
     args = parser.parse_args(argv)
@@ -67,18 +71,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--world-size > 1 needs --dist-address HOST:PORT")
     if args.rank == 0 and not args.listen:
         parser.error("rank 0 needs --listen")
+    if args.kv_cache_fraction is not None and not 0 < args.kv_cache_fraction <= 1:
+        parser.error(f"--kv-cache-fraction must be in (0, 1], got {args.kv_cache_fraction}")
+    for flag in ("max_active", "max_batched_tokens", "kv_cache_bytes"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     return args
 
 
-def select_device(name: str) -> torch.device:
-    """`auto` takes the GPU only when both CuPy (graph launches) and torch can use it."""
+def select_device(name: str) -> tuple[torch.device, str]:
+    """The device and why it was chosen: `auto` takes the GPU only when both CuPy (graph launches) and torch can
+    use it."""
     if name != "auto":
-        return torch.device(name)
+        return torch.device(name), "as asked"
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "torch sees no CUDA GPU"
     try:
         import cupy
     except ImportError:
-        return torch.device("cpu")
-    return torch.device("cuda") if cupy.cuda.is_available() and torch.cuda.is_available() else torch.device("cpu")
+        return torch.device("cpu"), "a GPU is present but CuPy is missing (install the gpu extra)"
+    if not cupy.cuda.is_available():
+        return torch.device("cpu"), "a GPU is present but CuPy cannot use it"
+    return torch.device("cuda"), f"{torch.cuda.get_device_name()} found"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
     threads = set_threads(args.threads)
     started = time.monotonic()
-    device = rank_device(select_device(args.device), args.rank)
+    chosen, reason = select_device(args.device)
+    device = rank_device(chosen, args.rank)
+    log.info("device %s: %s", device, reason)
     tp = join(args.rank, args.world_size, args.dist_address, device) if args.world_size > 1 else None
     try:
         manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None, tp=tp)
@@ -94,14 +110,15 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flare-engine: error: {exc}")
     caps = manifest.capacities
     max_active = args.max_active or caps.max_active
-    budget = args.kv_cache_bytes or (gpu_kv_budget(model, max_active, device) if device.type == "cuda"
-                                     else caps.kv_cache_bytes)
+    budget = args.kv_cache_bytes or (gpu_kv_budget(model, max_active, device, args.kv_cache_fraction)
+                                     if device.type == "cuda" else caps.kv_cache_bytes)
+    step_tokens = args.max_batched_tokens or caps.prefill_chunk_size
     num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
     channel = connect(tp, args.dist_address) if tp else None
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
-                             caps.prefill_chunk_size, graphs=not args.eager and channel is None)
+                             step_tokens, graphs=not args.eager and channel is None)
     if channel:
         channel.start()
         if isinstance(channel, Follower):
@@ -109,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
                      args.world_size, time.monotonic() - started, num_pages)
             os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size))
         executor = TensorParallelExecutor(executor, channel)
-    scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, caps.prefill_chunk_size,
+    scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
                                  cache_identity(manifest, model.model.embed_tokens.weight.dtype))
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,

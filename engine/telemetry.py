@@ -1,8 +1,10 @@
-"""Engine telemetry: counters and gauges for /metrics, and graph/request detail for an attached dashboard.
+"""Engine telemetry: counters and gauges for /metrics, the prefix cache's announcements for routing, and
+graph/request detail for an attached dashboard.
 
-Snapshots go out on an XPUB socket twice a second. Frontends subscribe to METRICS_TOPIC; dashboards to
-DASHBOARD_TOPIC, and only while one is subscribed does the engine record per-step detail (in a preallocated ring:
-recording never blocks the loop, and overflow between two snapshots is counted, not waited for).
+Snapshots go out on an XPUB socket twice a second. Frontends subscribe to METRICS_TOPIC and CACHE_TOPIC; dashboards
+to DASHBOARD_TOPIC, and only while one is subscribed does the engine record per-step detail (in a preallocated ring:
+recording never blocks the loop, and overflow between two snapshots is counted, not waited for). On CACHE_TOPIC go
+the keys the prefix cache gained and lost since the last snapshot; a new subscriber gets the whole set first.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from engine.scheduler.scheduler import RequestScheduler
 
 METRICS_TOPIC = wire.TELEMETRY_METRICS_TOPIC
 DASHBOARD_TOPIC = wire.TELEMETRY_DASHBOARD_TOPIC
+CACHE_TOPIC = wire.TELEMETRY_CACHE_TOPIC
 PUBLISH_INTERVAL = 0.5
 RATE_SAMPLE_INTERVAL = 5.0
 GRAPH_WINDOW = 2.0
@@ -40,6 +43,7 @@ class EngineTelemetry:
         self._rate_samples: deque[tuple[float, int]] = deque(maxlen=int(60 / RATE_SAMPLE_INTERVAL) + 1)
         self._last_publish = 0.0
         self._dashboards = 0
+        self._cache_subscribed = False  # a subscriber arrived: the next announcement is the whole set
         self._ring: list[tuple[float, str, int, int, float] | None] = [None] * RING_SIZE
         self._ring_next = 0
         self._ring_since_publish = 0
@@ -82,13 +86,23 @@ class EngineTelemetry:
             gauges=self._gauges(scheduler, now), queue_time_buckets=self._cumulative_buckets(),
             queue_time_sum=self._queue_sum, dropped_updates=self.dropped)
         self._send(METRICS_TOPIC, snapshot)
+        self._announce_cache(scheduler)
         if self.detailed:
             snapshot.graphs = self._graph_stats(now)
             snapshot.requests = self._request_rows(scheduler, now)
             self._send(DASHBOARD_TOPIC, snapshot)
         self._ring_since_publish = 0
 
-    def _send(self, topic: bytes, snapshot: wire.Telemetry) -> None:
+    def _announce_cache(self, scheduler: RequestScheduler) -> None:
+        cache = scheduler.prefix.cache
+        stored, evicted = cache.take_journal()
+        if self._cache_subscribed:
+            self._cache_subscribed = False
+            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, cache.ready_keys(), full=True))
+        elif stored or evicted:
+            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, stored, evicted))
+
+    def _send(self, topic: bytes, snapshot: wire.Telemetry | wire.CacheEvents) -> None:
         try:
             self.socket.send_multipart([topic, wire.encode(snapshot)], zmq.NOBLOCK)
         except zmq.Again:
@@ -102,6 +116,8 @@ class EngineTelemetry:
                 return
             if event[1:] == DASHBOARD_TOPIC:
                 self._dashboards += 1 if event[0] == 1 else -1
+            elif event[1:] == CACHE_TOPIC and event[0] == 1:
+                self._cache_subscribed = True
 
     def _counters(self, scheduler: RequestScheduler) -> dict[str, int]:
         """The engine loop's counters, and the scheduler's prefix-cache ones."""

@@ -12,9 +12,11 @@ from aiohttp import web
 
 from common.errors import InvalidRequest
 from frontend.errors_render import anthropic_error_event, as_flare_error
-from frontend.generation import Delta, Finish, GenerationRequest, merge, with_tool_calls
+from frontend.generation import Delta, Finish, GenerationRequest, merge
 from frontend.models_api import requested_model
+from frontend.model import EncodedChat, ServedModel
 from frontend.params import get_bool, get_int, get_stop
+from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import sampling_params
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
@@ -34,8 +36,9 @@ def text_of(content: object, where: str) -> str:
 
 
 def conversation(body: dict) -> list[dict]:
-    """`system` and `messages` as chat messages: tool_use blocks become the assistant's tool_calls, tool_result
-    blocks become tool messages (before the user's own text, which follows them)."""
+    """`system` and `messages` as chat messages: tool_use blocks become the assistant's tool_calls, thinking blocks
+    its reasoning_content, tool_result blocks become tool messages (before the user's own text, which follows
+    them)."""
     result = []
     if body.get("system") is not None:
         system = text_of(body["system"], "system")
@@ -55,7 +58,7 @@ def conversation(body: dict) -> list[dict]:
         if not isinstance(content, list) or not content:
             raise InvalidRequest(f"{where}.content must be a string or a non-empty list of content blocks",
                                  param="messages")
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
@@ -68,8 +71,10 @@ def conversation(body: dict) -> list[dict]:
                 output = text_of(block.get("content", ""), f"{at}.content")
                 results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                                 "content": f"Error: {output}" if block.get("is_error") else output})
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # a non-reasoning model has no use for them
+            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by another server: nothing this model can read
             elif kind in UNSUPPORTED_BLOCKS:
                 raise InvalidRequest(f"{at}: {kind} blocks are not supported by this model", param="messages")
             else:
@@ -80,6 +85,8 @@ def conversation(body: dict) -> list[dict]:
             turn = {"role": role, "content": "".join(texts)}
             if calls:
                 turn["tool_calls"] = calls
+            if thoughts:
+                turn["reasoning_content"] = "".join(thoughts)
             result.append(turn)
     return result
 
@@ -100,31 +107,47 @@ def anthropic_tools(body: dict) -> tuple[list[dict] | None, bool]:
     return check_tools(tools), bool(tools) and tools_enabled(choice, anthropic=True)
 
 
-def unsupported_features(body: dict) -> None:
+def thinking_enabled(body: dict, model: ServedModel) -> bool:
+    """Whether the reply has thinking blocks. A model whose template reasons gets `enable_thinking` as this says;
+    `budget_tokens` is checked but not enforced (the reasoning runs until the model closes it or max_tokens)."""
     thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if thinking is None or kind == "disabled":
+        return False
+    if kind not in ("enabled", "adaptive"):
+        raise InvalidRequest('thinking: must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or '
+                             '{"type": "disabled"}', param="thinking")
+    if kind == "enabled":
+        get_int(thinking, "budget_tokens", None, 1)
+    if not model.reasons:
         raise InvalidRequest("thinking: extended thinking is not supported by this model", param="thinking")
+    return True
+
+
+def unsupported_features(body: dict) -> None:
     config = body.get("output_config")
     if config is not None and (not isinstance(config, dict) or config.get("format") is not None):
         raise InvalidRequest("output_config.format: structured output is not supported", param="output_config")
 
 
-async def encode(frontend: Frontend, body: dict) -> tuple[list[int], list[int], list[dict] | None, bool, bool]:
-    """Token ids, message ends, tools, whether calls are parsed, and whether a prefill is continued."""
+async def encode(frontend: Frontend, body: dict) -> tuple[EncodedChat, list[dict] | None, bool, bool]:
+    """The prompt, tools, whether calls are parsed, and whether the reply thinks."""
     messages = conversation(body)
     tools, parse = anthropic_tools(body)
+    thinking = thinking_enabled(body, frontend.model)
     unsupported_features(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
-    ids, ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {}, prefill)
-    return ids, ends, tools, parse, prefill
+    extra = {"enable_thinking": thinking} if frontend.model.reasons else {}
+    encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, extra, prefill)
+    return encoded, tools, parse, thinking
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     frontend = frontend_of(request)
     body = await read_json(request)
     requested_model(frontend.model, body)
-    ids, *_ = await encode(frontend, body)
-    return web.json_response({"input_tokens": len(ids)})
+    encoded, *_ = await encode(frontend, body)
+    return web.json_response({"input_tokens": len(encoded.ids)})
 
 
 def stop_reason(finish: Finish) -> tuple[str, str | None]:
@@ -147,6 +170,17 @@ def tool_use(call: ToolCall) -> dict:
     return {"type": "tool_use", "id": f"toolu_{call.id}", "name": call.name, "input": call.arguments}
 
 
+# Text and thinking blocks: their type, the field that holds their text, the delta that streams it, an empty one.
+TEXT_BLOCKS = {"text": ("text", "text_delta", {"type": "text", "text": ""}),
+               "thinking": ("thinking", "thinking_delta", {"type": "thinking", "thinking": "", "signature": ""})}
+
+
+def text_pieces(event: Delta, thinking: bool) -> list[tuple[str, str]]:
+    """(block type, text) of a delta; reasoning shows only when the request enabled thinking."""
+    pieces = [("thinking", event.reasoning)] if thinking and event.reasoning else []
+    return pieces + ([("text", event.text)] if event.text else [])
+
+
 async def messages(request: web.Request) -> web.StreamResponse:
     frontend = frontend_of(request)
     body = await read_json(request)
@@ -155,23 +189,27 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:
         raise InvalidRequest("max_tokens: field required", param="max_tokens")
     stream = get_bool(body, "stream", False)
-    ids, ends, tools, parse, _ = await encode(frontend, body)
-    params = sampling_params(frontend.model, body, len(ids), max_tokens)
-    generation = GenerationRequest(ids, params, get_stop(body, "stop_sequences"), ends, time.time())
+    encoded, tools, parse, thinking = await encode(frontend, body)
+    params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens)
+    generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop_sequences"), encoded.message_ends,
+                                   time.time())
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name,
                "content": []}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
-        events = with_tool_calls(events, tools if parse else None)
+        events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse else None))
         if stream:
-            return await stream_message(request, await primed(events), message, len(ids))
+            return await stream_message(request, await primed(events), message, len(encoded.ids), thinking)
         finish = None
+        content = message["content"]
         async for _, event in events:
-            if isinstance(event, Delta) and event.text:
-                if not message["content"] or message["content"][-1]["type"] != "text":
-                    message["content"].append({"type": "text", "text": ""})
-                message["content"][-1]["text"] += event.text
+            if isinstance(event, Delta):
+                for kind, text in text_pieces(event, thinking):
+                    field, _, empty = TEXT_BLOCKS[kind]
+                    if not content or content[-1]["type"] != kind:
+                        content.append(dict(empty))
+                    content[-1][field] += text
             elif isinstance(event, ToolCall):
-                message["content"].append(tool_use(event))
+                content.append(tool_use(event))
             elif isinstance(event, Finish):
                 finish = event
     reason, sequence = stop_reason(finish)
@@ -179,39 +217,42 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def stream_message(request: web.Request, events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]],
-                         message: dict, prompt_tokens: int) -> web.StreamResponse:
+                         message: dict, prompt_tokens: int, thinking: bool) -> web.StreamResponse:
     response = await open_stream(request)
     block = -1  # index of the last block started
-    text_open = False
+    open_kind: str | None = None  # the text or thinking block still open
 
     async def send(kind: str, **fields: object) -> None:
         await response.write(sse({"type": kind, **fields}, kind))
 
-    async def close_text() -> None:
-        nonlocal text_open
-        if text_open:
+    async def close_block() -> None:
+        nonlocal open_kind
+        if open_kind is not None:
             await send("content_block_stop", index=block)
-            text_open = False
+            open_kind = None
 
     await send("message_start", message={**message, "stop_reason": None, "stop_sequence": None,
                                          "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
     await send("ping")
     try:
         async for _, event in events:
-            if isinstance(event, Delta) and event.text:
-                if not text_open:
-                    block, text_open = block + 1, True
-                    await send("content_block_start", index=block, content_block={"type": "text", "text": ""})
-                await send("content_block_delta", index=block, delta={"type": "text_delta", "text": event.text})
+            if isinstance(event, Delta):
+                for kind, text in text_pieces(event, thinking):
+                    field, delta, empty = TEXT_BLOCKS[kind]
+                    if open_kind != kind:
+                        await close_block()
+                        block, open_kind = block + 1, kind
+                        await send("content_block_start", index=block, content_block=empty)
+                    await send("content_block_delta", index=block, delta={"type": delta, field: text})
             elif isinstance(event, ToolCall):
-                await close_text()
+                await close_block()
                 block += 1
                 await send("content_block_start", index=block, content_block={**tool_use(event), "input": {}})
                 await send("content_block_delta", index=block,
                            delta={"type": "input_json_delta", "partial_json": event.arguments_json})
                 await send("content_block_stop", index=block)
             elif isinstance(event, Finish):
-                await close_text()
+                await close_block()
                 reason, sequence = stop_reason(event)
                 await send("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                            usage=usage(event))

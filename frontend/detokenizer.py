@@ -9,25 +9,42 @@ from tokenizers import Tokenizer
 _CONTEXT_TOKENS = 5
 
 
+def special_token_ids(tokenizer: Tokenizer, keep: tuple[str, ...] = ()) -> frozenset[int]:
+    """The ids of the tokenizer's special tokens, but for those spelled as in `keep`."""
+    return frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items()
+                     if token.special and token.content not in keep)
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+    """`hidden`: token ids that never show (the special tokens, but for those a reply parser reads, such as
+    Mistral's [TOOL_CALLS]); decoding them away is what the tokenizer's skip_special_tokens does for all."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], hidden: frozenset[int] | None = None) -> None:
         self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._hidden = hidden = special_token_ids(tokenizer) if hidden is None else hidden
+        self._ids = [t for t in prompt_ids[-_CONTEXT_TOKENS:] if t not in hidden]
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (possibly empty while a character is still split)."""
-        self._ids.extend(token_ids)
+        self._ids.extend(t for t in token_ids if t not in self._hidden)
         before = self._decode(self._ids[self._prefix_offset:self._read_offset])
         after = self._decode(self._ids[self._prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return after[len(before):]
+
+    def flush(self) -> str:
+        """At the end of generation: the text of tokens still held back. Bytes that never completed a character
+        decode to U+FFFD, as `tokenizer.decode` gives them, so the whole text equals the full decode."""
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset:])
+        self._prefix_offset = self._read_offset = len(self._ids)
         return after[len(before):]
 
 

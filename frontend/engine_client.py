@@ -64,13 +64,25 @@ class EngineClient:
         interval = self.welcome.heartbeat_interval if self.welcome else 1.0
         return time.monotonic() - self._last_heard < MISSED_HEARTBEATS * interval
 
-    async def start(self, timeout: float = 600.0) -> wire.Welcome:
+    @property
+    def in_flight(self) -> int:
+        """Requests of this frontend that the engine is running."""
+        return len(self._queues)
+
+    def connect(self) -> None:
+        """Start talking to the engine; ZMQ keeps reconnecting while it is away, and each (re)start welcomes us."""
         self._socket.connect(self.address)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._keepalive()),
                        asyncio.create_task(self._watch())]
-        await asyncio.wait_for(self._welcomed.wait(), timeout)
+
+    async def welcomed(self) -> wire.Welcome:
+        await self._welcomed.wait()
         assert self.welcome is not None
         return self.welcome
+
+    async def start(self, timeout: float = 600.0) -> wire.Welcome:
+        self.connect()
+        return await asyncio.wait_for(self.welcomed(), timeout)
 
     async def close(self) -> None:
         self._send(wire.Goodbye(self.frontend_id))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -12,11 +11,11 @@ from dataclasses import dataclass, field
 from common.errors import ExecutionFailed
 from common.protocol import Logprobs, SamplingParams, Submit
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
-from frontend.engine_client import EngineClient
+from frontend.replicas import Replicas
 from frontend.metrics import RequestTimer
 from frontend.logprobs import TokenLogprob, unpack
 from frontend.model import ServedModel
-from frontend.tools import ToolCall, ToolCallParser
+from frontend.tools import ToolCall
 
 
 @dataclass
@@ -34,6 +33,7 @@ class Delta:
     token_ids: list[int]
     logprobs: Logprobs | None = None  # for token_ids, when the request asked for them
     prompt_logprobs: Logprobs | None = None  # once, on the first Delta, when the request asked for them
+    reasoning: str = ""  # reasoning text, split from `text` by replies.parse_replies
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,16 @@ class Finish:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = 0  # of completion_tokens, those generated while the reply was reasoning
 
 
-async def generate(client: EngineClient, model: ServedModel, request: GenerationRequest
+async def generate(client: Replicas, model: ServedModel, request: GenerationRequest
                    ) -> AsyncIterator[Delta | Finish]:
     """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
     request_id = uuid.uuid4().hex
     queue = await client.submit(Submit(request_id, request.prompt_ids, request.sampling, request.message_ends,
                                        request.arrival))
-    detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids)
+    detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids, model.hidden_token_ids)
     stops = StopMatcher(request.stop)
     hidden_ids = set(request.sampling.stop_token_ids)
     generated = 0
@@ -66,7 +67,10 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
             generated += len(update.token_ids)
             timer.delivered(len(update.token_ids))
             visible = [t for t in update.token_ids if t not in hidden_ids]
-            text = stops.feed(detokenizer.add(visible)) if visible else ""
+            pieces = detokenizer.add(visible) if visible else ""
+            if update.finish_reason is not None:
+                pieces += detokenizer.flush()
+            text = stops.feed(pieces) if pieces else ""
             delta = Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
             if stops.matched is not None:
                 finished = True
@@ -95,7 +99,7 @@ async def generate(client: EngineClient, model: ServedModel, request: Generation
             client.abort(request_id)
 
 
-async def merge(client: EngineClient, model: ServedModel, requests: list[GenerationRequest]
+async def merge(client: Replicas, model: ServedModel, requests: list[GenerationRequest]
                 ) -> AsyncIterator[tuple[int, Delta | Finish]]:
     """Run several generations at once (n choices, several prompts); yield (choice index, event) as they come.
     The first failure ends them all; leaving early cancels every one (and so aborts it in the engine)."""
@@ -132,37 +136,12 @@ async def merge(client: EngineClient, model: ServedModel, requests: list[Generat
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def with_tool_calls(events: AsyncIterator[tuple[int, Delta | Finish]], tools: list[dict] | None
-                          ) -> AsyncIterator[tuple[int, Delta | ToolCall | Finish]]:
-    """Generation events with tool calls taken out of the text. A choice that called a tool finishes with
-    reason "tool_calls" (unless it ran out of tokens). Without tools, events pass through unchanged."""
-    if not tools:
-        async for index, event in events:
-            yield index, event
-        return
-    names = {t["function"]["name"] for t in tools}
-    parsers: dict[int, ToolCallParser] = {}
-    async for index, event in events:
-        parser = parsers.setdefault(index, ToolCallParser(names))
-        pieces = parser.feed(event.text) if isinstance(event, Delta) else parser.finish()
-        text = "".join(p for p in pieces if isinstance(p, str))
-        if isinstance(event, Delta):
-            yield index, dataclasses.replace(event, text=text)
-        elif text:
-            yield index, Delta(text, [])
-        for piece in pieces:
-            if isinstance(piece, ToolCall):
-                yield index, piece
-        if isinstance(event, Finish):
-            yield index, dataclasses.replace(event, reason="tool_calls") if parser.calls and event.reason == "stop" \
-                else event
-
-
 @dataclass
 class Outcome:
     """One choice, gathered whole (what a non-streaming response reports)."""
 
     text: str = ""
+    reasoning: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: Logprobs | None = None
@@ -172,6 +151,7 @@ class Outcome:
     def add(self, event: Delta | ToolCall | Finish) -> None:
         if isinstance(event, Delta):
             self.text += event.text
+            self.reasoning += event.reasoning
             self.token_ids += event.token_ids
             self.logprobs += unpack(event.logprobs)
             self.prompt_logprobs = event.prompt_logprobs or self.prompt_logprobs

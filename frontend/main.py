@@ -1,4 +1,5 @@
-"""`flare-frontend --engine ADDR --core DIR --host H --port P`: one stateless HTTP frontend process."""
+"""`flare-frontend --engine ADDR [--engine ADDR ...] --core DIR --host H --port P`: one stateless HTTP frontend
+process, routing each request to one of the engine replicas (frontend/replicas.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from aiohttp import web
 
 from common.errors import CoreError
 from frontend import anthropic_api, completions_api, models_api, ollama_api, openai_api, responses_api
-from frontend.engine_client import EngineClient
-from frontend.metrics import EngineSnapshot, frontend_gauges, serve_metrics
+from frontend.metrics import EngineSnapshots, frontend_gauges, serve_metrics
 from frontend.model import ServedModel
+from frontend.replicas import ROUTINGS, Replicas
 from frontend.server import FRONTEND_KEY, Frontend, guard, health
 
 log = logging.getLogger("flare.frontend")
@@ -25,7 +26,10 @@ DRAIN_SECONDS = 5.0
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="flare-frontend", description=__doc__)
-    parser.add_argument("--engine", required=True, help="the engine's ZMQ address")
+    parser.add_argument("--engine", required=True, action="append",
+                        help="an engine replica's ZMQ address (repeat once per replica)")
+    parser.add_argument("--routing", choices=ROUTINGS, default="prefix",
+                        help="how requests pick a replica (default: by cached prefix, traded against load)")
     parser.add_argument("--core", type=Path, required=True, help="core directory (tokenizer, template, manifest)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -48,20 +52,19 @@ def create_app(frontend: Frontend, body_limit: int) -> web.Application:
 
 async def serve(args: argparse.Namespace) -> None:
     model = ServedModel(args.core)
-    client = EngineClient(args.engine)
+    client = Replicas(args.engine, args.routing)
     welcome = await client.start()
-    capacity = args.capacity or welcome.queue_capacity + welcome.max_active
+    capacity = args.capacity or (welcome.queue_capacity + welcome.max_active) * len(args.engine)
     frontend = Frontend(model, client, args.workers, capacity, args.api_key)
-    engine_snapshot = EngineSnapshot()
-    follow = asyncio.create_task(engine_snapshot.follow(welcome.telemetry_address))
+    EngineSnapshots(lambda: [replica.telemetry for replica in client.replicas])
     frontend_gauges(lambda: (frontend.capacity, frontend.in_use), lambda: (args.workers, frontend.pool_busy))
     runner = web.AppRunner(create_app(frontend, args.body_limit), handler_cancellation=True, access_log=None,
                             shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=True)
     await site.start()
-    log.info("%s serving %s on http://%s:%d (engine %s)", client.frontend_id, model.name, args.host, args.port,
-             welcome.engine_id)
+    log.info("%s serving %s on http://%s:%d (%d replicas, %s routing; first: engine %s)", client.frontend_id,
+             model.name, args.host, args.port, len(args.engine), args.routing, welcome.engine_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -73,7 +76,6 @@ async def serve(args: argparse.Namespace) -> None:
     while frontend.in_use and loop.time() < deadline:
         await asyncio.sleep(0.05)
     await runner.cleanup()
-    follow.cancel()
     await client.close()
     frontend.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     except CoreError as exc:
         sys.exit(f"flare-frontend: error: {exc}")
     except TimeoutError:
-        sys.exit(f"flare-frontend: error: no answer from the engine at {args.engine}")
+        sys.exit(f"flare-frontend: error: no answer from any engine at {', '.join(args.engine)}")
 
 
 if __name__ == "__main__":

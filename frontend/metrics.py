@@ -1,18 +1,15 @@
-"""/metrics: this frontend's own numbers plus the engine's latest telemetry snapshot, in Prometheus text.
+"""/metrics: this frontend's own numbers plus each engine replica's latest telemetry snapshot, in Prometheus text.
 
 Per frontend: HTTP admission and worker-pool gauges, and the latency histograms (time to first token, inter-token
 latency, end-to-end), measured where the client sees them. Per engine: everything named flare_engine_*, relayed from
-the engine's telemetry socket, so every frontend reports the same engine figures.
+the engine's telemetry socket (frontend/replicas.py follows it), so every frontend reports the same engine figures.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterator
 
-import zmq
-import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -61,41 +58,36 @@ def frontend_gauges(admission: Callable[[], tuple[int, int]], pool: Callable[[],
             lambda read=read: read()[1])
 
 
-class EngineSnapshot(Collector):
-    """Subscribes to the engine's telemetry and renders the latest snapshot at scrape time."""
+class EngineSnapshots(Collector):
+    """Renders each replica's latest telemetry snapshot at scrape time. With one replica the series carry no labels;
+    with several, each carries `replica="i"` (its position among the frontend's --engine addresses)."""
 
-    def __init__(self) -> None:
-        self.latest: wire.Telemetry | None = None
+    def __init__(self, snapshots: Callable[[], list[wire.Telemetry | None]]) -> None:
+        self._snapshots = snapshots
         REGISTRY.register(self)
 
-    async def follow(self, address: str) -> None:
-        context = zmq.asyncio.Context.instance()
-        socket = context.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SUBSCRIBE, wire.TELEMETRY_METRICS_TOPIC)
-        socket.connect(address)
-        try:
-            while True:
-                _topic, data = await socket.recv_multipart()
-                self.latest = wire.decode_telemetry(data)
-        except asyncio.CancelledError:
-            socket.close()
-            raise
-
     def collect(self) -> Iterator:
-        snapshot = self.latest
-        if snapshot is None:
+        snapshots = self._snapshots()
+        labelled = [(([] if len(snapshots) == 1 else [str(i)]), s) for i, s in enumerate(snapshots) if s is not None]
+        if not labelled:
             return
-        for name, value in sorted(snapshot.counters.items()):
-            family = CounterMetricFamily(f"flare_engine_{name}", f"engine counter {name}")
-            family.add_metric([], value)
+        names = [] if len(snapshots) == 1 else ["replica"]
+        counters = sorted({name for _, s in labelled for name in s.counters})
+        for name in counters:
+            family = CounterMetricFamily(f"flare_engine_{name}", f"engine counter {name}", labels=names)
+            for labels, snapshot in labelled:
+                family.add_metric(labels, snapshot.counters.get(name, 0))
             yield family
-        for name, value in sorted(snapshot.gauges.items()):
-            yield GaugeMetricFamily(f"flare_engine_{name}", f"engine gauge {name}", value=value)
-        buckets = [(str(b), c) for b, c in zip(wire.QUEUE_TIME_BUCKETS, snapshot.queue_time_buckets)]
-        buckets.append(("+Inf", snapshot.queue_time_buckets[-1]))
-        family = HistogramMetricFamily("flare_engine_queue_time_seconds", "arrival to first scheduling")
-        family.add_metric([], buckets, snapshot.queue_time_sum)
+        for name in sorted({name for _, s in labelled for name in s.gauges}):
+            family = GaugeMetricFamily(f"flare_engine_{name}", f"engine gauge {name}", labels=names)
+            for labels, snapshot in labelled:
+                family.add_metric(labels, snapshot.gauges.get(name, 0.0))
+            yield family
+        family = HistogramMetricFamily("flare_engine_queue_time_seconds", "arrival to first scheduling", labels=names)
+        for labels, snapshot in labelled:
+            buckets = [(str(b), c) for b, c in zip(wire.QUEUE_TIME_BUCKETS, snapshot.queue_time_buckets)]
+            buckets.append(("+Inf", snapshot.queue_time_buckets[-1]))
+            family.add_metric(labels, buckets, snapshot.queue_time_sum)
         yield family
 
 

@@ -7,16 +7,29 @@ from bisect import bisect_right
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 from tokenizers import Tokenizer
 
 from common.errors import InvalidRequest
 from common.manifest import Manifest, load_manifest
+from frontend import reasoning, tool_parsers
+from frontend.detokenizer import special_token_ids
 from frontend.templates import ChatTemplate, TemplateError
 from frontend.tools import for_template, template_supports_tools
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
+# Special tokens a reply parser reads, so they stay in the text (Mistral's [TOOL_CALLS] is special).
+MARKERS = {"reasoning": (reasoning.OPEN, reasoning.CLOSE),
+           "hermes": (tool_parsers.HermesParser.OPEN, tool_parsers.HermesParser.CLOSE),
+           "mistral": (tool_parsers.MISTRAL_OPEN, "[ARGS]", "[CALL_ID]")}
+
+
+class EncodedChat(NamedTuple):
+    ids: list[int]
+    message_ends: list[int]  # token positions where a message ended
+    opens_reasoning: bool  # the prompt leaves <think> open: the reply starts inside its reasoning
 
 
 class ServedModel:
@@ -33,19 +46,24 @@ class ServedModel:
             eos_token=self.tokenizer.id_to_token(eos[0]) if eos else "") if template.is_file() else None
         self.template_source = template.read_text() if template.is_file() else ""
         self.supports_tools = template_supports_tools(self.template_source)
+        # What the replies look like, read from the template (README.md, Reasoning and tool calls).
+        self.reasons = reasoning.template_reasons(self.template_source)
+        self.tool_format = tool_parsers.tool_format(self.template_source)
+        kept = MARKERS[self.tool_format] + (MARKERS["reasoning"] if self.reasons else ())
+        self.hidden_token_ids = special_token_ids(self.tokenizer, keep=kept)
         self.token_bytes: Callable[[int], bytes] = lru_cache(maxsize=1 << 16)(token_bytes_reader(self.tokenizer))
 
     def knows(self, name: str) -> bool:
         return name in self.manifest.served_names or name == self.manifest.checkpoint
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
-                    extra: dict, continue_final: bool = False) -> tuple[list[int], list[int]]:
-        """Render and tokenize a conversation: (token ids, token positions where a message ended).
+                    extra: dict, continue_final: bool = False) -> EncodedChat:
+        """Render and tokenize a conversation.
         `continue_final`: the last message is the start of the reply (Anthropic's prefill), so the prompt stops
         right after its text instead of closing it."""
         if self.template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
-        messages, tools = for_template(messages, tools, self.supports_tools)
+        messages, tools = for_template(messages, tools, self.supports_tools, self.tool_format)
         try:
             rendered = self.template.render(messages, tools=tools,
                                             add_generation_prompt=add_generation_prompt and not continue_final,
@@ -62,7 +80,8 @@ class ServedModel:
             text, ends = text[:cut], [end for end in ends if end <= cut]
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
         token_ends = [end for _, end in encoding.offsets]
-        return encoding.ids, [bisect_right(token_ends, offset) for offset in ends]
+        opens = self.reasons and reasoning.opens_reasoning(text[ends[-1]:] if ends else text)
+        return EncodedChat(encoding.ids, [bisect_right(token_ends, offset) for offset in ends], opens)
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids

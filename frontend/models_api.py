@@ -26,7 +26,8 @@ def requested_model(model: ServedModel, body: dict) -> str:
 
 
 def capabilities(model: ServedModel) -> list[str]:
-    return ["completion", "tools"] + (["chat"] if model.template is not None else [])
+    return ["completion", "tools"] + (["chat"] if model.template is not None else []) + \
+        (["thinking"] if model.reasons else [])
 
 
 def openai_card(model: ServedModel) -> dict:

@@ -12,10 +12,11 @@ from aiohttp import web
 
 from common.errors import InvalidRequest
 from frontend.errors_render import finish_openai_stream
-from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge, with_tool_calls
+from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
 from frontend.logprobs import token_logprobs, unpack
 from frontend.models_api import requested_model
 from frontend.params import get_bool, get_int, get_stop
+from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import choice_params, requested_max_tokens, sampling_params, top_logprobs
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
@@ -33,8 +34,10 @@ def usage(outcomes: list[Outcome], n: int) -> dict:
     firsts = [o.finish for o in outcomes[::n] if o.finish]
     prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(o.finish.completion_tokens for o in outcomes if o.finish)
+    reasoning = sum(o.finish.reasoning_tokens for o in outcomes if o.finish)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)}}
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in firsts)},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def stream_options(body: dict, stream: bool) -> bool:
@@ -117,6 +120,18 @@ def past_tool_calls(calls: object, where: str) -> list[dict]:
     return result
 
 
+def past_reasoning(message: dict, where: str) -> str | None:
+    """An assistant turn's reasoning: `reasoning_content` as DeepSeek and vLLM return it, or vLLM's newer
+    `reasoning`."""
+    for key in ("reasoning_content", "reasoning"):
+        value = message.get(key)
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequest(f"{where}.{key} must be a string", param="messages")
+        if value:
+            return value
+    return None
+
+
 def chat_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -136,6 +151,8 @@ def chat_messages(body: dict) -> list[dict]:
             converted["tool_calls"] = past_tool_calls(message["tool_calls"], where)
         elif content is None:
             raise InvalidRequest(f"{where}.content is required", param="messages")
+        if role == "assistant" and (reasoning := past_reasoning(message, where)):
+            converted["reasoning_content"] = reasoning  # what reasoning templates (Qwen3) render back
         if role == "tool":
             converted["tool_call_id"] = str(message.get("tool_call_id") or "")
         if isinstance(message.get("name"), str):
@@ -183,16 +200,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if continue_final and (messages[-1]["role"] != "assistant" or body.get("add_generation_prompt")):
         raise InvalidRequest("'continue_final_message' needs a final assistant message and "
                              "'add_generation_prompt' not true", param="continue_final_message")
-    ids, message_ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
-                                               template_kwargs(body), continue_final)
+    encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
+                                     template_kwargs(body), continue_final)
+    ids = encoded.ids
     params = sampling_params(frontend.model, body, len(ids),
                              requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")
     arrival = time.time()
-    requests = [GenerationRequest(ids, choice_params(params, i), stop, message_ends, arrival) for i in range(n)]
+    requests = [GenerationRequest(ids, choice_params(params, i), stop, encoded.message_ends, arrival)
+                for i in range(n)]
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:
-        events = with_tool_calls(events, tools if parse_tools else None)
+        events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse_tools else None))
         if stream:
             return await stream_chat(request, frontend, await primed(events), meta, n, include_usage,
                                      logprobs is not None)
@@ -201,6 +220,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     for i, outcome in enumerate(outcomes):
         message = {"role": "assistant", "content": outcome.text if outcome.text or not outcome.tool_calls else None,
                    "refusal": None}
+        if frontend.model.reasons:
+            message["reasoning_content"] = outcome.reasoning or None
         if outcome.tool_calls:
             message["tool_calls"] = [tool_call_json(c) for c in outcome.tool_calls]
         choices.append({"index": i, "message": message, "finish_reason": outcome.finish.reason,
@@ -240,8 +261,11 @@ async def stream_chat(request: web.Request, frontend: Frontend,
             outcomes[index].add(event)
             if isinstance(event, Delta):
                 entries = unpack(event.logprobs) if logprobs else []
-                if event.text or entries:
-                    await response.write(chunk(index, {"content": event.text}, None, {
+                if event.text or event.reasoning or entries:
+                    delta = {"reasoning_content": event.reasoning} if event.reasoning else {}
+                    if event.text or not event.reasoning:
+                        delta["content"] = event.text
+                    await response.write(chunk(index, delta, None, {
                         "content": token_logprobs(frontend.model, entries), "refusal": None} if logprobs else None))
             elif isinstance(event, ToolCall):
                 # As OpenAI streams a call: its id and name with empty arguments, then the arguments.

@@ -13,12 +13,13 @@ from aiohttp import web
 
 from common.errors import FlareError, InvalidRequest
 from frontend.errors_render import as_flare_error
-from frontend.generation import Delta, Finish, GenerationRequest, merge, with_tool_calls
+from frontend.generation import Delta, Finish, GenerationRequest, merge
 from frontend.logprobs import TokenLogprob, token_logprobs, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
 from frontend.openai_api import message_text, request_tools, text_format
 from frontend.params import get_bool, get_stop, get_str
+from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import requested_max_tokens, sampling_params, top_logprobs
 from frontend.server import frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
@@ -30,9 +31,10 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 ERROR_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}
 
 
-def input_messages(body: dict) -> list[dict]:
-    """`instructions` and `input` (a string, or message / function_call / function_call_output items) as chat
-    messages; consecutive function calls join one assistant turn."""
+def input_messages(body: dict, reasons: bool) -> list[dict]:
+    """`instructions` and `input` (a string, or message / function_call / function_call_output / reasoning
+    items) as chat messages; a reasoning item, the function calls and the message after it join one assistant
+    turn (its reasoning_content, for a model that `reasons`; others have no use for it)."""
     messages = []
     instructions = get_str(body, "instructions")
     if instructions:
@@ -54,7 +56,10 @@ def input_messages(body: dict) -> list[dict]:
             content = message_text(item.get("content"), where)
             if content is None:
                 raise InvalidRequest(f"{where}.content is required", param="input")
-            messages.append({"role": ROLES[item["role"]], "content": content})
+            if ROLES[item["role"]] == "assistant" and _open_turn(messages) and not messages[-1]["content"]:
+                messages[-1]["content"] = content
+            else:
+                messages.append({"role": ROLES[item["role"]], "content": content})
         elif kind == "function_call":
             if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
                 raise InvalidRequest(f"{where} needs string 'call_id', 'name' and 'arguments'", param="input")
@@ -69,15 +74,34 @@ def input_messages(body: dict) -> list[dict]:
             if not isinstance(item.get("call_id"), str) or text is None:
                 raise InvalidRequest(f"{where} needs a string 'call_id' and an 'output'", param="input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
-        elif kind != "reasoning":  # reasoning items carry nothing a non-reasoning model can use
+        elif kind == "reasoning":
+            text = reasoning_text(item, where)
+            if reasons and text:
+                messages.append({"role": "assistant", "content": "", "reasoning_content": text})
+        else:
             raise InvalidRequest(f"{where}.type {str(kind)[:40]!r} is not supported", param="input")
     return messages
+
+
+def _open_turn(messages: list[dict]) -> bool:
+    """The last turn is an assistant's that holds only reasoning so far."""
+    return bool(messages) and messages[-1]["role"] == "assistant" and "reasoning_content" in messages[-1] \
+        and not messages[-1].get("tool_calls")
+
+
+def reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's text: its reasoning_text parts, or its summary when it has no content."""
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts):
+        raise InvalidRequest(f"{where}.content must be a list of reasoning_text parts", param="input")
+    return "".join(p["text"] for p in parts)
 
 
 def usage(finish: Finish) -> dict:
     return {"input_tokens": finish.prompt_tokens,
             "input_tokens_details": {"cached_tokens": finish.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": finish.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": finish.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": finish.reasoning_tokens},
             "total_tokens": finish.prompt_tokens + finish.completion_tokens}
 
 
@@ -91,7 +115,7 @@ class ResponseBuilder:
         self.logprobs = logprobs
         self.output: list[dict] = []
         self.sequence = -1
-        self._message: dict | None = None
+        self._item: dict | None = None  # the message or reasoning item that text goes to
 
     def event(self, kind: str, **fields: object) -> dict:
         self.sequence += 1
@@ -105,40 +129,57 @@ class ResponseBuilder:
                 self.event("response.in_progress", response=self.snapshot("in_progress"))]
 
     def text(self, text: str, entries: list[TokenLogprob]) -> list[dict]:
-        events = [] if self._message is not None else self._open_message()
-        part = self._message["content"][0]
+        events = self._open("message")
+        part = self._item["content"][0]
         logprobs = token_logprobs(self.model, entries) if self.logprobs else []
         part["text"] += text
         part["logprobs"] += logprobs
-        events.append(self.event("response.output_text.delta", item_id=self._message["id"],
+        events.append(self.event("response.output_text.delta", item_id=self._item["id"],
                                  output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=logprobs))
         return events
 
-    def _open_message(self) -> list[dict]:
-        self._message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                         "status": "in_progress", "content": []}
-        self.output.append(self._message)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        events = [self.event("response.output_item.added", output_index=len(self.output) - 1,
-                             item=copy.deepcopy(self._message)),
-                  self.event("response.content_part.added", item_id=self._message["id"],
-                             output_index=len(self.output) - 1, content_index=0, part=copy.deepcopy(part))]
-        self._message["content"].append(part)
+    def reasoning(self, text: str) -> list[dict]:
+        events = self._open("reasoning")
+        self._item["content"][0]["text"] += text
+        events.append(self.event("response.reasoning_text.delta", item_id=self._item["id"],
+                                 output_index=len(self.output) - 1, content_index=0, delta=text))
         return events
 
-    def _close_message(self, status: str = "completed") -> list[dict]:
-        message, self._message = self._message, None
-        if message is None:
+    def _open(self, kind: str) -> list[dict]:
+        """The open item is a message or a reasoning item, with one content part; it is closed for another."""
+        if self._item is not None and self._item["type"] == kind:
             return []
-        part, index = message["content"][0], self.output.index(message)
-        message["status"] = status
-        common = {"item_id": message["id"], "output_index": index, "content_index": 0}
-        return [self.event("response.output_text.done", **common, text=part["text"], logprobs=part["logprobs"]),
-                self.event("response.content_part.done", **common, part=copy.deepcopy(part)),
-                self.event("response.output_item.done", output_index=index, item=copy.deepcopy(message))]
+        events = self._close()
+        if kind == "message":
+            self._item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                          "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            self._item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "content": [],
+                          "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        self.output.append(self._item)
+        events += [self.event("response.output_item.added", output_index=len(self.output) - 1,
+                              item=copy.deepcopy(self._item)),
+                   self.event("response.content_part.added", item_id=self._item["id"],
+                              output_index=len(self.output) - 1, content_index=0, part=copy.deepcopy(part))]
+        self._item["content"].append(part)
+        return events
+
+    def _close(self, status: str = "completed") -> list[dict]:
+        item, self._item = self._item, None
+        if item is None:
+            return []
+        part, index = item["content"][0], self.output.index(item)
+        item["status"] = status
+        common = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        done = self.event("response.output_text.done", **common, text=part["text"], logprobs=part["logprobs"]) \
+            if item["type"] == "message" else self.event("response.reasoning_text.done", **common, text=part["text"])
+        return [done, self.event("response.content_part.done", **common, part=copy.deepcopy(part)),
+                self.event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
     def tool_call(self, call: ToolCall) -> list[dict]:
-        events = self._close_message()
+        events = self._close()
         item = {"id": f"fc_{call.id}", "type": "function_call", "call_id": f"call_{call.id}", "name": call.name,
                 "arguments": "", "status": "in_progress"}
         self.output.append(item)
@@ -154,9 +195,10 @@ class ResponseBuilder:
 
     def finish(self, finish: Finish) -> list[dict]:
         """A response that ran out of tokens is "incomplete", as OpenAI reports it."""
-        events = self._open_message() if not self.output else []  # clients look for a message, even an empty one
+        answered = any(item["type"] != "reasoning" for item in self.output)
+        events = [] if answered else self._open("message")  # clients look for a message, even an empty one
         complete = finish.reason != "length"
-        events += self._close_message("completed" if complete else "incomplete")
+        events += self._close("completed" if complete else "incomplete")
         details = None if complete else {"reason": "max_output_tokens"}
         status = "completed" if complete else "incomplete"
         response = self.snapshot(status, usage=usage(finish), incomplete_details=details,
@@ -172,7 +214,10 @@ class ResponseBuilder:
     def add(self, event: Delta | ToolCall | Finish) -> list[dict]:
         if isinstance(event, Delta):
             entries = unpack(event.logprobs)
-            return self.text(event.text, entries) if event.text or (self.logprobs and entries) else []
+            events = self.reasoning(event.reasoning) if event.reasoning else []
+            # Logprobs of reasoning tokens are not reported (OpenAI reports none either).
+            shown = event.text or (self.logprobs and entries and not event.reasoning)
+            return events + (self.text(event.text, entries) if shown else [])
         return self.tool_call(event) if isinstance(event, ToolCall) else self.finish(event)
 
 
@@ -185,7 +230,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
                              "conversation in 'input'", param="previous_response_id")
     if get_bool(body, "background", False):
         raise InvalidRequest("'background' responses are not supported", param="background")
-    messages = input_messages(body)
+    messages = input_messages(body, frontend.model.reasons)
     text = body.get("text")
     text_format(text.get("format") if isinstance(text, dict) else text, "text.format")
     include = body.get("include") or []
@@ -198,9 +243,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
         raise InvalidRequest("'metadata' must be an object", param="metadata")
     stream = get_bool(body, "stream", False)
     tools, parse_tools = request_tools(body, flat=True)
-    ids, message_ends = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {})
+    encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {})
     max_tokens = requested_max_tokens(body, "max_output_tokens")
-    params = sampling_params(frontend.model, body, len(ids), max_tokens, logprobs=logprobs)
+    params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens, logprobs=logprobs)
     arrival = time.time()
     base = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": arrival, "error": None,
             "incomplete_details": None, "instructions": get_str(body, "instructions"),
@@ -211,9 +256,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "tools": [{"type": "function", **t["function"]} for t in tools or []], "usage": None,
             "metadata": metadata}
     builder = ResponseBuilder(frontend.model, base, logprobs is not None)
-    generation = GenerationRequest(ids, params, get_stop(body, "stop"), message_ends, arrival)
+    generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop"), encoded.message_ends, arrival)
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
-        events = with_tool_calls(events, tools if parse_tools else None)
+        events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse_tools else None))
         if stream:
             return await stream_response(request, builder, await primed(events))
         emitted: list[dict] = []

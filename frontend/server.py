@@ -14,7 +14,7 @@ from aiohttp import web
 
 from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest,
                            NotFound, Unauthorized)
-from frontend.engine_client import EngineClient
+from frontend.replicas import Replicas
 from frontend.errors_render import dialect_of, error_response
 from frontend.model import ServedModel
 
@@ -29,7 +29,7 @@ OPEN_PATHS = ("/health", "/metrics")
 class Frontend:
     """State shared by the handlers of one frontend process."""
 
-    def __init__(self, model: ServedModel, client: EngineClient, workers: int, capacity: int,
+    def __init__(self, model: ServedModel, client: Replicas, workers: int, capacity: int,
                  api_key: str | None) -> None:
         self.model = model
         self.client = client
@@ -127,5 +127,7 @@ def check_api_key(request: web.Request, api_key: str) -> None:
 async def health(request: web.Request) -> web.Response:
     frontend = frontend_of(request)
     if frontend.client.connected and not frontend.draining:
-        return web.json_response({"status": "ok"})
+        replicas = [{"connected": r.client.connected, "load": r.load(), "routed": r.routed, "cached_blocks": len(r.keys)}
+                    for r in frontend.client.replicas]
+        return web.json_response({"status": "ok", "replicas": replicas})
     raise EngineUnavailable("the engine is unreachable" if not frontend.client.connected else "draining")

@@ -1,13 +1,11 @@
-"""Tools: every dialect's tool list in the one shape chat templates expect, templates that know no tools taught the
-Hermes convention in the system prompt, and tool calls parsed from the model's text as it streams.
-
-Recognised output formats: Hermes/Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number,
-text around them) and Llama 3 JSON (the whole reply is `{"name": ..., "parameters": {...}}`, several separated by
-`;`). A call must name a declared tool and carry an object of arguments; anything else stays text.
+"""Tools on the way in: every dialect's tool list in the one shape chat templates expect, past calls and results
+in the shape the model's template takes them, and templates that know no tools taught the Hermes convention in the
+system prompt. Calls on the way out are parsed in tool_parsers.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -16,6 +14,7 @@ from dataclasses import dataclass, field
 from common.errors import InvalidRequest
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 HERMES_PROMPT = (
     "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML "
@@ -89,23 +88,40 @@ def hermes_call(name: str, arguments: object) -> str:
     return f"{OPEN}\n{payload}\n{CLOSE}"
 
 
-def for_template(messages: list[dict], tools: list[dict] | None, supports_tools: bool
+def mistral_call_id(call_id: str) -> str:
+    """Mistral's templates take only ids of 9 letters and digits; any other id maps to 9 that are stable, so a
+    call and its result still match."""
+    if MISTRAL_CALL_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.blake2b(call_id.encode(), digest_size=8).hexdigest()[:9]
+
+
+def for_template(messages: list[dict], tools: list[dict] | None, supports_tools: bool, tool_format: str
                  ) -> tuple[list[dict], list[dict] | None]:
     """What the template renders. A template that knows no tools gets them, and past calls and results, as
-    Hermes-style text: the tools in the system prompt, calls in <tool_call> tags, results in <tool_response>."""
+    Hermes-style text: the tools in the system prompt, calls in <tool_call> tags, results in <tool_response> in a
+    user turn (results in a row, and the user's text after them, share one turn: templates such as Gemma's insist
+    that user and assistant alternate)."""
     if supports_tools:
-        return messages, tools
-    result = []
+        return (_mistral_ids(messages) if tool_format == "mistral" else messages), tools
+    result: list[dict] = []
+    results_turn = False  # the last turn holds tool results
     for message in messages:
         if message["role"] == "assistant" and message.get("tool_calls"):
             calls = "\n".join(hermes_call(c["function"]["name"], c["function"]["arguments"])
                               for c in message["tool_calls"])
             text = message.get("content") or ""
-            result.append({"role": "assistant", "content": f"{text}\n{calls}" if text else calls})
+            rest = {key: value for key, value in message.items() if key != "tool_calls"}
+            result.append({**rest, "content": f"{text}\n{calls}" if text else calls})
+        elif message["role"] in ("tool", "user") and results_turn:
+            text = message["content"]
+            text = f"<tool_response>\n{text}\n</tool_response>" if message["role"] == "tool" else text
+            result[-1] = {**result[-1], "content": f"{result[-1]['content']}\n{text}"}
         elif message["role"] == "tool":
             result.append({"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"})
         else:
             result.append(message)
+        results_turn = message["role"] == "tool" or (results_turn and message["role"] == "user")
     if tools:
         prompt = HERMES_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if result and result[0]["role"] == "system":
@@ -115,99 +131,12 @@ def for_template(messages: list[dict], tools: list[dict] | None, supports_tools:
     return result, None
 
 
-# --- output -------------------------------------------------------------------------------------------------------
-class ToolCallParser:
-    """Feed text as it is generated; get back text that is safe to show and tool calls once they are complete.
-    Text that may begin a call is held back until it is known not to."""
-
-    def __init__(self, names: set[str]) -> None:
-        self.names = names
-        self.calls = 0
-        self._buffer = ""
-        self._mode = "start"  # start: only whitespace so far | text | call: inside <tool_call> | json: Llama 3
-
-    def feed(self, text: str) -> list[str | ToolCall]:
-        self._buffer += text
-        out: list[str | ToolCall] = []
-        while True:
-            if self._mode == "start":
-                stripped = self._buffer.lstrip()
-                if not stripped:
-                    return out
-                self._mode = "json" if stripped[0] in "{[" else "text"
-            if self._mode == "json":
-                return out
-            if self._mode == "text":
-                at = self._buffer.find(OPEN)
-                if at < 0:
-                    # Held back: what may begin <tool_call>, and trailing whitespace, which is formatting (and
-                    # dropped) if a call follows it, and content if text does.
-                    safe = len(self._buffer) - _partial_suffix(self._buffer, OPEN)
-                    shown = self._buffer[:safe].rstrip()
-                    if shown:
-                        out.append(shown)
-                        self._buffer = self._buffer[len(shown):]
-                    return out
-                if self._buffer[:at].strip():
-                    out.append(self._buffer[:at].rstrip())
-                self._buffer, self._mode = self._buffer[at + len(OPEN):], "call"
-            end = self._buffer.find(CLOSE)
-            if end < 0:
-                return out
-            body, self._buffer, self._mode = self._buffer[:end], self._buffer[end + len(CLOSE):], "text"
-            out.append(self._call(body) or f"{OPEN}{body}{CLOSE}")
-
-    def finish(self) -> list[str | ToolCall]:
-        """The end of generation: whatever was held back is either complete calls or text after all."""
-        out: list[str | ToolCall] = []
-        rest, self._buffer = self._buffer, ""
-        if self._mode == "json":
-            calls = self._llama_calls(rest)
-            out.extend(calls if calls else [rest])
-        elif self._mode == "call":
-            out.append(self._call(rest) or f"{OPEN}{rest}")
-        elif self.calls == 0 or rest.strip():
-            out.append(rest)
-        return [piece for piece in out if piece != ""]
-
-    def _call(self, text: str) -> ToolCall | None:
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return None
-        call = self._as_call(value)
-        if call is not None:
-            self.calls += 1
-        return call
-
-    def _as_call(self, value: object) -> ToolCall | None:
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or value["name"] not in self.names:
-            return None
-        arguments = value.get("arguments", value.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
-        return ToolCall(value["name"], arguments) if isinstance(arguments, dict) else None
-
-    def _llama_calls(self, text: str) -> list[ToolCall]:
-        decoder, values, at = json.JSONDecoder(), [], 0
-        text = text.strip()
-        try:
-            while at < len(text):
-                value, at = decoder.raw_decode(text, at)
-                values.extend(value if isinstance(value, list) else [value])
-                at = len(text) - len(text[at:].lstrip().lstrip(";").lstrip())
-        except ValueError:
-            return []
-        calls = [self._as_call(v) for v in values]
-        if not calls or None in calls:
-            return []
-        self.calls += len(calls)
-        return calls  # type: ignore[return-value]
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    return max((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), default=0)
+def _mistral_ids(messages: list[dict]) -> list[dict]:
+    result = []
+    for message in messages:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [{**c, "id": mistral_call_id(c["id"])} for c in message["tool_calls"]]}
+        elif message["role"] == "tool":
+            message = {**message, "tool_call_id": mistral_call_id(message.get("tool_call_id") or "")}
+        result.append(message)
+    return result

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -19,6 +18,7 @@ from tqdm import tqdm
 from common.errors import CoreError
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, load_manifest, sha256_file
 from common.manifest import write_manifest
+from ignition.families import core_tensors, expected_shapes, normalised_config
 from ignition.gguf_source import GgufSource
 from ignition.hf_source import HfSource, token_ids
 from ignition.quantize import Blocks, quantizable, quantize
@@ -90,15 +90,15 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
               disable=None) as bar:
         bar.set_postfix_str("config")
         raw = source.config()
-        config = llama_config(raw, source.config_file, dtype, source.checkpoint)
+        family, config = normalised_config(raw, source.config_file, dtype, source.checkpoint)
         bar.update()
         out.parent.mkdir(parents=True, exist_ok=True)
         staging = out.with_name(f".{out.name}.{os.getpid()}.partial")
         shutil.rmtree(staging, ignore_errors=True)  # left by a killed run that had our pid
         staging.mkdir()
         try:
-            eos_ids, kinds = _write_files(source, config, DTYPES[dtype], options.quant, staging, bar)
-            manifest = _manifest(source, options, raw, config, dtype, eos_ids, staging, kinds)
+            eos_ids, kinds = _write_files(source, family, config, DTYPES[dtype], options.quant, staging, bar)
+            manifest = _manifest(source, options, raw, family, config, dtype, eos_ids, staging, kinds)
             write_manifest(staging, manifest)
             load_manifest(staging)  # what every process will read must decode and validate
             _replace(staging, out)
@@ -108,12 +108,12 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
     return manifest
 
 
-def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], config: dict[str, object],
-              dtype: str, eos_ids: list[int], staging: Path, kinds: set[str]) -> Manifest:
+def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], family: str,
+              config: dict[str, object], dtype: str, eos_ids: list[int], staging: Path, kinds: set[str]) -> Manifest:
     try:
         return Manifest(
             format_version=FORMAT_VERSION,
-            architecture="llama",
+            architecture=family,
             config=config,
             dtype=dtype,
             served_names=list(options.served_names) or source.default_names,
@@ -131,68 +131,11 @@ def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], co
         raise CoreError(f"{source.path}: cannot make a valid manifest: {exc}") from None
 
 
-def llama_config(raw: dict[str, object], where: Path, dtype: str, checkpoint: str) -> dict[str, object]:
-    """The checkpoint's config as transformers' LlamaConfig.to_dict() gives it, plus the flat `rope_theta`
-    and `rope_scaling` that transformers 5 folds into `rope_parameters`."""
-    from transformers import LlamaConfig
-
-    model_type = raw.get("model_type")
-    if model_type not in ("llama", "mistral"):
-        raise CoreError(f"{where}: unsupported architecture {model_type}")
-    window, positions = raw.get("sliding_window"), raw.get("max_position_embeddings")
-    if window and not (isinstance(window, int) and isinstance(positions, int) and window >= positions):
-        raise CoreError(f"{where}: unsupported architecture {model_type} with a sliding window of {window}")
-    for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag):
-            raise CoreError(f"{where}: unsupported architecture {model_type} with {flag}")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CoreError(f"{where}: unsupported architecture {model_type} with hidden_act {raw['hidden_act']}")
-    # Mistral without a sliding window is Llama: record it as such so the engine needs one family.
-    cleaned = {k: v for k, v in raw.items() if k not in ("model_type", "sliding_window", "architectures")}
-    try:
-        config = LlamaConfig.from_dict(cleaned).to_dict()
-    except Exception as exc:  # transformers validates the config in many ways
-        raise CoreError(f"{where}: invalid llama config: {exc}") from None
-    rope = dict(config.get("rope_parameters") or {})
-    config["rope_theta"] = float(rope.pop("rope_theta", 10000.0))
-    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-    config.update(architectures=["LlamaForCausalLM"], dtype=dtype, _name_or_path=checkpoint)
-    try:
-        return json.loads(json.dumps(config))
-    except (TypeError, ValueError) as exc:
-        raise CoreError(f"{where}: config is not JSON-serialisable: {exc}") from None
-
-
-def expected_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama core holds, by Hugging Face name."""
-    hidden, inter = int(config["hidden_size"]), int(config["intermediate_size"])
-    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    vocab = int(config["vocab_size"])
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    if not config.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = (vocab, hidden)
-    for i in range(int(config["num_hidden_layers"])):
-        layer = f"model.layers.{i}."
-        shapes |= {
-            layer + "input_layernorm.weight": (hidden,),
-            layer + "post_attention_layernorm.weight": (hidden,),
-            layer + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            layer + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            layer + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            layer + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            layer + "mlp.gate_proj.weight": (inter, hidden),
-            layer + "mlp.up_proj.weight": (inter, hidden),
-            layer + "mlp.down_proj.weight": (hidden, inter),
-        }
-    return shapes
-
-
-def _write_files(source: Source, config: dict[str, object], dtype: torch.dtype, quant: str | None, staging: Path,
-                 bar: tqdm) -> tuple[list[int], set[str]]:
+def _write_files(source: Source, family: str, config: dict[str, object], dtype: torch.dtype, quant: str | None,
+                 staging: Path, bar: tqdm) -> tuple[list[int], set[str]]:
     """Write tokenizer, annotated template and weights into `staging`; return the tokenizer's EOS ids and the
     quantized kinds written ("q4", "q8")."""
-    shapes = expected_shapes(config)
+    shapes = expected_shapes(family, config)
     weights: dict[str, torch.Tensor] = {}
     written: set[str] = set()
     kinds: set[str] = set()
@@ -200,13 +143,11 @@ def _write_files(source: Source, config: dict[str, object], dtype: torch.dtype, 
     eos_ids = source.write_tokenizer(staging / TOKENIZER_NAME)
     (staging / TEMPLATE_NAME).write_text(annotate(source.chat_template), encoding="utf-8")
     bar.update()
-    for name, tensor in source.tensors():
-        bar.set_postfix_str(name)
-        bar.update()
+    for name, tensor in core_tensors(family, config, _counted(source.tensors(), bar)):
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in shapes):
             continue  # recomputed by the engine / a tied copy of the embeddings
         if name not in shapes:
-            raise CoreError(f"{source.path}: unexpected tensor {name} for a llama model")
+            raise CoreError(f"{source.path}: unexpected tensor {name} for a {family} model")
         if tuple(tensor.shape) != shapes[name]:
             raise CoreError(f"{source.path}: {name} has shape {tuple(tensor.shape)}, "
                             f"the config says {shapes[name]}")
@@ -231,6 +172,13 @@ def _write_files(source: Source, config: dict[str, object], dtype: torch.dtype, 
     (staging / WEIGHTS_NAME).chmod((staging / TEMPLATE_NAME).stat().st_mode)
     bar.update()
     return eos_ids, kinds
+
+
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in tensors:
+        bar.set_postfix_str(name)
+        bar.update()
+        yield name, tensor
 
 
 def _replace(staging: Path, out: Path) -> None:

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
+from ignition.families import family_of
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -28,9 +28,7 @@ class HfSource:
         self.path = path
         self.config_file = path / "config.json"
         self._raw = _read_json(self.config_file)
-        model_type = self._raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CoreError(f"{self.config_file}: unsupported architecture {model_type}")
+        family_of(self._raw, self.config_file)  # an unsupported architecture fails before any work
         self._tokenizer_config = _read_json(path / "tokenizer_config.json", required=False)
         self.chat_template = self._find_chat_template()
         self.default_dtype = str(self._raw.get("dtype") or self._raw.get("torch_dtype") or "float32")

@@ -93,8 +93,8 @@ def _add_synth(commands: argparse._SubParsersAction) -> None:
                                   description="Write a core with random weights of a real architecture "
                                               "(for benchmarks; nothing is downloaded).")
     command.add_argument("out", type=Path, metavar="OUT", help="the core directory to create")
-    command.add_argument("--arch", default="llama", choices=("llama",), help="model family (default: llama)")
-    command.add_argument("--preset", required=True, choices=sorted(PRESETS), help="the architecture's sizes")
+    command.add_argument("--preset", required=True, choices=sorted(PRESETS),
+                         help="the architecture (its family and sizes)")
     command.add_argument("--layers", type=_positive, metavar="N", help="keep only N decoder layers")
     command.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                          help="weight dtype (default: bfloat16)")
@@ -108,7 +108,7 @@ def _synth(args: argparse.Namespace) -> None:
     from ignition.synth import SynthSource
 
     started = time.monotonic()
-    source = SynthSource(args.arch, args.preset, args.layers, args.dtype, args.seed)
+    source = SynthSource(args.preset, args.layers, args.dtype, args.seed)
     manifest = export_source(source, args.out, ExportOptions(dtype=args.dtype, force=args.force))
     size = sum(file.stat().st_size for file in args.out.iterdir())
     print(f"ignition: wrote {args.out} ({manifest.checkpoint}; {manifest.dtype}; {size / 2**20:.0f} MiB) "

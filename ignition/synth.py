@@ -14,7 +14,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
-from ignition.export import DTYPES, expected_shapes
+from ignition.export import DTYPES
+from ignition.families import expected_shapes, family_of
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -22,17 +23,43 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role
                  "{% endif %}")
 _LLAMA_3_1_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
+_GEMMA_3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
 PRESETS: dict[str, dict[str, object]] = {
-    "llama-3.1-8b": {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "llama-3.1-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                      "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 131072,
                      "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": _LLAMA_3_1_ROPE,
                      "tie_word_embeddings": False},
-    "smollm2-135m": {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+    "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                      "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
                      "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True},
-    "tiny": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "tiny": {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "qwen2.5-7b": {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+                   "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                   "tie_word_embeddings": False},
+    "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                 "tie_word_embeddings": False},
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                      "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                      "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                      "tie_word_embeddings": False},
+    "mixtral-8x7b": {"model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+                     "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+                     "num_attention_heads": 32, "num_key_value_heads": 8, "max_position_embeddings": 32768,
+                     "rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0, "tie_word_embeddings": False},
+    # Gemma 3 12B's text model: 5 sliding-window layers (1024 keys, rope base 10k) to each global one (1M, linear 8).
+    "gemma-3-12b": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840, "intermediate_size": 15360,
+                    "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_parameters": _GEMMA_3_ROPE,
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
 }
 INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
 
@@ -40,9 +67,7 @@ INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
 class SynthSource:
     """An ignition Source (ignition/export.py) whose config is a preset and whose tensors are random."""
 
-    def __init__(self, arch: str, preset: str, layers: int | None, dtype: str, seed: int) -> None:
-        if arch != "llama":
-            raise CoreError(f"synth:{preset}: unsupported architecture {arch}")
+    def __init__(self, preset: str, layers: int | None, dtype: str, seed: int) -> None:
         if preset not in PRESETS:
             raise CoreError(f"synth:{preset}: unknown preset (one of {', '.join(PRESETS)})")
         self.path = self.config_file = Path(f"synth:{preset}")
@@ -52,10 +77,12 @@ class SynthSource:
         self.chat_template = CHAT_TEMPLATE
         self.generation = GenerationDefaults()
         vocab = int(PRESETS[preset]["vocab_size"])
-        self._config = {"model_type": "llama", **PRESETS[preset], "hidden_act": "silu",
-                        "bos_token_id": vocab - len(SPECIALS), "eos_token_id": vocab - 1}
+        self._config = {**PRESETS[preset], "bos_token_id": vocab - len(SPECIALS), "eos_token_id": vocab - 1}
         if layers:
             self._config["num_hidden_layers"] = layers
+        self._family = family_of(self._config, self.path)
+        # Norm weights start at a scale of one, as trained ones roughly do: Gemma stores w for a scale of 1 + w.
+        self._norm_fill = 0.0 if self._family == "gemma3_text" else 1.0
         self.generation_eos_ids = [vocab - len(SPECIALS), vocab - 1]
         self._dtype = DTYPES[dtype]
         self._seed = seed
@@ -72,15 +99,23 @@ class SynthSource:
         return None  # dense weights stay dense unless export is asked for --quant
 
     def tensor_count(self) -> int:
-        return len(expected_shapes(self._config))
+        return len(self._shapes())
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Core names and layouts already (core_tensors passes them through)."""
         generator = torch.Generator().manual_seed(self._seed)
-        for name, shape in expected_shapes(self._config).items():
-            if len(shape) == 1:  # norms start at one, as trained ones roughly do
-                yield name, torch.ones(shape, dtype=self._dtype)
+        for name, shape in self._shapes().items():
+            if name.endswith("norm.weight"):
+                yield name, torch.full(shape, self._norm_fill, dtype=self._dtype)
             else:
                 yield name, torch.empty(shape, dtype=self._dtype).normal_(0, INIT_STD, generator=generator)
+
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        from ignition.families import normalised_config
+
+        _, config = normalised_config(self.config(), self.path, str(self._dtype).removeprefix("torch."), "")
+        return expected_shapes(self._family, config)
 
 
 def byte_level_bpe(vocab_size: int) -> Tokenizer:

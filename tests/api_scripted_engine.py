@@ -159,6 +159,7 @@ class ScriptedStack:
     """The scripted engine and a real frontend process connected to it."""
 
     def __init__(self, core: Path, *frontend_args: str) -> None:
+        self.core = core
         self.engine = ScriptedEngine(core)
         self.engine.start()
         self.port = free_port()

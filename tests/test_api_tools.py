@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from frontend.model import ServedModel
-from frontend.tools import ToolCall, ToolCallParser
+from frontend.tool_parsers import HermesParser, ToolCallParser
+from frontend.tools import ToolCall
 from tests.api_scripted_engine import ScriptedStack
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -54,7 +55,7 @@ CITIES = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_si
 @settings(max_examples=200, deadline=None)
 def test_hermes_calls_are_found_however_the_text_is_cut(prefix: str, cities: list[str], cuts: list[int]) -> None:
     text = prefix + "\n".join(hermes("get_weather", {"city": c}) for c in cities) + "\n"
-    pieces = run(ToolCallParser({"get_weather"}), chunked(text, cuts))
+    pieces = run(HermesParser({"get_weather"}), chunked(text, cuts))
     expected_text = [prefix.rstrip()] if prefix.strip() else []  # whitespace beside a call is formatting
     assert shape(pieces) == expected_text + [("get_weather", {"city": c}) for c in cities]
 
@@ -64,7 +65,7 @@ def test_hermes_calls_are_found_however_the_text_is_cut(prefix: str, cities: lis
 def test_text_without_calls_passes_through_unchanged(text: str, cuts: list[int]) -> None:
     if "<tool_call>" in text or text.lstrip()[:1] in ("{", "["):
         return
-    pieces = run(ToolCallParser({"get_weather"}), chunked(text, cuts))
+    pieces = run(HermesParser({"get_weather"}), chunked(text, cuts))
     assert "".join(p for p in pieces if isinstance(p, str)) == text
     assert not any(isinstance(p, ToolCall) for p in pieces)
 
@@ -77,15 +78,15 @@ PIECES = st.one_of(st.text(max_size=12), st.sampled_from([" ", "\n", "<tool", "<
 @settings(max_examples=300, deadline=None)
 def test_the_result_does_not_depend_on_how_the_text_is_cut(pieces: list[str], cuts: list[int]) -> None:
     text = "".join(pieces)
-    whole = run(ToolCallParser({"get_weather"}), [text])
-    assert shape(run(ToolCallParser({"get_weather"}), chunked(text, cuts))) == shape(whole)
+    whole = run(HermesParser({"get_weather"}), [text])
+    assert shape(run(HermesParser({"get_weather"}), chunked(text, cuts))) == shape(whole)
 
 
 def test_llama3_json_calls_one_or_several() -> None:
     one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-    assert shape(run(ToolCallParser({"get_weather"}), [one[:7], one[7:]])) == [("get_weather", {"city": "Paris"})]
+    assert shape(run(HermesParser({"get_weather"}), [one[:7], one[7:]])) == [("get_weather", {"city": "Paris"})]
     two = one + '; {"name": "get_weather", "parameters": {"city": "Rome"}}'
-    assert shape(run(ToolCallParser({"get_weather"}), [two])) == [("get_weather", {"city": "Paris"}),
+    assert shape(run(HermesParser({"get_weather"}), [two])) == [("get_weather", {"city": "Paris"}),
                                                                   ("get_weather", {"city": "Rome"})]
 
 
@@ -96,7 +97,7 @@ def test_llama3_json_calls_one_or_several() -> None:
     '<tool_call>{"name": "get_weather", "arguments": {"city": "Par',  # cut off mid-call
 ])
 def test_what_is_not_a_valid_call_stays_text(text: str) -> None:
-    assert run(ToolCallParser({"get_weather"}), [text]) == [text]
+    assert run(HermesParser({"get_weather"}), [text]) == [text]
 
 
 def test_a_template_without_tools_gets_them_in_the_system_prompt(core_dir) -> None:
@@ -107,7 +108,7 @@ def test_a_template_without_tools_gets_them_in_the_system_prompt(core_dir) -> No
                     {"id": "call_1", "type": "function", "function": {"name": "get_weather",
                                                                       "arguments": {"city": "Paris"}}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
-    ids, _ = model.encode_chat(messages, CHAT_TOOLS, True, {})
+    ids = model.encode_chat(messages, CHAT_TOOLS, True, {}).ids
     prompt = model.tokenizer.decode(ids, skip_special_tokens=False)
     assert json.dumps(CHAT_TOOLS[0]) in prompt and "<tool_call>" in prompt
     assert hermes("get_weather", {"city": "Paris"}) in prompt

@@ -65,3 +65,17 @@ def test_earliest_of_several_stops_wins() -> None:
 def test_unfinished_prefix_is_flushed_at_the_end() -> None:
     matcher = StopMatcher(["</s>"])
     assert matcher.feed("end </") == "end " and matcher.flush() == "</"
+
+
+def test_bytes_that_never_complete_a_character_arrive_at_the_end() -> None:
+    """A synth core's byte-level tokenizer gave a greedy run of lone continuation bytes: held back while they
+    might complete a character, they must still reach the client at the end, as `decode` shows them."""
+    from ignition.synth import byte_level_bpe
+
+    tokenizer = byte_level_bpe(49152)
+    ids = [20628] * 7 + [30033] * 17
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    pieces = [detokenizer.add([token]) for token in ids]
+    assert "".join(pieces) != tokenizer.decode(ids)  # the run is still held back before the end
+    assert "".join(pieces) + detokenizer.flush() == tokenizer.decode(ids)
+    assert detokenizer.flush() == ""

@@ -130,6 +130,34 @@ def test_frame_steps_produce_the_eager_executors_tokens() -> None:
     assert {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
 
 
+# What each family's kernel path adds: q/k/v bias, q/k norm, the fused MoE (Mixtral's differs by configuration
+# only), Gemma 3's norms, scale and GeLU, with its sliding-window layers and without.
+FAMILY_CASES = [("qwen2", {}), ("qwen3", {}), ("qwen3_moe", {}), ("gemma3_text", {}),
+                ("gemma3_text", {"layer_types": ["full_attention"] * 3})]
+
+
+def run_few_requests(harness: Harness) -> list[list[int]]:
+    """A prompt over a chunk and the window, a short one, a sampled one: the interpreter is slow."""
+    requests = [harness.add(PROMPTS[1], temperature=0.0, max_tokens=4), harness.add(PROMPTS[3], temperature=0.0,
+                                                                                    max_tokens=4),
+                harness.add(PROMPTS[4], temperature=0.9, top_p=0.9, top_k=50, seed=11, max_tokens=4)]
+    harness.run()
+    harness.close()
+    return [r.tokens[r.prompt_len:] for r in requests]
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+@pytest.mark.parametrize("family, changes", FAMILY_CASES)
+def test_each_familys_kernel_path_produces_the_torch_paths_tokens(family: str, changes: dict) -> None:
+    expected = run_few_requests(Harness(tiny_model(0, family, **changes), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK))
+    model = tiny_model(0, family, **changes)
+    model.use_kernels(CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
+    assert run_few_requests(harness) == expected
+
+
 def gpu_harness(model, graphs: bool) -> Harness:
     from engine.executor.eager import EagerExecutor
     from engine.executor.graph import GraphExecutor
@@ -147,6 +175,15 @@ def gpu_harness(model, graphs: bool) -> Harness:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) -> None:
     model = tiny_model().to("cuda", dtype)
+    model.use_kernels(CONTEXT)
+    assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family, changes", FAMILY_CASES)
+def test_graph_executor_produces_the_eager_executors_tokens_for_each_family(family: str, changes: dict) -> None:
+    model = tiny_model(0, family, **changes).to("cuda", torch.bfloat16)
     model.use_kernels(CONTEXT)
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
 

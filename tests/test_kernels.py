@@ -18,9 +18,11 @@ from engine.kernels.decode_attention import (decode_attention, decode_attention_
                                              num_splits)
 from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
                                              extend_blocks)
+from engine.kernels.fused_moe import fused_moe, fused_moe_reference, route  # noqa: E402
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
-from engine.kernels.rotary import rope_and_store, rope_and_store_reference, rope_table  # noqa: E402
+from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
+                                   rope_table)
 
 DEVICE = torch.device("cuda" if GPU else "cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if GPU else [torch.float16, torch.float32]
@@ -58,7 +60,9 @@ def random_cache(slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_decode_attention_matches_reference(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+@pytest.mark.parametrize("window", [0, 37])
+def test_decode_attention_matches_reference(dtype: torch.dtype, shape: tuple[int, int, int, int],
+                                            window: int) -> None:
     heads, kv_heads, head_dim, page = shape
     g = torch.Generator().manual_seed(hash((dtype, shape)) % 2**31)
     contexts = [1, page - 1, page, 3 * page + 5, 0, 2 * page + 1] if not GPU else [1, 63, 64, 1000, 0, 4097, 300, 2]
@@ -70,21 +74,19 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
     tables = tables.flip(0).contiguous()
     args = (q, k_cache, v_cache, tables.to(DEVICE), seq_table.to(DEVICE),
             torch.tensor(contexts, dtype=torch.int32, device=DEVICE), page, head_dim**-0.5)
-    ref = decode_attention_reference(*args)
+    ref = decode_attention_reference(*args, window=window)
+    if window:  # the window changes the answer wherever the context is longer than it
+        assert relative_error(decode_attention_reference(*args), ref) > 0.05
     for splits in sorted({1, 4, num_splits(len(contexts), kv_heads, 132 if GPU else 2)}):
-        out = decode_attention(*args, splits=splits)
+        out = decode_attention(*args, splits=splits, window=window)
         assert relative_error(out, ref) < tolerance(dtype), splits
         assert torch.equal(out[contexts.index(0)], torch.zeros_like(out[0]))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int, int, int, int]) -> None:
+def extend_case(shape: tuple[int, int, int, int], dtype: torch.dtype, spans: list[tuple[int, int]],
+                g: torch.Generator) -> tuple:
+    """Random queries and paged caches for (new tokens, cached prefix) spans, and the kernel's metadata."""
     heads, kv_heads, head_dim, page = shape
-    g = torch.Generator().manual_seed(hash((dtype, shape, "extend")) % 2**31)
-    # (new tokens, cached prefix) per sequence: a fresh prompt, a chunk after a cached prefix, decode rows.
-    spans = [(5, 0), (70, page), (1, 2 * page + 3), (130, 7), (1, 0)] if not GPU else \
-        [(512, 0), (300, 1024), (1, 77), (64, 64), (1000, 33), (1, 0)]
     lengths = [n for n, _ in spans]
     contexts = [n + cached for n, cached in spans]
     tables = random_pages(contexts, page, g)
@@ -92,21 +94,42 @@ def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
     tokens = sum(lengths) + 3  # rows past the last sequence belong to nobody and stay as they were
     q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    block_seq, block_first = extend_blocks(lengths)
-    padding = 2  # padding blocks (sequence -1) do nothing
-    block_seq, block_first = block_seq + [-1] * padding, block_first + [0] * padding
     as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
     meta = (tables.to(DEVICE), as_int(list(range(len(spans)))), as_int(starts.tolist()), as_int(lengths),
             as_int(contexts))
-    out = torch.full_like(q, 7.0)
-    extend_attention(q, k_cache, v_cache, out, *meta, as_int(block_seq), as_int(block_first), page, head_dim**-0.5)
-    ref = extend_attention_reference(q, k_cache, v_cache, *meta, page, head_dim**-0.5)
-    assert relative_error(out[:sum(lengths)], ref[:sum(lengths)]) < tolerance(dtype)
-    assert (out[sum(lengths):] == 7.0).all()
+    block_seq, block_first = extend_blocks(lengths)
+    padding = 2  # padding blocks (sequence -1) do nothing
+    blocks = (as_int(block_seq + [-1] * padding), as_int(block_first + [0] * padding))
+    return q, k_cache, v_cache, meta, blocks
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_store_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [0, 50])
+def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int, int, int, int],
+                                            window: int) -> None:
+    page, head_dim = shape[3], shape[2]
+    g = torch.Generator().manual_seed(hash((dtype, shape, "extend")) % 2**31)
+    # (new tokens, cached prefix) per sequence: a fresh prompt, a chunk after a cached prefix, decode rows.
+    spans = [(5, 0), (70, page), (1, 2 * page + 3), (130, 7), (1, 0), (3, 300)] if not GPU else \
+        [(512, 0), (300, 1024), (1, 77), (64, 64), (1000, 33), (1, 0), (64, 5000)]
+    q, k_cache, v_cache, meta, blocks = extend_case(shape, dtype, spans, g)
+    ref = extend_attention_reference(q, k_cache, v_cache, *meta, page, head_dim**-0.5, window=window)
+    if window:
+        assert relative_error(extend_attention_reference(q, k_cache, v_cache, *meta, page, head_dim**-0.5), ref) > 0.05
+    new = sum(n for n, _ in spans)
+    # The GPU's own program count, and one so large that long blocks' keys are split (then merged).
+    for programs in (None, 10**4 if GPU else 112):
+        out = torch.full_like(q, 7.0)
+        extend_attention(q, k_cache, v_cache, out, *meta, *blocks, page, head_dim**-0.5, window=window,
+                         programs=programs)
+        assert relative_error(out[:new], ref[:new]) < tolerance(dtype), programs
+        assert (out[new:] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_style", [None, "llama", "gemma"])
+def test_rope_and_store_matches_reference(dtype: torch.dtype, norm_style: str | None) -> None:
     heads, kv_heads, head_dim = (32, 8, 128) if GPU else (4, 2, 32)
     g = torch.Generator().manual_seed(3)
     tokens, slots = 37, 64
@@ -119,11 +142,31 @@ def test_rope_and_store_matches_reference(dtype: torch.dtype) -> None:
     slot_mapping = slot_mapping.to(DEVICE)
     cache = torch.randn(2, slots, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     caches = [cache, cache.clone()]
-    q = rope_and_store(qkv, positions, table, slot_mapping, caches[0][0], caches[0][1], heads, kv_heads)
+    norms = {}
+    if norm_style:  # Qwen3's or Gemma 3's per-head RMSNorm of q and k before the rotation
+        weights = (torch.randn(2, head_dim, generator=g) * 0.5 + (norm_style == "llama")).to(dtype).to(DEVICE)
+        norms = dict(q_norm=weights[0], k_norm=weights[1], norm_eps=1e-6, norm_style=norm_style)
+    q = rope_and_store(qkv, positions, table, slot_mapping, caches[0][0], caches[0][1], heads, kv_heads, **norms)
     q_ref = rope_and_store_reference(qkv, positions, table, slot_mapping, caches[1][0], caches[1][1], heads,
-                                     kv_heads)
+                                     kv_heads, **norms)
     assert relative_error(q, q_ref) < tolerance(dtype) / 10
     assert relative_error(caches[0], caches[1]) < tolerance(dtype) / 10
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_head_rms_norm_reference_matches_transformers(family: str) -> None:
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(32, eps=1e-6) if family == "qwen3" else Gemma3RMSNorm(32, eps=1e-6)
+    torch.nn.init.normal_(norm.weight)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = norm.to(dtype)
+        x = torch.randn(5, 3, 32).to(dtype)
+        with torch.no_grad():
+            expected = norm(x)
+        out = head_rms_norm_reference(x, norm.weight.data, 1e-6, "llama" if family == "qwen3" else "gemma")
+        assert out.dtype == expected.dtype and torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -157,3 +200,50 @@ def test_apply_patches_matches_reference() -> None:
     apply_patches_reference(expected, patches, count)
     apply_patches(table, patches, count)
     assert torch.equal(table, expected)
+
+
+# (hidden, intermediate, experts, top k): Qwen3-30B-A3B's MoE on the GPU, a small one on the CPU.
+MOE_SHAPE = (2048, 768, 128, 8) if GPU else (64, 32, 8, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int) -> None:
+    hidden, inter, experts, top_k = MOE_SHAPE
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype).to(DEVICE)
+    w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
+    logits = torch.randn(tokens, experts, generator=g)
+    logits[:, : experts // 2] -= 4  # some experts get no token at all
+    weights, ids = route(logits.to(DEVICE), top_k, renormalize=True)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_norm", "mixtral"])
+def test_route_and_moe_reference_match_transformers(family: str) -> None:
+    """route + fused_moe_reference on a transformers MoE block's own weights give that block's output (fp32)."""
+    import transformers
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(7)
+    if family == "mixtral":
+        block = MixtralSparseMoeBlock(transformers.MixtralConfig(hidden_size=64, intermediate_size=32,
+                                                                 num_local_experts=8, num_experts_per_tok=2))
+    else:
+        block = Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(
+            hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=family == "qwen3_moe_norm"))
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.1)
+    x = torch.randn(1, 23, 64)
+    with torch.no_grad():
+        expected = block(x)
+        expected = (expected[0] if isinstance(expected, tuple) else expected).reshape(23, 64)
+        weights, ids = route(torch.nn.functional.linear(x[0], block.gate.weight), 2,
+                             renormalize=family != "qwen3_moe")
+        out = fused_moe_reference(x[0], block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
+    assert torch.allclose(out, expected, atol=1e-6, rtol=1e-5)

@@ -23,13 +23,14 @@ from common import protocol as wire
 from common.errors import CoreError
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
 from common.ranks import GROUP_FAILED, engine_commands
-from engine.model.llama import LlamaConfig, LlamaForCausalLM
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
 from engine.model.loader import load_model
 from engine.model.sharding import Shard, supported_world_sizes
 from engine.parallel.worker import check_plan
 from engine.scheduler.plan import Plan, Row
 from tests.conftest import Server
-from tests.engine_harness import Harness
+from tests.engine_harness import FAMILY_CONFIGS, Harness
 
 # 6 heads over 3 KV heads: 2 ranks split the KV groups 2 + 1, 3 ranks 1 + 1 + 1; 320 vocabulary rows and 160 MLP
 # columns do not split evenly over 3 ranks.
@@ -42,8 +43,8 @@ CHATS = [[{"role": "user", "content": "Name the planets of the solar system."}],
          [{"role": "user", "content": "Write a haiku about the sea."}]]
 
 
-def config(heads: int, kv_heads: int) -> LlamaConfig:
-    return LlamaConfig.from_hf({**TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads})
+def config(heads: int, kv_heads: int) -> DecoderConfig:
+    return DecoderConfig.from_hf("llama", {**TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads})
 
 
 # --- sharding rules ---------------------------------------------------------------------------------------------
@@ -83,21 +84,29 @@ def test_a_rank_refuses_a_step_it_cannot_run() -> None:
 
 # --- a tiny random core over flare-engine processes -------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    core = tmp_path_factory.mktemp("tiny-core")
+def write_tiny_core(core: Path, family: str) -> Path:
+    """A random core of the family at TINY's sizes (with the family's features, tests/engine_harness.py)."""
+    config = {**TINY, **FAMILY_CONFIGS[family]}
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig.from_hf(TINY))
+    model = CausalLM(DecoderConfig.from_hf(family, config))
     with torch.no_grad():  # larger weights than the default init, so outputs vary from token to token
         for p in model.parameters():
             p.normal_(0, 0.5) if p.dim() > 1 else None
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, core / "model.safetensors")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, core / "model.safetensors")
     write_manifest(core, Manifest(
-        format_version=FORMAT_VERSION, architecture="llama", config=TINY, dtype="float32", served_names=["tiny"],
+        format_version=FORMAT_VERSION, architecture=family, config=config, dtype="float32", served_names=["tiny"],
         checkpoint="random", context_limit=1024, eos_token_ids=[], generation=GenerationDefaults(),
         capacities=Capacities(max_active=8, page_size=16, prefill_chunk_size=48, kv_cache_bytes=1 << 22),
         files={"model.safetensors": sha256_file(core / "model.safetensors")}))
     return core
+
+
+@pytest.fixture(scope="module")
+def tiny_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_core(tmp_path_factory.mktemp("tiny-core"), "llama")
 
 
 def single_rank_tokens(core: Path, prompts: list[list[int]], page_size: int, chunk: int) -> list[list[int]]:
@@ -196,6 +205,36 @@ def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path,
         assert "rank 0" in (tmp_path / "rank1.log").read_text()
     finally:
         exit_statuses(ranks, 0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text"])
+def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> None:
+    """q/k/v biases split by heads; experts split by columns (w13 rows of gate and up, w2 columns); Gemma's norms
+    and sliding-window layers."""
+    core = write_tiny_core(tmp_path, family)
+    expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
+    address = f"ipc://{tmp_path}/engine.sock"
+    ranks = start_ranks(core, 2, address, tmp_path)
+    try:
+        client = WireClient(address)
+        got = client.generate(PROMPTS)
+        client.close()
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]
+    finally:
+        for rank in ranks:
+            rank.kill()
+        exit_statuses(ranks, 10)
+
+
+def test_experts_split_by_columns_keep_each_experts_gate_and_up_rows_together() -> None:
+    config = DecoderConfig.from_hf("qwen3_moe", {**TINY, **FAMILY_CONFIGS["qwen3_moe"]})
+    w13 = torch.arange(8 * 96 * 2).view(8, 96, 2)  # [E, 2I, H] with I = 48
+    parts = [Shard.of(config, rank, 3).read(w13, 1, "expert_columns") for rank in range(3)]
+    assert [p.shape[1] for p in parts] == [32, 32, 32]
+    gate = torch.cat([p[:, :16] for p in parts], dim=1)
+    up = torch.cat([p[:, 16:] for p in parts], dim=1)
+    assert torch.equal(gate, w13[:, :48]) and torch.equal(up, w13[:, 48:])
 
 
 # --- SmolLM2 through `flare run --tp R` ------------------------------------------------------------------------

@@ -60,6 +60,10 @@ class PrefixCheckpointCache:
         self._completed_fence = 0
         self._pending: list[Checkpoint] = []
         self.stats = CacheStats()
+        # Keys that became visible to lookup, and keys evicted, since the last `take_journal` (for the frontends'
+        # routing indexes: engine/telemetry.py announces them).
+        self._stored: list[bytes] = []
+        self._evicted: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -89,6 +93,7 @@ class PrefixCheckpointCache:
             self._pending.append(checkpoint)
         else:
             checkpoint.ready = True
+            self._stored.append(key)
         return Created(checkpoint)
 
     def set_ready_fence(self, checkpoint: Checkpoint, fence: int) -> None:
@@ -104,7 +109,17 @@ class PrefixCheckpointCache:
             self._pending = [c for c in self._pending if not (c.ready_fence is not None and c.ready_fence <= fence)]
             for checkpoint in ready:
                 checkpoint.ready = True
+                self._stored.append(checkpoint.key)
         return ready
+
+    def take_journal(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, evicted) keys since the last call."""
+        journal = (self._stored, self._evicted)
+        self._stored, self._evicted = [], []
+        return journal
+
+    def ready_keys(self) -> list[bytes]:
+        return [key for key, checkpoint in self._by_key.items() if checkpoint.ready]
 
     def pin(self, checkpoint: Checkpoint) -> None:
         node: Checkpoint | None = checkpoint
@@ -140,6 +155,7 @@ class PrefixCheckpointCache:
     def _remove(self, checkpoint: Checkpoint) -> RetiredResources:
         del self._by_key[checkpoint.key]
         checkpoint.evicted = True
+        self._evicted.append(checkpoint.key)
         if checkpoint.parent is not None:
             checkpoint.parent.children -= 1
         self.stats.evictions += 1

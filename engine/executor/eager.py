@@ -16,26 +16,26 @@ import torch
 
 from common.protocol import Logprobs
 from engine.executor.inputs import build_inputs
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from engine.sampling import apply_penalties, sample, token_logprobs
 from engine.scheduler.plan import Completion, Plan, Row
 
 MAX_IN_FLIGHT = 2
 
 
-def kv_cache_shape(model: LlamaForCausalLM, num_pages: int, page_size: int) -> tuple[int, ...]:
+def kv_cache_shape(model: CausalLM, num_pages: int, page_size: int) -> tuple[int, ...]:
     c = model.config
     return (c.num_layers, 2, num_pages * page_size, c.num_kv_heads, c.head_dim)
 
 
-def pages_for_budget(model: LlamaForCausalLM, page_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
+def pages_for_budget(model: CausalLM, page_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
     c = model.config
     page_bytes = c.num_layers * 2 * page_size * c.num_kv_heads * c.head_dim * dtype.itemsize
     return max(budget_bytes // page_bytes, 1)
 
 
 class EagerExecutor:
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_active: int,
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, max_active: int,
                  device: torch.device) -> None:
         self.model = model
         self.device = device

@@ -8,7 +8,7 @@ import torch
 
 from engine.executor.base import Executor
 from engine.executor.eager import EagerExecutor
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 
 log = logging.getLogger("flare.engine")
 
@@ -16,14 +16,17 @@ GPU_RESERVE_FRACTION = 0.08  # of total memory, for graph scratch, cuBLAS worksp
 SAMPLER_BYTES_PER_LOGIT = 40  # logits, probabilities, their sort (values and int64 order), noise: per row and id
 
 
-def gpu_kv_budget(model: LlamaForCausalLM, max_active: int, device: torch.device) -> int:
-    """Free memory after the weights, less what the graphs' activations and sampling will take."""
+def gpu_kv_budget(model: CausalLM, max_active: int, device: torch.device,
+                  memory_fraction: float | None = None) -> int:
+    """What may still be filled of the GPU (`memory_fraction` of it, by default all but a reserve for graph
+    scratch and workspaces) after the weights, less what sampling will take."""
     free, total = torch.cuda.mem_get_info(device)
+    limit = (memory_fraction or 1 - GPU_RESERVE_FRACTION) * total
     sampler = max_active * model.config.vocab_size * SAMPLER_BYTES_PER_LOGIT
-    return max(int(free - GPU_RESERVE_FRACTION * total - sampler), 0)
+    return max(int(limit - (total - free) - sampler), 0)
 
 
-def make_executor(model: LlamaForCausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
+def make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
                   context_limit: int, prefill_chunk: int, graphs: bool) -> Executor:
     """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere."""
     if device.type != "cuda" or not graphs:

@@ -31,7 +31,7 @@ from engine.executor.eager import EagerExecutor, kv_cache_shape
 from engine.executor.frames import Layout, PageTableMirror, host_views, make_layout, pack
 from engine.executor.graph_step import StaticBuffers, model_step, sample_step
 from engine.executor.inputs import has_penalty
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from engine.scheduler.plan import Completion, Plan
 
 log = logging.getLogger("flare.engine")
@@ -67,7 +67,7 @@ class _Ready:
 
 
 class GraphExecutor:
-    def __init__(self, model: LlamaForCausalLM, num_pages: int, page_size: int, max_active: int,
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, max_active: int,
                  device: torch.device, context_limit: int, prefill_chunk: int) -> None:
         from cupy.cuda import runtime
 

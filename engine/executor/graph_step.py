@@ -12,7 +12,7 @@ import torch
 from engine.executor.frames import Layout, device_views
 from engine.kernels.page_table import apply_patches
 from engine.model.attention import DecodeBatch, ExtendBatch, KernelMetadata
-from engine.model.llama import LlamaForCausalLM
+from engine.model.decoder import CausalLM
 from engine.sampling import SamplingTensors, sample
 
 
@@ -45,7 +45,7 @@ def step_metadata(views: dict[str, torch.Tensor], layout: Layout, page_tables: t
 
 
 @torch.inference_mode()
-def model_step(model: LlamaForCausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, layout: Layout,
+def model_step(model: CausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, layout: Layout,
                page_size: int) -> None:
     """Apply the frame's page-table patches, run the model, leave the sequences' logits in buffers.logits."""
     views = device_views(buffers.frame, layout)

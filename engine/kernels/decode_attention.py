@@ -16,11 +16,12 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
 MAX_SPLITS = 32
+NO_WINDOW = 1 << 30
 
 
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr,
-                  stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2,
+                  stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2, window,
                   HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                   PRECISION: tl.constexpr):
@@ -29,8 +30,9 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
     split = tl.program_id(2)
     ctx = tl.load(ctx_ptr + seq)
     table = tables_ptr + tl.load(seq_table_ptr + seq).to(tl.int64) * stride_table
-    per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), SPLITS) * BLOCK_N
-    begin = split * per_split
+    lo = tl.maximum(ctx - window, 0)  # the sliding window: keys before it are never read
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, BLOCK_N), SPLITS) * BLOCK_N
+    begin = lo + split * per_split
     end = tl.minimum(begin + per_split, ctx)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
@@ -97,8 +99,9 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
                      seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
-                     splits: int) -> torch.Tensor:
-    """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros."""
+                     splits: int, window: int = 0) -> torch.Tensor:
+    """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros.
+    window > 0: the token at position p sees keys p - window < k <= p (transformers' sliding window)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -110,7 +113,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split[(batch, kv_heads, splits)](
         q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
-        out.stride(0), out.stride(1), scale * LOG2E,
+        out.stride(0), out.stride(1), scale * LOG2E, window if window > 0 else NO_WINDOW,
         HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype),
         num_warps=4, num_stages=2)
@@ -122,7 +125,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_tables: torch.Tensor, seq_table: torch.Tensor, context_lens: torch.Tensor,
-                               page_size: int, scale: float) -> torch.Tensor:
+                               page_size: int, scale: float, window: int = 0) -> torch.Tensor:
     """The same function in float32 torch, one sequence at a time."""
     batch, heads, head_dim = q.shape
     group = heads // k_cache.shape[1]
@@ -131,7 +134,7 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ctx = int(context_lens[b])
         if ctx == 0:
             continue
-        pos = torch.arange(ctx, device=q.device)
+        pos = torch.arange(max(ctx - window, 0) if window > 0 else 0, ctx, device=q.device)
         slots = page_tables[int(seq_table[b])][pos // page_size].long() * page_size + pos % page_size
         keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [ctx, H, D]
         values = v_cache[slots].float().repeat_interleave(group, dim=1)

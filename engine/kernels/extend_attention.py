@@ -1,71 +1,190 @@
 """Paged prefill/extend attention: several new tokens per sequence against its cached prefix and, causally, each
-other. The new tokens' K and V are already in the cache, so every key is read through the page table.
+other, optionally within a sliding window. The new tokens' K and V are already in the cache, so every key is read
+through the page table.
 
-Work is cut into blocks of BLOCK_M new tokens of one sequence; the host lists the blocks (`extend_blocks`), so a
-captured graph launches a fixed grid and padding blocks (sequence -1) exit at once. One program takes one block and
-one query head. Decode rows of a mixed step are one-token sequences here.
+FlashAttention-style: the host lists blocks of BLOCK_M new tokens of one sequence (`extend_blocks`), so a captured
+graph launches a fixed grid and padding blocks (sequence -1, listed last) exit at once. A program takes TILE_M query
+rows of one block and one query head and walks its keys in BLOCK_N tiles with an online softmax: tiles every row sees
+whole run without a mask; only the causal diagonal and the window's lower edge are masked, and keys below the window
+are never read. When the live blocks are too few to fill the GPU (a short chunk after a long cached prefix, decode
+rows of a mixed step), each block's keys are split over several programs and a second kernel merges their partial
+results by log-sum-exp. The split count depends only on the live blocks and each block's own keys, never on the
+grid, so a captured graph and an eager step compute the same numbers. Decode rows of a mixed step are one-token
+sequences here.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.decode_attention import LOG2E, dot_precision
+from engine.kernels.decode_attention import LOG2E, NO_WINDOW, dot_precision
 
-BLOCK_M = 64
-BLOCK_N = 64
+BLOCK_M = 128  # new tokens per listed block
+MAX_SPLITS = 16
+MIN_SPLIT_TILES = 4  # a split walks at least this many key tiles
 
 
 @triton.jit
-def _extend(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_table_ptr, qstart_ptr, qlen_ptr, ctx_ptr, block_seq_ptr,
-            block_first_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kh, stride_table,
-            scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    block = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_head = head // GROUP
-    seq = tl.load(block_seq_ptr + block)
-    live = seq >= 0
-    seq = tl.maximum(seq, 0)
-    first = tl.load(block_first_ptr + block)
-    qlen = tl.where(live, tl.load(qlen_ptr + seq), 0)
-    qstart = tl.load(qstart_ptr + seq)
-    ctx = tl.load(ctx_ptr + seq)
-    table = tables_ptr + tl.load(seq_table_ptr + seq).to(tl.int64) * stride_table
-    i = first + tl.arange(0, BLOCK_M)
-    rows = i < qlen
-    qpos = ctx - qlen + i
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    q_offs = (qstart + i).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_offs, mask=rows[:, None] & dmask[None, :], other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    end = tl.where(live, tl.minimum(ctx, ctx - qlen + first + BLOCK_M), 0)  # the block's last query sees up to here
+def _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, begin, end, key_end, qpos, window, stride_ks, d, dmask,
+               scale_log2, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """Online softmax over the key tiles in [begin, end) (tile-aligned); keys at or past key_end are not read."""
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, end, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         pos = start + n
-        valid = pos < end
-        page = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        offs = (page * PAGE + pos % PAGE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        kv_mask = valid[:, None] & dmask[None, :]
+        if PAGE % BLOCK_N == 0:  # a tile lies inside one page: one page-table read, contiguous keys
+            slot = tl.load(table + start // PAGE).to(tl.int64) * PAGE + start % PAGE + n
+        else:
+            slot = tl.load(table + pos // PAGE, mask=pos < key_end, other=0).to(tl.int64) * PAGE + pos % PAGE
+        offs = slot[:, None] * stride_ks + kv_offset + d[None, :]
+        if MASKED:
+            kv_mask = (pos < key_end)[:, None] & dmask[None, :]
+        else:
+            kv_mask = dmask[None, :]
         k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        # Every query row sees key 0, so no row is all -inf after the first block.
-        s = tl.where(valid[None, :] & (pos[None, :] <= qpos[:, None]), s, float("-inf"))
+        if MASKED:
+            visible = (pos < key_end)[None, :] & (pos[None, :] <= qpos[:, None]) & \
+                (pos[None, :] > qpos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays empty
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def _split_plan(block_seq_ptr, num_blocks, programs, heads, BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """(live blocks, splits per block): enough programs to fill the GPU, decided on the device."""
+    b = tl.arange(0, BLOCKS_POW2)
+    live = tl.sum((tl.load(block_seq_ptr + b, mask=b < num_blocks, other=-1) >= 0).to(tl.int32), 0)
+    return live, tl.minimum(MAX_SPLITS, tl.cdiv(programs, tl.maximum(live * heads, 1)))
+
+
+@triton.jit
+def _tile_range(ctx, qlen, row0, rows_here, window, splits, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    """For `rows_here` query rows from row0 on: (first key, aligned down to a tile; key end; splits these rows'
+    keys take; key tiles)."""
+    end = ctx - qlen + row0 + rows_here  # the last row's position + 1
+    lo = tl.maximum(ctx - qlen + row0 - window + 1, 0) // BLOCK_N * BLOCK_N
+    tiles = tl.cdiv(end - lo, BLOCK_N)
+    return lo, end, tl.maximum(tl.minimum(splits, tiles // MIN_SPLIT_TILES), 1), tiles
+
+
+@triton.jit
+def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_table_ptr, qstart_ptr, qlen_ptr,
+            ctx_ptr, block_seq_ptr, block_first_ptr, num_blocks, programs, stride_qt, stride_qh, stride_ot, stride_oh,
+            stride_ks, stride_kh, stride_table, scale_log2, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr,
+            MIN_SPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr):
+    item = tl.program_id(0)
+    head = tl.program_id(1)
+    heads = tl.num_programs(1)
+    live, splits = _split_plan(block_seq_ptr, num_blocks, programs, heads, BLOCKS_POW2, MAX_SPLITS)
+    block = item // splits
+    split = item % splits
+    if block >= live:
+        return
+    seq = tl.load(block_seq_ptr + block)
+    row0 = tl.load(block_first_ptr + block) + tl.program_id(2) * TILE_M
+    qlen = tl.load(qlen_ptr + seq)
+    if row0 >= qlen:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    rows_here = tl.minimum(qlen - row0, TILE_M)
+    lo, end, tile_splits, tiles = _tile_range(ctx, qlen, row0, rows_here, window, splits, BLOCK_N, MIN_SPLIT_TILES)
+    if split >= tile_splits:
+        return
+    chunk = tl.cdiv(tiles, tile_splits) * BLOCK_N
+    begin = lo + split * chunk
+    stop = tl.minimum(begin + chunk, end)
+    qstart = tl.load(qstart_ptr + seq)
+    table = tables_ptr + tl.load(seq_table_ptr + seq).to(tl.int64) * stride_table
+    i = row0 + tl.arange(0, TILE_M)
+    rows = i < qlen
+    qpos = ctx - qlen + i
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    q = tl.load(q_ptr + (qstart + i).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=rows[:, None] & dmask[None, :], other=0.0)
+    m = tl.full([TILE_M], float("-inf"), tl.float32)
+    l = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, BLOCK_D], tl.float32)
+    kv_offset = (head // GROUP) * stride_kh
+    # Tiles below `clear_from` hold keys older than the window for some row; from `diagonal` on, keys newer than the
+    # first row. Tiles in between are seen whole by every row.
+    qpos0 = ctx - qlen + row0
+    clear_from = lo + tl.cdiv(tl.maximum(end - window - lo, 0), BLOCK_N) * BLOCK_N
+    diagonal = lo + tl.maximum(tl.minimum(qpos0 + 1, end) - lo, 0) // BLOCK_N * BLOCK_N
+    u0 = tl.minimum(tl.maximum(clear_from, begin), stop)
+    u1 = tl.minimum(tl.maximum(diagonal, u0), stop)
+    acc, m, l = _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, begin, u0, stop, qpos, window, stride_ks,
+                           d, dmask, scale_log2, PAGE, BLOCK_N, True, PRECISION)
+    acc, m, l = _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, u0, u1, stop, qpos, window, stride_ks,
+                           d, dmask, scale_log2, PAGE, BLOCK_N, False, PRECISION)
+    acc, m, l = _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, u1, stop, stop, qpos, window, stride_ks,
+                           d, dmask, scale_log2, PAGE, BLOCK_N, True, PRECISION)
     out = acc / tl.maximum(l, 1e-30)[:, None]
-    o_offs = (qstart + i).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=rows[:, None] & dmask[None, :])
+    mask = rows[:, None] & dmask[None, :]
+    if tile_splits == 1:
+        o_offs = (qstart + i).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        r = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - tl.load(block_first_ptr + block)
+        tl.store(part_ptr + r[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
+        tl.store(lse_ptr + r, tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf")), mask=rows)
+
+
+@triton.jit
+def _extend_merge(out_ptr, part_ptr, lse_ptr, qstart_ptr, qlen_ptr, ctx_ptr, block_seq_ptr, block_first_ptr,
+                  num_blocks, programs, stride_ot, stride_oh, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_POW2: tl.constexpr,
+                  MAX_SPLITS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+    block = tl.program_id(0)
+    head = tl.program_id(1)
+    heads = tl.num_programs(1)
+    live, splits = _split_plan(block_seq_ptr, num_blocks, programs, heads, BLOCKS_POW2, MAX_SPLITS)
+    if (splits == 1) | (block >= live):
+        return
+    seq = tl.load(block_seq_ptr + block)
+    first = tl.load(block_first_ptr + block)
+    row0 = first + tl.program_id(2) * TILE_M
+    qlen = tl.load(qlen_ptr + seq)
+    if row0 >= qlen:
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    rows_here = tl.minimum(qlen - row0, TILE_M)
+    lo, end, tile_splits, tiles = _tile_range(ctx, qlen, row0, rows_here, window, splits, BLOCK_N, MIN_SPLIT_TILES)
+    if tile_splits == 1:
+        return
+    i = row0 + tl.arange(0, TILE_M)
+    rows = i < qlen
+    d = tl.arange(0, BLOCK_D)
+    mask = rows[:, None] & (d < HEAD_DIM)[None, :]
+    top = tl.full([TILE_M], -1e30, tl.float32)  # finite even when every split of a row is empty
+    for split in range(0, tile_splits):
+        r = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - first
+        top = tl.maximum(top, tl.load(lse_ptr + r, mask=rows, other=float("-inf")))
+    total = tl.zeros([TILE_M], tl.float32)
+    acc = tl.zeros([TILE_M, BLOCK_D], tl.float32)
+    for split in range(0, tile_splits):
+        r = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - first
+        weight = tl.exp2(tl.load(lse_ptr + r, mask=rows, other=float("-inf")) - top)
+        total += weight
+        acc += weight[:, None] * tl.load(part_ptr + r[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    o_offs = (tl.load(qstart_ptr + seq) + i).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def extend_blocks(lengths: list[int]) -> tuple[list[int], list[int]]:
@@ -83,25 +202,63 @@ def max_blocks(tokens: int, seqs: int) -> int:
     return -(-tokens // BLOCK_M) + seqs
 
 
+@lru_cache
+def target_programs(device: torch.device) -> int:
+    """Programs that keep every multiprocessor busy; under the CPU interpreter (tests) a small count."""
+    return 4 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+
+
+def tile_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(TILE_M, BLOCK_N, num_warps, num_stages): 128x64 tiles on eight warps for half types up to head_dim 128 (the
+    FlashAttention-2 shape on Hopper); smaller tiles where float32 or wide heads would spill registers."""
+    if device.type != "cuda":
+        return 64, 16, 4, 1
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    if head_dim > 128:
+        return 64, 64, 8, 2
+    return 128, 64, 8, 3
+
+
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                      page_tables: torch.Tensor, seq_table: torch.Tensor, query_start: torch.Tensor,
                      query_len: torch.Tensor, context_lens: torch.Tensor, block_seq: torch.Tensor,
-                     block_first: torch.Tensor, page_size: int, scale: float) -> None:
-    """Writes out[t] for each new token t of the listed sequences; q, out [T, H, D]; other rows are left alone."""
+                     block_first: torch.Tensor, page_size: int, scale: float, window: int = 0,
+                     programs: int | None = None, config: tuple[int, int, int, int] | None = None) -> None:
+    """Writes out[t] for each new token t of the listed sequences; q, out [T, H, D]; other rows are left alone.
+    window > 0: a query at position p sees keys p - window < k <= p (transformers' sliding window). `programs`
+    (how many the GPU wants busy) and `config` (tile_config's tuple) are for tests and benchmarks."""
     heads, head_dim = q.shape[1], q.shape[2]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
-    _extend[(block_seq.numel(), heads)](
-        q, k_cache, v_cache, out, page_tables, seq_table, query_start, query_len, context_lens, block_seq,
-        block_first, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        page_tables.stride(0), scale * LOG2E, GROUP=heads // k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), PAGE=page_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2)
+    if block_seq.numel() == 0:
+        return
+    tile_m, block_n, warps, stages = config or tile_config(q.dtype, head_dim, q.device)
+    programs = programs or target_programs(q.device)
+    num_blocks = block_seq.numel()
+    # With splits, live blocks * splits < 2 * programs / heads (see _split_plan); without, one item per block.
+    split_items = 2 * -(-programs // heads)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    part = torch.empty(split_items * heads * BLOCK_M * head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(split_items * heads * BLOCK_M, dtype=torch.float32, device=q.device)
+    common = dict(BLOCK_M=BLOCK_M, TILE_M=tile_m, BLOCK_N=block_n,
+                  BLOCKS_POW2=triton.next_power_of_2(max(num_blocks, 1)), MAX_SPLITS=MAX_SPLITS,
+                  MIN_SPLIT_TILES=MIN_SPLIT_TILES)
+    window = window if window > 0 else NO_WINDOW
+    _extend[(max(num_blocks, split_items), heads, BLOCK_M // tile_m)](
+        q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens, block_seq,
+        block_first, num_blocks, programs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window, GROUP=heads // k_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, PRECISION=dot_precision(q.dtype), num_warps=warps,
+        num_stages=stages, **common)
+    _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
+        out, part, lse, query_start, query_len, context_lens, block_seq, block_first, num_blocks, programs,
+        out.stride(0), out.stride(1), window, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **common)
 
 
 def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_tables: torch.Tensor, seq_table: torch.Tensor, query_start: torch.Tensor,
                                query_len: torch.Tensor, context_lens: torch.Tensor, page_size: int,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int = 0) -> torch.Tensor:
     """The same function in float32 torch; rows of no sequence come back as zeros."""
     heads = q.shape[1]
     group = heads // k_cache.shape[1]
@@ -115,7 +272,10 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         keys = k_cache[slots].float().repeat_interleave(group, dim=1)
         values = v_cache[slots].float().repeat_interleave(group, dim=1)
         query_pos = torch.arange(ctx - length, ctx, device=q.device)
+        hidden = pos[None, :] > query_pos[:, None]
+        if window > 0:
+            hidden |= pos[None, :] <= query_pos[:, None] - window
         scores = torch.einsum("qhd,thd->hqt", q[first:first + length].float(), keys) * scale
-        scores = scores.masked_fill(pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        scores = scores.masked_fill(hidden[None], float("-inf"))
         out[first:first + length] = torch.einsum("hqt,thd->qhd", torch.softmax(scores, dim=-1), values)
     return out.to(q.dtype)

@@ -1,6 +1,6 @@
 """Fused residual add + RMSNorm: one pass over each row instead of the eight kernels the torch expression takes.
 
-The rounding follows the torch reference (engine/model/llama.py): the sum rounds to the activations' dtype, the
+The rounding follows the torch reference (engine/model/norms.py): the sum rounds to the activations' dtype, the
 variance is taken in float32, the normalised row rounds before the weight multiplies it.
 """
 

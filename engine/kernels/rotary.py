@@ -2,7 +2,8 @@
 
 Reads the fused q/k/v projection output once; cos and sin come from a float32 table built once per model
 (`rope_table`), so the angles are the reference's. A token whose cache slot is negative (graph padding) writes
-nothing to the cache.
+nothing to the cache. Qwen3 and Gemma 3 normalise each query and key head (RMSNorm over head_dim) before the
+rotation: given their weights, the same pass does it, rounding where each family's torch norm rounds.
 """
 
 from __future__ import annotations
@@ -18,10 +19,33 @@ def rope_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
     return torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
 
 
+NORM_STYLES = {None: 0, "llama": 1, "gemma": 2}
+
+
 @triton.jit
-def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stride_qkv, stride_qt, stride_qh,
-                stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _head_norm(x1, x2, w_ptr, j, jm, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr,
+               dtype: tl.constexpr):
+    """RMSNorm of each head row (halves x1, x2 in float32). NORM 1 (Llama/Qwen3): the normalised row rounds before
+    the weight multiplies it; 2 (Gemma 3): times (1 + w) in float32, rounded once."""
+    if NORM == 0:
+        return x1, x2
+    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+    w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+    if NORM == 1:
+        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype)
+    else:
+        x1 = (x1 * rstd * (1.0 + w1)).to(dtype)
+        x2 = (x2 * rstd * (1.0 + w2)).to(dtype)
+    return x1.to(tl.float32), x2.to(tl.float32)
+
+
+@triton.jit
+def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, eps, stride_qkv,
+                stride_qt, stride_qh, stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -35,6 +59,7 @@ def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stri
     src = row + h[:, None] * HEAD_DIM + j[None, :]
     x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
+    x1, x2 = _head_norm(x1, x2, q_norm_ptr, j, jm, eps, HEAD_DIM, HALF, NORM, q_ptr.dtype.element_ty)
     dst = q_ptr + t * stride_qt + h[:, None] * stride_qh + j[None, :]
     tl.store(dst, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=hm)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=hm)
@@ -44,6 +69,7 @@ def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stri
     src = row + (HEADS + kh)[:, None] * HEAD_DIM + j[None, :]
     x1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
+    x1, x2 = _head_norm(x1, x2, k_norm_ptr, j, jm, eps, HEAD_DIM, HALF, NORM, k_ptr.dtype.element_ty)
     dst = k_ptr + slot * stride_ks + kh[:, None] * stride_kh + j[None, :]
     tl.store(dst, (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty), mask=km)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty), mask=km)
@@ -54,26 +80,37 @@ def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, stri
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, slot_mapping: torch.Tensor,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
-    """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D]; rotated k and v go to cache slot slot_mapping[t]."""
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
+                   norm_style: str = "llama") -> torch.Tensor:
+    """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D]; rotated k and v go to cache slot slot_mapping[t].
+    With q_norm and k_norm ([D] weights), each query and key head is RMS-normalised first: norm_style "llama"
+    (Qwen3) or "gemma" (Gemma 3's (1 + w))."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert k_cache.stride() == v_cache.stride() and qkv.stride(-1) == 1
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    _rope_store[(tokens,)](qkv, positions, table, slot_mapping, q, k_cache, v_cache, qkv.stride(0), q.stride(0),
-                           q.stride(1), k_cache.stride(0), k_cache.stride(1), HEADS=heads, KV_HEADS=kv_heads,
-                           HEAD_DIM=head_dim, HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(heads),
-                           BLOCK_KH=triton.next_power_of_2(kv_heads),
-                           BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=4)
+    assert (q_norm is None) == (k_norm is None)
+    norm = NORM_STYLES[norm_style if q_norm is not None else None]
+    _rope_store[(tokens,)](qkv, positions, table, slot_mapping, q, k_cache, v_cache,
+                           q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, norm_eps,
+                           qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+                           HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
+                           BLOCK_H=triton.next_power_of_2(heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
+                           BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, num_warps=4)
     return q
 
 
 def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
                              slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
-                             kv_heads: int) -> torch.Tensor:
+                             kv_heads: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                             norm_eps: float = 1e-6, norm_style: str = "llama") -> torch.Tensor:
     head_dim = k_cache.shape[-1]
     half = head_dim // 2
     q, k, v = qkv.view(qkv.shape[0], heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=1)
+    if q_norm is not None and k_norm is not None:
+        q = head_rms_norm_reference(q, q_norm, norm_eps, norm_style)
+        k = head_rms_norm_reference(k, k_norm, norm_eps, norm_style)
     rows = table[positions.long()]
     cos, sin = rows[:, None, :half], rows[:, None, half:]
 
@@ -85,3 +122,12 @@ def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, table: 
     k_cache[slot_mapping[keep].long()] = rotate(k)[keep]
     v_cache[slot_mapping[keep].long()] = v[keep]
     return rotate(q)
+
+
+def head_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, norm_style: str) -> torch.Tensor:
+    """RMSNorm over the last dimension as transformers' Qwen3RMSNorm ("llama") or Gemma3RMSNorm ("gemma")."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if norm_style == "gemma":
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)

@@ -8,7 +8,7 @@ graph) through to the attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import torch
@@ -110,8 +110,9 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
 
 
 def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
-                     scale: float) -> torch.Tensor:
-    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined."""
+                     scale: float, window: int | None = None) -> torch.Tensor:
+    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined.
+    With a window, a query sees its own key and the window - 1 before it (sliding-window layers)."""
     from engine.kernels.decode_attention import decode_attention, num_splits
     from engine.kernels.extend_attention import extend_attention
 
@@ -122,7 +123,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
         splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
         result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
-                                  meta.page_size, scale, splits)
+                                  meta.page_size, scale, splits, window=window or 0)
         if d.rows is None:
             out = result
         else:
@@ -130,7 +131,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if meta.extend is not None:
         e = meta.extend
         extend_attention(q, k_cache, v_cache, out, e.page_tables, e.seq_table, e.query_start, e.query_len,
-                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale)
+                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0)
     return out
 
 
@@ -149,6 +150,19 @@ class SequenceBatch:
     valid: torch.Tensor | None  # [S, L] False for padding; None when there is none
     slots: torch.Tensor  # [S, C] cache slot of each key; past a sequence's context, any slot (masked out)
     mask: torch.Tensor | None  # [S, 1, L, C]
+    query_pos: torch.Tensor  # [S, L] position of each query
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer with a sliding window (keys after p - window for the query at p), built once per
+        step and window, shared by every layer with that window."""
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            keys = torch.arange(self.slots.shape[1], device=self.slots.device)
+            near = (keys[None, None, :] > self.query_pos[:, :, None] - window)[:, None]
+            self._windowed[window] = near if self.mask is None else self.mask & near
+        return self._windowed[window]
 
 
 def decode_batch(meta: AttentionMetadata) -> SequenceBatch:
@@ -159,7 +173,7 @@ def decode_batch(meta: AttentionMetadata) -> SequenceBatch:
     mask = None
     if int(lens.min()) != width:
         mask = (torch.arange(width, device=lens.device) < lens.unsqueeze(1))[:, None, None, :]
-    return SequenceBatch(meta.decode_rows[:, None], None, slots, mask)
+    return SequenceBatch(meta.decode_rows[:, None], None, slots, mask, (lens - 1)[:, None])
 
 
 def prefill_batch(meta: AttentionMetadata) -> SequenceBatch:
@@ -178,15 +192,20 @@ def prefill_batch(meta: AttentionMetadata) -> SequenceBatch:
     rows = starts + torch.minimum(index, lengths - 1)
     query_pos = contexts - lengths + torch.minimum(index, lengths - 1)  # [S, L]
     mask = torch.arange(width, device=device)[None, None, :] <= query_pos[:, :, None]
-    return SequenceBatch(rows, None if bool(valid.all()) else valid, slots, mask[:, None])
+    return SequenceBatch(rows, None if bool(valid.all()) else valid, slots, mask[:, None], query_pos)
 
 
 class PagedAttention(torch.nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """A layer's attention over its cache. With a window W (sliding-window layers), the query at position p sees
+    the keys at p - W + 1 .. p, as transformers' sliding-window mask has it; the cache keeps older keys, which the
+    mask skips, so prefix reuse works unchanged."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, scale: float, window: int | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.scale = head_dim**-0.5
+        self.scale = scale
+        self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -218,7 +237,8 @@ class PagedAttention(torch.nn.Module):
         queries = (q if count == q.shape[0] else q[batch.rows[:, 0]]).view(count, kv_heads, -1, q.shape[-1])
         keys = k_cache[batch.slots].transpose(1, 2)
         values = v_cache[batch.slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask_for(self.window),
+                                             scale=self.scale)
         return out.reshape(count, 1, self.num_heads, q.shape[-1])
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -226,6 +246,7 @@ class PagedAttention(torch.nn.Module):
         """Returns [S, L, H, D]."""
         keys = k_cache[batch.slots].transpose(1, 2)
         values = v_cache[batch.slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(q[batch.rows].transpose(1, 2), keys, values, attn_mask=batch.mask,
-                                             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        out = F.scaled_dot_product_attention(q[batch.rows].transpose(1, 2), keys, values,
+                                             attn_mask=batch.mask_for(self.window), scale=self.scale,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)

@@ -1,4 +1,5 @@
-"""Build a model from a core directory: manifest checked, weights hashed and loaded without a random init."""
+"""Build a model from a core directory: manifest checked, weights hashed and loaded without a random init; the
+family (engine/model/config.py) comes from the manifest's architecture."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
-from engine.model.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
 from engine.model.quant import dequantize_all, is_quantized, quantize_linears, quantized_view
 from engine.model.sharding import Shard, read_weights
 from engine.parallel.group import TensorParallel
@@ -22,20 +24,20 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
                verify: bool = True, tp: TensorParallel | None = None,
-               dequantized: bool = False) -> tuple[Manifest, LlamaForCausalLM]:
+               dequantized: bool = False) -> tuple[Manifest, CausalLM]:
     """On CUDA the model runs the kernel path (Triton, fused projections); elsewhere the torch reference.
     A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
     they are dequantized to `dtype` at load."""
     manifest = load_manifest(core, verify=verify)
     if manifest.quantization and tp and tp.world_size > 1:
         raise CoreError(f"{core}: a quantized core runs on one rank; export it with --quant none for --tp")
-    config = LlamaConfig.from_hf(manifest.config)
+    config = DecoderConfig.from_hf(manifest.architecture, manifest.config, str(core / "manifest.json"))
     shard = Shard.of(config, tp.rank, tp.world_size) if tp else None  # with a group, only this rank's part
     if shard:
         config = shard.local_config(config)
     dtype = dtype or DTYPES[manifest.dtype]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = CausalLM(config, tp)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(core, manifest):
         state.update(read_weights(file, device, shard))
@@ -54,7 +56,7 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
             model.lm_head = tied_head
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config).to(device)
+    model.set_rope(device)
     if device.type == "cuda":
         model.use_kernels(manifest.context_limit)
     return manifest, model.eval()

@@ -11,6 +11,12 @@ Heads are split by KV group, so that every query head sits on the rank of its KV
 - R > KV heads: each KV head is replicated on R / KV ranks, which split its group's query heads; this needs R to be
   a multiple of the KV heads and to divide the query heads.
 MLP columns and vocabulary rows split into balanced contiguous runs for any R.
+
+Mixture-of-experts layers split every expert by its MLP columns, like the dense MLP: rank r holds rows of each
+expert's w13 (its run of gate rows and the same run of up rows) and the matching columns of w2; the router is
+replicated. Every rank then does the same share of the work whatever the routing picks, and the layer ends in the
+dense MLP's one all-reduce. Splitting by expert instead would leave a rank idle, or the bottleneck, whenever the
+routing is uneven (and at batch 1 most ranks would hold none of the k experts chosen).
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from safetensors import safe_open
 from common.errors import CoreError
 
 if TYPE_CHECKING:
-    from engine.model.llama import LlamaConfig
+    from engine.model.config import DecoderConfig
 
 
 def balanced(n: int, parts: int, index: int) -> range:
@@ -48,6 +54,7 @@ SPLITS = {
     "o_proj.weight": (1, "heads"),
     "gate_proj.weight": (0, "intermediate"), "up_proj.weight": (0, "intermediate"),
     "down_proj.weight": (1, "intermediate"),
+    "mlp.w13": (1, "expert_columns"), "mlp.w2": (2, "expert_columns"),
     "embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab"),
 }
 
@@ -61,9 +68,11 @@ class Shard:
     intermediate: range  # MLP columns
     vocab: range
     head_dim: int
+    expert_columns: range = range(0)  # each expert's MLP columns (mixture-of-experts layers)
+    expert_size: int = 0  # an expert's MLP columns in all
 
     @classmethod
-    def of(cls, config: LlamaConfig, rank: int, world_size: int) -> Shard:
+    def of(cls, config: DecoderConfig, rank: int, world_size: int) -> Shard:
         heads, kv = config.num_heads, config.num_kv_heads
         group = heads // kv
         if world_size <= kv:
@@ -77,13 +86,23 @@ class Shard:
             raise CoreError(f"tensor parallelism over {world_size} ranks does not fit this model's {heads} attention "
                             f"heads and {kv} KV heads; supported world sizes: {sizes}")
         return cls(rank, world_size, own, kv_heads, balanced(config.intermediate_size, world_size, rank),
-                   balanced(config.vocab_size, world_size, rank), config.head_dim)
+                   balanced(config.vocab_size, world_size, rank), config.head_dim,
+                   balanced(config.moe_intermediate_size, world_size, rank), config.moe_intermediate_size)
 
-    def local_config(self, config: LlamaConfig) -> LlamaConfig:
+    def local_config(self, config: DecoderConfig) -> DecoderConfig:
         """The config of this rank's part: its heads, KV heads and MLP columns; the vocabulary stays whole, since
         logits are gathered before sampling."""
         return replace(config, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
-                       intermediate_size=len(self.intermediate))
+                       intermediate_size=len(self.intermediate), moe_intermediate_size=len(self.expert_columns))
+
+    def read(self, part, dim: int, by: str) -> torch.Tensor:  # noqa: ANN001 (safetensors' slice has no public type)
+        """This rank's slice of one weight: `part` is safetensors' lazy slice, read from disk only where indexed."""
+        if by == "expert_columns" and dim == 1:  # w13: the gate rows, then the same run of up rows
+            own = self.span(by)
+            up = slice(own.start + self.expert_size, own.stop + self.expert_size)
+            return torch.cat([part[:, own], part[:, up]], dim=1)
+        index = (slice(None),) * dim + (self.span(by),)
+        return part[index]
 
     def span(self, by: str) -> slice:
         """The rows (or columns) of a weight split `by` heads, KV heads, MLP columns or vocabulary."""
@@ -101,7 +120,5 @@ def read_weights(path: Path, device: torch.device, shard: Shard | None) -> dict[
             if shard is None or split is None:
                 state[name] = file.get_tensor(name)
                 continue
-            dim, by = split
-            part = file.get_slice(name)
-            state[name] = part[shard.span(by)] if dim == 0 else part[:, shard.span(by)]
+            state[name] = shard.read(file.get_slice(name), *split)
     return state

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache
 from engine.cache.page_allocator import PageAllocator
-from engine.cache.prefix_history import PrefixHistory
+from common.prefix_history import PrefixHistory
 from engine.scheduler.request import Request
 
 @dataclass(frozen=True)

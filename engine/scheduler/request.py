@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
-from engine.cache.prefix_history import PrefixHistory
+from common.prefix_history import PrefixHistory
 
 
 class Phase(enum.Enum):

@@ -1,0 +1,191 @@
+"""Fused mixture-of-experts MLP: top-k routing, tokens grouped by expert, two grouped GEMMs (DESIGN.md, Model and
+kernels).
+
+Experts of one layer are stored as `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`, so the kernels
+read them in place. A (token, k) pair is one row of work: `align_by_expert` sorts the pairs by expert and pads each
+expert's run to a multiple of BLOCK_M, so that every BLOCK_M rows of the sorted list belong to one expert. It runs on
+the device with no host sync and buffers sized by T alone, so a graph captured at a fixed T replays any routing.
+The first GEMM multiplies each block by its expert's w13 and applies SiLU(gate) * up; the second multiplies by w2
+and the pair's routing weight; the K rows of a token are then summed. Rounding follows the reference: each product
+rounds to the activations' dtype where the torch expression rounds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.kernels.decode_attention import dot_precision
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # rows (token, k pairs) per block; the alignment unit of align_by_expert
+    block_n: int
+    block_k: int
+    group_m: int  # row blocks that share a column sweep, so their expert's weight tiles stay in L2
+    num_warps: int
+    num_stages: int
+
+
+def moe_config(pairs: int, num_experts: int) -> MoeConfig:
+    """Small blocks when experts see a token or two (decode: the weights' bandwidth is all), larger ones when each
+    expert gets many rows (prefill: the tensor cores)."""
+    if pairs <= num_experts:
+        return MoeConfig(16, 64, 128, 1, 4, 3)
+    if pairs <= 8 * num_experts:
+        return MoeConfig(32, 64, 64, 4, 4, 3)
+    return MoeConfig(64, 128, 64, 8, 8, 3)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int32): softmax in float32, the top k, and
+    with `renormalize` the k weights scaled to sum to one (transformers' Mixtral; Qwen3-MoE's norm_topk_prob)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pairs (index t*K + k) sorted by expert, each expert's run padded to a multiple of block_m with the index
+    T*K (no pair); the expert of each block of block_m rows; and the padded total [1]. Blocks past the total are
+    listed (the buffer is sized for the worst case) and the kernels skip them."""
+    flat = topk_ids.flatten()
+    pairs = flat.numel()
+    # Each expert that has pairs wastes at most block_m - 1 rows, and at most `pairs` experts have any.
+    capacity = min(pairs + num_experts * (block_m - 1), pairs * block_m)
+    capacity = -(-capacity // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    experts, order = torch.sort(flat, stable=True)
+    experts = experts.long()
+    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    sorted_pairs[(ends - padded)[experts] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=flat.device)
+    block_expert = torch.searchsorted(ends, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _block_coords(num_blocks_m, num_n, GROUP_M: tl.constexpr):
+    """This program's (row block, column block), walking GROUP_M row blocks down each column sweep."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
+
+
+@triton.jit
+def _gate_up(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m, hidden, inter,
+             stride_xt, stride_we, stride_wn, stride_ht, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, pid_n = _block_coords(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = pair < num_pairs
+    token = (pair // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + k[None, :]
+    gate_ptrs = w_ptr + expert * stride_we + (n % inter)[None, :] * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        kmask = k < hidden - start
+        a = tl.load(x_ptrs, mask=live[:, None] & kmask[None, :], other=0.0)
+        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=kmask[:, None], other=0.0), acc_gate,
+                          input_precision=PRECISION)
+        acc_up = tl.dot(a, tl.load(up_ptrs, mask=kmask[:, None], other=0.0), acc_up, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    h = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_ht + n[None, :], h, mask=live[:, None] & (n < inter)[None, :])
+
+
+@triton.jit
+def _down(h_ptr, w_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m, inter,
+          hidden, stride_ht, stride_we, stride_wn, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m, pid_n = _block_coords(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = pair < num_pairs
+    pair = pair.to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    h_ptrs = h_ptr + pair[:, None] * stride_ht + k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + (n % hidden)[None, :] * stride_wn + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, inter, BLOCK_K):
+        kmask = k < inter - start
+        a = tl.load(h_ptrs, mask=live[:, None] & kmask[None, :], other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=kmask[:, None], other=0.0), acc, input_precision=PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
+    y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(y_ptr + pair[:, None] * stride_yt + n[None, :], y, mask=live[:, None] & (n < hidden)[None, :])
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K] int32 -> [T, H]."""
+    tokens, hidden = x.shape
+    experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    assert w13.shape == (experts, 2 * inter, hidden) and w2.shape == (experts, hidden, inter)
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
+    pairs = tokens * top_k
+    if pairs == 0:
+        return torch.zeros_like(x)
+    c = config or moe_config(pairs, experts)
+    sorted_pairs, block_expert, total = align_by_expert(topk_ids, experts, c.block_m)
+    blocks_m = block_expert.numel()
+    precision = dot_precision(x.dtype)
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up[(blocks_m * triton.cdiv(inter, c.block_n),)](
+        x, w13, h, sorted_pairs, block_expert, total, pairs, blocks_m, hidden, inter, x.stride(0), w13.stride(0),
+        w13.stride(1), h.stride(0), TOP_K=top_k, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.float().contiguous()
+    _down[(blocks_m * triton.cdiv(hidden, c.block_n),)](
+        h, w2, y, weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden, h.stride(0),
+        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
+    return y.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same function in torch, expert by expert as transformers computes it: SiLU(gate) * up, the down
+    projection, times the routing weight (in float32, rounded once), added into the token's row."""
+    inter = w2.shape[2]
+    out = torch.zeros_like(x)
+    for expert in topk_ids.unique().tolist():
+        token, slot = torch.where(topk_ids == expert)
+        gate, up = F.linear(x[token], w13[expert]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, token, (y.float() * topk_weights[token, slot, None].float()).to(x.dtype))
+    return out

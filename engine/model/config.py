@@ -1,0 +1,149 @@
+"""What a decoder model is, per family: one `DecoderConfig` of features, read from the core's config (the Hugging
+Face config.json as `ignition export` wrote it). See DESIGN.md, Model and kernels.
+
+A family is a set of features here plus, at most, a module for the layers only it has (engine/model/moe.py):
+- llama: the base (Llama 2/3, SmolLM2, Mistral without a sliding window).
+- qwen2: bias on q/k/v; optional sliding-window layers.
+- qwen3: per-head RMSNorm on q and k; optional sliding-window layers.
+- qwen3_moe, mixtral: qwen3's / llama's attention, sparse mixture-of-experts MLP.
+- gemma3_text: (1 + w) RMSNorm, norms before and after attention and MLP, embeddings scaled by sqrt(hidden), GeLU-tanh
+  MLP, attention scale from query_pre_attn_scalar, q/k norm, interleaved sliding-window and global layers with their
+  own rope bases.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from common.errors import CoreError
+from common.manifest import SUPPORTED_ARCHITECTURES as FAMILIES
+
+
+@dataclass(frozen=True)
+class Rope:
+    theta: float
+    scaling: tuple[tuple[str, object], ...] = ()  # the rope_parameters beyond theta and type, sorted
+    kind: str = "default"  # "default" | "linear" | "llama3"
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaling = dict(self.scaling)
+        if self.kind == "linear":
+            return inv_freq / scaling["factor"]
+        if self.kind == "llama3":
+            # Llama 3.1: low frequencies stretched by `factor`, high ones kept, a smooth blend between.
+            factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+            original = scaling["original_max_position_embeddings"]
+            wavelen = 2 * math.pi / inv_freq
+            smooth = (original / wavelen - low) / (high - low)
+            blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+            inv_freq = torch.where(wavelen > original / low, inv_freq / factor,
+                                   torch.where(wavelen < original / high, inv_freq, blended))
+        return inv_freq
+
+
+ROPE_KINDS = ("default", "linear", "llama3")
+
+
+def rope_of(params: dict, where: str) -> Rope:
+    """A rope from transformers' rope_parameters (or the older rope_theta + rope_scaling); an unknown type is an
+    error naming it."""
+    kind = str(params.get("rope_type", params.get("type", "default")))
+    if kind not in ROPE_KINDS:
+        raise CoreError(f"{where}: unsupported rope scaling {kind!r} (Flare implements {', '.join(ROPE_KINDS)})")
+    extra = tuple(sorted((k, v) for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")))
+    return Rope(float(params.get("rope_theta") or 10000.0), extra if kind != "default" else (), kind)
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    ropes: tuple[Rope, ...]  # the distinct ropes; layer i uses ropes[layer_rope[i]]
+    layer_rope: tuple[int, ...]
+    layer_window: tuple[int | None, ...]  # a layer's query sees this many keys (itself included); None: all
+    qkv_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k, before rope
+    gemma_norms: bool = False  # (1 + w) RMSNorm, and norms after attention and MLP too
+    embed_scale: float = 1.0
+    hidden_act: str = "silu"  # "silu" | "gelu_tanh"
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    # Mixture of experts (num_experts 0: every MLP dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
+    layer_moe: tuple[bool, ...] = ()
+
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim ** -0.5
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.layer_moe) and self.layer_moe[layer]
+
+    @classmethod
+    def from_hf(cls, family: str, config: dict, where: str = "config") -> DecoderConfig:
+        if family not in FAMILIES:
+            raise CoreError(f"{where}: unsupported architecture {family!r} (Flare serves {', '.join(FAMILIES)})")
+        heads = int(config["num_attention_heads"])
+        layers = int(config["num_hidden_layers"])
+        hidden = int(config["hidden_size"])
+        base = dict(
+            vocab_size=int(config["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)))
+        types = list(config.get("layer_types") or ["full_attention"] * layers)
+        window = config.get("sliding_window")
+        if family in ("mixtral", "qwen3_moe") and window:  # their window, when set, is on every layer
+            types = ["sliding_attention"] * layers
+        base["layer_window"] = tuple(int(window) if t == "sliding_attention" else None for t in types)
+        ropes = _ropes(config, types, where)
+        distinct = tuple(dict.fromkeys(ropes))
+        base.update(ropes=distinct, layer_rope=tuple(distinct.index(r) for r in ropes))
+        if family == "qwen2":
+            base["qkv_bias"] = True
+        if family in ("qwen3", "qwen3_moe"):
+            base.update(qk_norm=True, qkv_bias=bool(config.get("attention_bias", False)))
+        if family == "llama":
+            base["qkv_bias"] = bool(config.get("attention_bias", False))
+        if family == "gemma3_text":
+            base.update(qk_norm=True, gemma_norms=True, embed_scale=hidden ** 0.5, hidden_act="gelu_tanh",
+                        query_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
+                        qkv_bias=bool(config.get("attention_bias", False)))
+        if family == "qwen3_moe":
+            dense = set(config.get("mlp_only_layers") or [])
+            step = int(config.get("decoder_sparse_step", 1))
+            base.update(num_experts=int(config.get("num_experts") or config["num_local_experts"]), moe_intermediate_size=int(config["moe_intermediate_size"]),
+                        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+                        layer_moe=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+        if family == "mixtral":
+            base.update(num_experts=int(config["num_local_experts"]), moe_intermediate_size=base["intermediate_size"],
+                        norm_topk_prob=True, layer_moe=(True,) * layers)
+        if base.get("num_experts"):
+            base["num_experts_per_tok"] = int(config["num_experts_per_tok"])
+        return cls(**base)
+
+
+def _ropes(config: dict, types: list[str], where: str) -> list[Rope]:
+    """Each layer's rope. transformers 5 keeps rope_parameters, per layer type where the types differ (Gemma 3);
+    Llama cores also carry the flat rope_theta and rope_scaling of transformers 4."""
+    params = config.get("rope_parameters") or {}
+    if all(isinstance(params.get(t), dict) for t in set(types)) and params:
+        return [rope_of(params[t], where) for t in types]
+    flat = {"rope_theta": config.get("rope_theta") or params.get("rope_theta") or 10000.0,
+            **(config.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"})}
+    return [rope_of(flat, where)] * len(types)

@@ -1,0 +1,232 @@
+"""The decoder-only transformer every family shares (Llama, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 3), over a paged KV
+cache, with Hugging Face weight names. What differs between families is a `DecoderConfig` (engine/model/config.py)
+plus the mixture-of-experts MLP (engine/model/moe.py) and Gemma's norm (engine/model/norms.py).
+
+Two paths compute the same function: plain torch (the reference, and the CPU's), and the kernel path
+(`use_kernels`: fused q/k/v and gate/up projections, Triton attention, RMSNorm, rotary, SiLU-and-mul and fused MoE),
+which is the GPU's and the one CUDA graphs capture: nothing on it waits for the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.attention import AttentionMetadata, KernelMetadata, PagedAttention, kernel_attention
+from engine.model.config import DecoderConfig
+from engine.model.moe import SparseMoE
+from engine.model.norms import GemmaRMSNorm, rms_norm
+from engine.parallel import layers as parallel
+from engine.parallel.group import TensorParallel
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, the first half of each head against the second: x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = [-x2, x1] is written as [x2, x1] * [-sin1, sin2] (the same values, bit for bit, in fewer
+    operators: a decode step runs this twice per layer)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DecoderConfig, layer: int, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.c = c
+        self.rope = c.layer_rope[layer]
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = parallel.row_linear(c.num_heads * c.head_dim, c.hidden_size, False, tp)
+        if c.qk_norm:
+            self.q_norm = rms_norm(c.gemma_norms, c.head_dim, c.rms_norm_eps)
+            self.k_norm = rms_norm(c.gemma_norms, c.head_dim, c.rms_norm_eps)
+        self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.attention_scale, c.layer_window[layer])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`sin` carries the sign of rotate_half: [-sin, sin] over the two halves of a head (see `rotate`)."""
+        c = self.c
+        q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = self.attn(q, k, v, k_cache, v_cache, meta)
+        return self.o_proj(out.flatten(1))
+
+    def fuse(self) -> None:
+        """One [q; k; v] weight, with the three projections left as views of it (the weight names stay)."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.c.qkv_bias \
+            else None
+
+    def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+        from engine.kernels.rotary import rope_and_store
+
+        c = self.c
+        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        norms = {}
+        if c.qk_norm:  # the kernel normalises each q and k head before rotating, rounding as the family does
+            norms = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, norm_eps=c.rms_norm_eps,
+                         norm_style="gemma" if c.gemma_norms else "llama")
+        q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
+                           **norms)
+        out = kernel_attention(q, k_cache, v_cache, meta, self.attn.scale, self.attn.window)
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = parallel.row_linear(c.intermediate_size, c.hidden_size, False, tp)
+        self.gelu = c.hidden_act == "gelu_tanh"
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(gate, approximate="tanh") if self.gelu else nn.functional.silu(gate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+    def fuse(self) -> None:
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.activation import silu_and_mul
+
+        gate_up = nn.functional.linear(x, self.gate_up_weight)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
+        return self.down_proj(silu_and_mul(gate_up))
+
+
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate the weights along the output dimension and re-point each layer at its slice, so the fused
+    weight costs no extra memory and one matrix product replaces several."""
+    fused = torch.cat([linear.weight for linear in linears])
+    first = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[first:first + rows], requires_grad=False)
+        first += rows
+    return fused
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: DecoderConfig, layer: int, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.self_attn = Attention(c, layer, tp)
+        self.mlp = SparseMoE(c, tp) if c.is_moe(layer) else MLP(c, tp)
+        self.input_layernorm = rms_norm(c.gemma_norms, c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(c.gemma_norms, c.hidden_size, c.rms_norm_eps)
+        # Gemma normalises each branch's output too: post_attention_layernorm is then the attention's output norm,
+        # and the MLP has its own pair.
+        self.sandwich = c.gemma_norms
+        if c.gemma_norms:
+            self.pre_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
+            self.post_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def mlp_norm(self) -> nn.Module:
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+
+class Backbone(nn.Module):
+    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = parallel.embedding(c.vocab_size, c.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, tp) for i in range(c.num_layers))
+        self.norm = rms_norm(c.gemma_norms, c.hidden_size, c.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None) -> None:
+        """With a tensor-parallel group, `c` is this rank's part of the model (engine/model/sharding.py)."""
+        super().__init__()
+        self.config = c
+        self.model = Backbone(c, tp)
+        self.lm_head = parallel.lm_head(c.hidden_size, c.vocab_size, tp)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.set_rope()
+        self.kernels = False
+
+    def set_rope(self, device: torch.device | None = None) -> None:
+        """The inverse frequencies of each distinct rope (Gemma 3's local and global layers have their own)."""
+        for i, rope in enumerate(self.config.ropes):
+            self.register_buffer(f"inv_freq{i}", rope.inv_freq(self.config.head_dim).to(device), persistent=False)
+
+    @property
+    def inv_freqs(self) -> list[torch.Tensor]:
+        return [getattr(self, f"inv_freq{i}") for i in range(len(self.config.ropes))]
+
+    def use_kernels(self, max_positions: int) -> None:
+        """Switch to the kernel path (the GPU's; the CPU runs it only under TRITON_INTERPRET, in tests)."""
+        from engine.kernels.rotary import rope_table
+
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse()
+        for module in self.modules():
+            if isinstance(module, GemmaRMSNorm):
+                module.fold()
+        self.rope_tables = [rope_table(inv_freq, max_positions) for inv_freq in self.inv_freqs]
+        self.kernels = True
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as transformers does
+            x = x * float(torch.tensor(self.config.embed_scale, dtype=x.dtype))
+        return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata | KernelMetadata) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [layers, 2, slots, KVH, D]; returns final hidden states [T, E]."""
+        if self.kernels:
+            return self._forward_kernels(input_ids, positions, kv_cache,
+                                         meta.kernel if isinstance(meta, AttentionMetadata) else meta)
+        dtype = self.model.embed_tokens.weight.dtype
+        rotations = []
+        for inv_freq in self.inv_freqs:
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+            cos, sin = freqs.cos(), freqs.sin()
+            rotations.append((torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
+                              torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]))  # signed for `rotate`
+        x = self.embed(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_cache):  # two operators a layer fewer than [i, 0]
+            cos, sin = rotations[layer.self_attn.rope]
+            x = layer(x, cos, sin, k_cache, v_cache, meta)
+        return self.model.norm(x)
+
+    def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                         meta: KernelMetadata) -> torch.Tensor:
+        from engine.kernels.rmsnorm import add_rms_norm
+
+        eps = self.config.rms_norm_eps
+        x, residual = self.embed(input_ids), None
+        for i, layer in enumerate(self.model.layers):
+            h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps)
+            attn = layer.self_attn
+            x = attn.forward_kernels(h, positions, self.rope_tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+            if layer.sandwich:
+                x = add_rms_norm(x, None, layer.post_attention_layernorm.kernel_weight(), eps)[0]
+            h, residual = add_rms_norm(x, residual, layer.mlp_norm().kernel_weight(), eps)
+            x = layer.mlp.forward_kernels(h)
+            if layer.sandwich:
+                x = add_rms_norm(x, None, layer.post_feedforward_layernorm.kernel_weight(), eps)[0]
+        return add_rms_norm(x, residual, self.model.norm.kernel_weight(), eps)[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

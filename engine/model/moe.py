@@ -1,0 +1,60 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks the top k of E experts per token.
+
+Expert weights are stacked per layer, the layout the fused kernel reads in place (engine/kernels/fused_moe.py):
+`w13 [E, 2I, H]` (each expert's gate_proj rows, then its up_proj rows) and `w2 [E, H, I]`; the router is `[E, H]`.
+Routing is transformers': softmax of the router logits in float32, top k, renormalised to sum to one when the family
+says (`norm_topk_prob`; Mixtral always).
+
+Tensor parallelism splits every expert by its MLP columns (w13 rows, w2 columns), as the dense MLP is split: each rank
+holds a slice of every expert, so the work stays balanced whatever the routing, and the layer ends in the same one
+all-reduce (engine/model/sharding.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.config import DecoderConfig
+from engine.parallel.group import TensorParallel
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.top_k = c.num_experts_per_tok
+        self.norm_topk_prob = c.norm_topk_prob
+        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)  # the router
+        inter = c.moe_intermediate_size
+        self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * inter, c.hidden_size))
+        self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, inter))
+        self.tp = tp
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, K] float32, expert ids [T, K] int32). No host sync: graphs capture it."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids.to(torch.int32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference: each expert that some token chose runs on its tokens; results are summed per token."""
+        weights, ids = self.route(x)
+        weights = weights.to(x.dtype)  # transformers rounds the routing weights to the activations' dtype
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            token, slot = torch.where(ids == expert)
+            gate, up = nn.functional.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return self._reduce(out)
+
+    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.fused_moe import fused_moe
+
+        weights, ids = self.route(x)
+        return self._reduce(fused_moe(x, self.w13, self.w2, weights, ids))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial if self.tp is None else self.tp.all_reduce(partial)

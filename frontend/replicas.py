@@ -1,0 +1,192 @@
+"""Replicas: a connection to every engine group, and the choice of one for each request (DESIGN.md, Processes).
+
+Each replica announces its prefix cache on its telemetry socket (block keys stored and evicted, the whole set when a
+subscriber arrives); this frontend keeps an approximate index per replica from those announcements, plus the prompts
+it routed there itself (their blocks will be cached there before the next announcement comes). Nothing else is shared
+between frontends.
+
+The rule (`--routing prefix`, the default), among replicas that are connected and not draining:
+1. load = the replica's requests, live and queued (its latest telemetry), or this frontend's own requests on it when
+   that is more (telemetry lags by up to half a second).
+2. Balance first: when the most loaded replica carries more than `IMBALANCE_ABS` requests more than the least, and
+   more than `IMBALANCE_REL` times as many, the request goes to the least loaded.
+3. Otherwise, cache: the request goes to the replica whose index holds the longest run of the prompt's leading
+   blocks, if that run is at least one block; among equal runs, the least loaded.
+4. Otherwise (no block cached anywhere), the least loaded.
+Ties go to the replica that caches fewer blocks (every frontend sees the same announcements, so frontends spread new
+prefixes alike), then rotate. A replica found unreachable when sending is skipped and the next choice is taken.
+`--routing round-robin` rotates over the available replicas regardless, to measure what the rule is worth.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from common import protocol as wire
+from common.errors import EngineUnavailable
+from common.prefix_history import PrefixHistory
+from frontend.engine_client import EngineClient, Update
+
+log = logging.getLogger("flare.frontend")
+
+IMBALANCE_ABS = 16  # requests
+IMBALANCE_REL = 1.5
+INDEX_LIMIT = 1 << 20  # keys per replica; past it the index starts over from the next full announcement
+ROUTINGS = ("prefix", "round-robin")
+
+
+@dataclass(eq=False)
+class Replica:
+    index: int
+    client: EngineClient
+    keys: set[bytes] = field(default_factory=set)  # block keys it is believed to cache
+    telemetry: wire.Telemetry | None = None
+    routed: int = 0  # requests this frontend sent it
+
+    @property
+    def available(self) -> bool:
+        return self.client.connected and not self.client.draining
+
+    def load(self) -> int:
+        gauges = self.telemetry.gauges if self.telemetry is not None else {}
+        engine = int(gauges.get("live_requests", 0) + gauges.get("pending_requests", 0))
+        return max(engine, self.client.in_flight)
+
+    def cached_run(self, keys: list[bytes]) -> int:
+        """Leading blocks of the prompt that this replica caches."""
+        return next((i for i, key in enumerate(keys) if key not in self.keys), len(keys))
+
+    def announce(self, events: wire.CacheEvents) -> None:
+        if events.full or len(self.keys) > INDEX_LIMIT:
+            self.keys = set(events.stored)
+        else:
+            self.keys.update(events.stored)
+        self.keys.difference_update(events.evicted)
+
+
+class Replicas:
+    """The engine side of a frontend: submit, abort and release as one EngineClient offers them, over N engines."""
+
+    def __init__(self, addresses: list[str], routing: str = "prefix") -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+        first = EngineClient(addresses[0])
+        clients = [first] + [EngineClient(a, first.frontend_id) for a in addresses[1:]]
+        self.replicas = [Replica(i, c) for i, c in enumerate(clients)]
+        self.routing = routing
+        self.frontend_id = first.frontend_id
+        self._owner: dict[str, Replica] = {}
+        self._turn = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self, timeout: float = 600.0) -> wire.Welcome:
+        """Connect to every replica; ready once one has answered (the others join when they do)."""
+        for replica in self.replicas:
+            replica.client.connect()
+            self._tasks.append(asyncio.create_task(self._follow(replica)))
+        waits = [asyncio.create_task(r.client.welcomed()) for r in self.replicas]
+        done, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        for wait in pending:
+            wait.cancel()
+        if not done:
+            raise TimeoutError
+        return next(iter(done)).result()
+
+    @property
+    def welcome(self) -> wire.Welcome | None:
+        return next((r.client.welcome for r in self.replicas if r.client.welcome is not None), None)
+
+    @property
+    def connected(self) -> bool:
+        return any(r.client.connected for r in self.replicas)
+
+    @property
+    def draining(self) -> bool:
+        return all(r.client.draining for r in self.replicas if r.client.connected)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for replica in self.replicas:
+            await replica.client.close()
+
+    async def submit(self, submit: wire.Submit) -> asyncio.Queue[Update]:
+        """Route and send; a replica found unreachable on sending is skipped for the next choice."""
+        tried: set[Replica] = set()
+        while True:
+            replica = self.choose(submit.prompt, tried)
+            try:
+                queue = await replica.client.submit(submit)
+            except EngineUnavailable:
+                tried.add(replica)
+                continue
+            replica.routed += 1
+            self._owner[submit.request_id] = replica
+            return queue
+
+    def abort(self, request_id: str) -> None:
+        if (replica := self._owner.pop(request_id, None)) is not None:
+            replica.client.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        if (replica := self._owner.pop(request_id, None)) is not None:
+            replica.client.release(request_id)
+
+    def choose(self, prompt: list[int], exclude: set[Replica] = frozenset()) -> Replica:
+        available = [r for r in self.replicas if r.available and r not in exclude]
+        if not available:
+            if any(r.client.connected and r not in exclude for r in self.replicas):
+                raise EngineUnavailable("the engine is draining and admits no new requests")
+            raise EngineUnavailable("the engine is unreachable")
+        turn = next(self._turn)
+        if self.routing == "round-robin" or len(available) == 1:
+            return available[turn % len(available)]
+        loads = {r: r.load() for r in available}
+        least = min(loads.values())
+        # Ties go to the replica that caches less (announcements reach every frontend, so frontends spread new
+        # prefixes alike), then rotate.
+        by_load = sorted(available, key=lambda r: (loads[r], len(r.keys), (r.index - turn) % len(available)))
+        if max(loads.values()) - least > IMBALANCE_ABS and max(loads.values()) > IMBALANCE_REL * max(least, 1):
+            return by_load[0]
+        keys = self._keys(prompt, available)
+        runs = {r: r.cached_run(keys) for r in available} if keys else {}
+        best = max(runs.values(), default=0)
+        chosen = next(r for r in by_load if runs.get(r, 0) == best) if best > 0 else by_load[0]
+        chosen.keys.update(keys)  # it will cache these blocks: the next turn of this conversation follows
+        return chosen
+
+    @staticmethod
+    def _keys(prompt: list[int], available: list[Replica]) -> list[bytes]:
+        welcome = next((r.client.welcome for r in available if r.client.welcome and r.client.welcome.cache_identity),
+                       None)
+        if welcome is None or len(prompt) < welcome.page_size:
+            return []
+        return PrefixHistory(welcome.cache_identity, welcome.page_size, prompt).block_keys
+
+    async def _follow(self, replica: Replica) -> None:
+        """The replica's telemetry: its load for routing and /metrics, and its cache announcements."""
+        welcome = await replica.client.welcomed()
+        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SUBSCRIBE, wire.TELEMETRY_METRICS_TOPIC)
+        socket.setsockopt(zmq.SUBSCRIBE, wire.TELEMETRY_CACHE_TOPIC)
+        socket.connect(welcome.telemetry_address)
+        try:
+            while True:
+                topic, data = await socket.recv_multipart()
+                try:
+                    if topic == wire.TELEMETRY_METRICS_TOPIC:
+                        replica.telemetry = wire.decode_telemetry(data)
+                    elif topic == wire.TELEMETRY_CACHE_TOPIC:
+                        replica.announce(wire.decode_cache_events(data))
+                except Exception as exc:  # a broken announcement must not stop routing
+                    log.warning("undecodable telemetry from replica %d: %s", replica.index, exc)
+        finally:
+            socket.close()

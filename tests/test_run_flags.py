@@ -1,0 +1,39 @@
+"""`flare run`'s engine flags reach every rank, and the engine refuses nonsense before it loads anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.cli import main as flare_main
+from common.ranks import engine_commands
+from engine.main import parse_args
+
+
+def test_capacity_flags_reach_every_rank(monkeypatch: pytest.MonkeyPatch, core_dir: Path) -> None:
+    seen: list[list[str]] = []
+    monkeypatch.setattr("common.cli.engine_commands",
+                        lambda *args: seen.extend(engine_commands(*args)) or sys.exit(0))
+    with pytest.raises(SystemExit):
+        flare_main(["run", str(core_dir), "--tp", "2", "--max-active", "8", "--max-batched-tokens", "2048",
+                    "--kv-cache-fraction", "0.5", "--dtype", "bfloat16", "--eager"])
+    assert len(seen) == 2
+    for command in seen:
+        for flag in ("--max-active=8", "--max-batched-tokens=2048", "--kv-cache-fraction=0.5", "--dtype=bfloat16",
+                     "--eager"):
+            assert flag in command
+        parse_args(command[1:])  # the engine accepts what it is given
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-cache-fraction", "1.5"], "--kv-cache-fraction must be in (0, 1]"),
+    (["--max-active", "0"], "--max-active must be at least 1"),
+    (["--max-batched-tokens", "-4"], "--max-batched-tokens must be at least 1"),
+])
+def test_engine_refuses_bad_capacities(core_dir: Path, flags: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "engine.main", "--core", str(core_dir), "--listen",
+                             "ipc:///tmp/flare-never.sock", *flags], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and message in result.stderr
