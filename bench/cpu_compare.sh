@@ -2,13 +2,16 @@
 # Flare on the quantized core, Flare on the fp32 core and (with LLAMA_SERVER=path/to/llama-server) llama-server on
 # the same GGUF, the same prompts, interleaved by `flare-bench compare`: 1 stream, then 16 (bench/README.md).
 # Usage, from the repository root after `make core`: bash bench/cpu_compare.sh OUT_DIR [PROMPTS_1 PROMPTS_16]
+# THREADS=N gives every server N threads (OMP_NUM_THREADS for Flare, -t/-tb for llama-server); default: the cores.
 set -euo pipefail
 out=${1:?usage: bench/cpu_compare.sh OUT_DIR [PROMPTS_1 PROMPTS_16]}
 one=${2:-16}
 many=${3:-64}
 mkdir -p "$out"
-bin=.venv/bin
-gguf=.cache/SmolLM2-135M-Instruct.Q4_1.gguf
+bin=${FLARE_BIN:-.venv/bin}
+gguf=${GGUF:-.cache/SmolLM2-135M-Instruct.Q4_1.gguf}
+threads=${THREADS:-$(nproc)}
+export OMP_NUM_THREADS=$threads
 pids=()
 trap 'for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done' EXIT
 setsid $bin/flare run cores/smollm2-135m --port 8741 > "$out/flare-q4.log" 2>&1 & pids+=($!)
@@ -16,7 +19,7 @@ setsid $bin/flare run cores/smollm2-135m-fp32 --port 8742 > "$out/flare-fp32.log
 urls=(--base-url http://127.0.0.1:8741 --base-url http://127.0.0.1:8742 --label flare-q4 --label flare-fp32)
 ports=(8741 8742)
 if [[ -n "${LLAMA_SERVER:-}" ]]; then
-    setsid "$LLAMA_SERVER" -m $gguf -t 2 -tb 2 -c 8192 -np 16 --port 8736 > "$out/llama-server.log" 2>&1 & pids+=($!)
+    setsid "$LLAMA_SERVER" -m $gguf -t "$threads" -tb "$threads" -c 8192 -np 16 --port 8736 > "$out/llama-server.log" 2>&1 & pids+=($!)
     urls+=(--base-url http://127.0.0.1:8736 --label llama-server)
     ports+=(8736)
 fi
