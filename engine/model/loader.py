@@ -11,7 +11,8 @@ from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
-from engine.model.quant import dequantize_all, is_quantized, quantize_linears, quantized_view
+from engine.model.quant import (RefinedLogits, codes_of, dequantize, dequantize_all, is_quantized, quantize_linears,
+                                quantized_view)
 from engine.model.sharding import Shard, read_weights
 from engine.parallel.group import TensorParallel
 
@@ -46,6 +47,8 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         tied_head = quantized_view("model.embed_tokens.weight", state)
+    head = codes_of(state, "lm_head.weight")
+    head_rows = dequantize(head[0], state["lm_head.weight.scale"], state["lm_head.weight.min"]) if head else None
     quantize_linears(model, state, dtype)
     missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
@@ -53,9 +56,11 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         if tied_head is not None:
-            model.lm_head = tied_head
+            model.lm_head = RefinedLogits(tied_head, model.model.embed_tokens.weight)
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
+    elif head_rows is not None:
+        model.lm_head = RefinedLogits(model.lm_head, head_rows.to(dtype))
     model.set_rope(device)
     if device.type == "cuda":
         model.use_kernels(manifest.context_limit)

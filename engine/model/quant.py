@@ -131,3 +131,22 @@ def dequantize_all(state: dict[str, torch.Tensor]) -> None:
         state[name] = dequantize(codes, state[f"{name}.scale"], state[f"{name}.min"])
     for name in [n for n in state if n.endswith(SUFFIXES)]:
         del state[name]
+
+
+class RefinedLogits(nn.Module):
+    """The output layer of a quantized core. The int4 kernel returns bfloat16, whose steps near SmolLM2's top logits
+    (16 to 32) are 0.125 wide, so the leading candidates would often tie; so the REFINED largest logits of each row
+    are recomputed in fp32 from the dense rows (the embedding's when tied), the rest keep the kernel's values."""
+
+    REFINED = 64
+
+    def __init__(self, quantized: QuantLinear, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.rows = [rows]  # a list: the tied embedding's weight, not registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.quantized(x)
+        top = logits.topk(min(self.REFINED, logits.shape[-1]), dim=-1).indices  # [T, R]
+        exact = torch.bmm(self.rows[0][top], x.to(self.rows[0].dtype).unsqueeze(-1)).squeeze(-1)
+        return logits.scatter(-1, top, exact.to(logits.dtype))
