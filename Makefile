@@ -7,7 +7,7 @@ GGUF := .cache/SmolLM2-135M-Instruct.Q4_1.gguf
 CORE := cores/smollm2-135m
 FP32_CORE := cores/smollm2-135m-fp32
 
-.PHONY: install core run test
+.PHONY: install core browser run test
 
 install: $(STAMP)
 
@@ -40,8 +40,21 @@ $(FP32_CORE)/manifest.json: $(GGUF) | $(STAMP)
 
 core: $(CORE)/manifest.json $(FP32_CORE)/manifest.json
 
+# The chat page's browser test drives Debian's Chromium through Playwright (never a browser Playwright downloads).
+# Installed when missing: as root (CI), or through sudo without a password; elsewhere the test is skipped.
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	  else echo "make: no Chromium and no root to install it: the browser test will be skipped"; exit 0; fi; \
+	  if ! command -v apt-get >/dev/null; then echo "make: no apt-get: install chromium to run the browser test"; \
+	    exit 0; fi; \
+	  echo "make: installing Debian's chromium and chromium-driver"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq \
+	    chromium chromium-driver >/dev/null; \
+	fi
+
 run: install core
 	$(BIN)/flare run $(CORE)
 
-test: install core
+test: install core browser
 	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q

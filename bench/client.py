@@ -55,7 +55,8 @@ async def fetch_model(session: aiohttp.ClientSession, base_url: str) -> str:
         raise RuntimeError(f"cannot read the model from {url} ({exc}); pass --model") from exc
 
 
-def request_body(endpoint: str, model: str, prompt: Prompt, ignore_eos: bool) -> dict:
+def request_body(endpoint: str, model: str, prompt: Prompt, ignore_eos: bool, extra: dict | None = None) -> dict:
+    """One streamed request; `extra` fields (--extra-body, e.g. a response_format) are merged in last."""
     body: dict = {"model": model, "max_tokens": prompt.output_len, "temperature": 0.0, "stream": True,
                   "stream_options": {"include_usage": True}}
     if endpoint == "chat":
@@ -67,7 +68,7 @@ def request_body(endpoint: str, model: str, prompt: Prompt, ignore_eos: bool) ->
         # Neither is in the OpenAI API: vLLM, SGLang and Flare honour ignore_eos, llama-cpp-python only min_tokens.
         body["ignore_eos"] = True
         body["min_tokens"] = prompt.output_len
-    return body
+    return {**body, **(extra or {})}
 
 
 def chunk_text(endpoint: str, chunk: dict) -> str:
@@ -81,14 +82,14 @@ def chunk_text(endpoint: str, chunk: dict) -> str:
 
 
 async def send(session: aiohttp.ClientSession, base_url: str, endpoint: str, model: str, prompt: Prompt,
-               index: int, ignore_eos: bool, tokens: Tokens, t0: float) -> RequestRecord:
+               index: int, ignore_eos: bool, tokens: Tokens, t0: float, extra: dict | None = None) -> RequestRecord:
     """Stream one request; failures are recorded, never raised, so one bad request cannot stop a run."""
     record = RequestRecord(index, time.perf_counter() - t0)
     texts: list[str] = []
     last = 0.0
     try:
         async with session.post(f"{api_root(base_url)}{ENDPOINTS[endpoint]}",
-                                json=request_body(endpoint, model, prompt, ignore_eos)) as response:
+                                json=request_body(endpoint, model, prompt, ignore_eos, extra)) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.text())[:500]}"
             else:

@@ -31,16 +31,16 @@ from ignition.families import normalised_config
 from ignition.synth import SynthSource
 
 # Preset, decoder layers kept for the token comparison (Gemma 3: six, so that one is global).
-FAMILIES = {"qwen2.5-7b": 2, "qwen3-8b": 2, "qwen3-30b-a3b": 2, "mixtral-8x7b": 2, "gemma-3-12b": 6}
+FAMILIES = {"llama-3.1-8b": 2, "qwen2.5-7b": 2, "qwen3-8b": 2, "qwen3-30b-a3b": 2, "mixtral-8x7b": 2, "gemma-3-12b": 6}
 PROMPT_LENGTHS = [17, 200, 1500, 33, 5, 1100, 60, 41]  # two past Gemma 3's 1024-token window
 CAPACITIES = Capacities()
 CONTEXT_LIMIT = 8192
 
 
-def preset_model(preset: str, layers: int | None) -> tuple[Manifest, CausalLM]:
-    """The preset's architecture with random bf16 weights made on the GPU, on the kernel path."""
-    source = SynthSource(preset, layers, "bfloat16", 0)
-    family, config = normalised_config(source.config(), source.path, "bfloat16", source.checkpoint)
+def preset_model(preset: str, layers: int | None, dtype: str = "bfloat16") -> tuple[Manifest, CausalLM]:
+    """The preset's architecture with random weights made on the GPU, on the kernel path."""
+    source = SynthSource(preset, layers, dtype, 0)
+    family, config = normalised_config(source.config(), source.path, dtype, source.checkpoint)
     c = DecoderConfig.from_hf(family, config)
     device = torch.device("cuda")
     with torch.device("meta"):
@@ -54,24 +54,25 @@ def preset_model(preset: str, layers: int | None) -> tuple[Manifest, CausalLM]:
             weight = base + 0.1 * torch.randn(meta.shape, generator=generator, device=device)
         else:
             weight = torch.randn(meta.shape, generator=generator, device=device) * meta.shape[-1] ** -0.5
-        state[name] = weight.to(torch.bfloat16)  # at once: the float32 draws of all 48 MoE layers would not fit
+        state[name] = weight.to(getattr(torch, dtype))  # at once: the float32 draws of 48 MoE layers would not fit
     model.load_state_dict(state, strict=False, assign=True)
     if c.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.set_rope(device)
     model.use_kernels(CONTEXT_LIMIT)
-    manifest = Manifest(1, family, config, "bfloat16", [preset], source.checkpoint, CONTEXT_LIMIT, [], CAPACITIES,
+    manifest = Manifest(1, family, config, dtype, [preset], source.checkpoint, CONTEXT_LIMIT, [], CAPACITIES,
                         source.generation, {})
     return manifest, model.eval()
 
 
-def tokens() -> None:
-    say("## Greedy tokens: graph executor vs eager executor per family (bf16, random weights, 32 new tokens each)")
-    say("| preset (layers) | prompts (lengths) | through the scheduler: equal requests | replayed plans: equal steps |")
-    say("| --- | --- | --- | --- |")
+def tokens(dtype: str) -> None:
+    say(f"## Greedy tokens: graph executor vs eager executor per family ({dtype}, random weights, 32 new tokens each)")
+    say("| preset (layers) | prompts (lengths) | through the scheduler: equal requests | replayed plans: equal steps "
+        "| eager replayed twice: equal steps |")
+    say("| --- | --- | --- | --- | --- |")
     caps = CAPACITIES
     for preset, layers in FAMILIES.items():
-        _, model = preset_model(preset, layers)
+        _, model = preset_model(preset, layers, dtype)
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, model.config.vocab_size - 8, (n,), generator=generator).tolist()
                    for n in PROMPT_LENGTHS]
@@ -81,14 +82,17 @@ def tokens() -> None:
             scheduler = RequestScheduler(8, 64, executor.num_pages, caps.page_size, caps.prefill_chunk_size)
             outputs[kind], plans[kind] = generate(executor, scheduler, prompts, 32)
             executor.close()
-        for kind in ("eager", "graph"):  # the eager run's exact steps, through both executors
+        # The eager run's exact steps, through both executors, and through eager again (the kernels' own
+        # run-to-run determinism, which bounds what graph-vs-eager can show).
+        for run, kind in (("eager", "eager"), ("graph", "graph"), ("again", "eager")):
             executor = make(kind, model, 512, caps.page_size, 8, CONTEXT_LIMIT, caps.prefill_chunk_size)
-            steps[kind] = replay(executor, plans["eager"])
+            steps[run] = replay(executor, plans["eager"])
             executor.close()
         equal = sum(a == b for a, b in zip(outputs["eager"], outputs["graph"]))
         same = sum(a == b for a, b in zip(steps["eager"], steps["graph"]))
+        again = sum(a == b for a, b in zip(steps["eager"], steps["again"]))
         say(f"| {preset} ({layers}) | {', '.join(map(str, PROMPT_LENGTHS))} | {equal}/{len(prompts)} | "
-            f"{same}/{len(steps['eager'])} |")
+            f"{same}/{len(steps['eager'])} | {again}/{len(steps['eager'])} |")
         del model
         torch.cuda.empty_cache()
     say()
@@ -144,13 +148,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=argparse.FileType("w"))
     parser.add_argument("--only", nargs="*", default=["tokens", "moe"], choices=("tokens", "moe"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="weights of the token comparison (float32: GEMM algorithms that differ with a step's "
+                             "padded size no longer flip near-tied tokens)")
     parser.add_argument("--moe-layers", type=int, help="decoder layers of the Qwen3-30B-A3B sweep (default: 48)")
     args = parser.parse_args()
     started = time.monotonic()
     say(f"# GPU evidence, model families: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bandwidth = copy_bandwidth()
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
-    sections = {"tokens": tokens, "moe": lambda: moe(bandwidth, args.moe_layers)}
+    sections = {"tokens": lambda: tokens(args.dtype), "moe": lambda: moe(bandwidth, args.moe_layers)}
     for name in args.only:
         try:
             sections[name]()

@@ -43,6 +43,14 @@ BATCH1 = bench("--input-len", "512", "--output-len", "256", "--num-prompts", "8"
 MIXED256 = bench("--input-len", "562", "--range-ratio", "0.82", "--output-len", "256", "--num-prompts", "256")
 SHARED16 = bench("--dataset", "shared-prefix", "--prefix-len", "2000", "--num-groups", "16", "--input-len", "128",
                  "--output-len", "128", "--num-prompts", "1024", "--max-concurrency", "64")
+# Structured output: every request constrained by a schema that cannot complete within 128 tokens (at least 40
+# objects of three fields), so all of them run to max_tokens through structural tokens, as the unconstrained row does.
+ITEM = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
+                                         "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"],
+        "additionalProperties": False}
+JSON64 = json.dumps({"response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": {
+    "type": "object", "properties": {"items": {"type": "array", "items": ITEM, "minItems": 40}},
+    "required": ["items"], "additionalProperties": False}}}})
 ROWS = [
     Row("8b-batch1", "llama-8b", MAX256, BATCH1, ("mean_tpot_ms",), "mean TPOT <= 4.0 ms"),
     Row("8b-mixed256", "llama-8b", MAX256, MIXED256, ("output_throughput",), ">= 8,000 output tok/s"),
@@ -56,6 +64,10 @@ ROWS = [
     Row("8b-c64", "llama-8b", MAX256,
         bench("--input-len", "512", "--output-len", "128", "--num-prompts", "128", "--max-concurrency", "64"),
         ("output_throughput",), "(tp 1 yardstick for the tp2 and qwen3 rows)"),
+    Row("8b-c64-json", "llama-8b", MAX256,
+        bench("--input-len", "512", "--output-len", "128", "--num-prompts", "128", "--max-concurrency", "64",
+              "--extra-body", JSON64),
+        ("output_throughput", "failed"), ">= 85% of 8b-c64 (every request constrained by a JSON schema)"),
     Row("8b-short64", "llama-8b", MAX64,
         bench("--input-len", "64", "--output-len", "8", "--num-prompts", "8", "--max-concurrency", "1"),
         ("median_ttft_ms",), "(the 64-token prompt alone: the prefix row's yardstick)"),

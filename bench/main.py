@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -35,6 +36,8 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-groups", type=int, default=4, help="shared-prefix: distinct system prompts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate all max_tokens")
+    parser.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                        help='fields added to every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
     parser.add_argument("--tokenizer", type=Path,
                         help="tokenizer.json (or a directory with one) for exact prompt lengths and for counting "
                              "output when the server reports no usage (default: common words, one token each)")
@@ -79,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     workload = Workload(args.dataset, args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed,
                         args.prefix_len, args.num_groups)
-    traffic = Traffic(args.request_rate, args.max_concurrency, args.ignore_eos, args.seed)
+    if args.extra_body is not None and not isinstance(args.extra_body, dict):
+        print("flare-bench: error: --extra-body must be a JSON object", file=sys.stderr)
+        return 2
+    traffic = Traffic(args.request_rate, args.max_concurrency, args.ignore_eos, args.seed, args.extra_body)
     tokens = Tokens.load(args.tokenizer)
     prompts = build_prompts(workload, tokens)
     try:

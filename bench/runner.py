@@ -30,6 +30,7 @@ class Traffic:
     max_concurrency: int | None  # in-flight cap, None for none
     ignore_eos: bool
     seed: int
+    extra_body: dict | None = None  # fields merged into every request body (--extra-body)
 
 
 @dataclass
@@ -63,7 +64,7 @@ async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tok
         model = target.model or await fetch_model(session, target.base_url)
         # One request first, outside the timing: it proves the endpoint works and pays any lazy start-up cost.
         probe = await send(session, target.base_url, target.endpoint, model, probe_prompt(prompts[0], tokens, traffic),
-                           -1, traffic.ignore_eos, tokens, time.perf_counter())
+                           -1, traffic.ignore_eos, tokens, time.perf_counter(), traffic.extra_body)
         if not probe.ok:
             raise RuntimeError(f"{target.label}: the first request failed: {probe.error}")
         limit = asyncio.Semaphore(traffic.max_concurrency or len(prompts))
@@ -72,7 +73,7 @@ async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tok
         async def one(index: int, t0: float) -> RequestRecord:
             async with limit:
                 record = await send(session, target.base_url, target.endpoint, model, prompts[index], index,
-                                    traffic.ignore_eos, tokens, t0)
+                                    traffic.ignore_eos, tokens, t0, traffic.extra_body)
             bar.update()
             return record
 

@@ -2,6 +2,7 @@
 frontends, waits for readiness, drains on a signal, and when a child dies says which and why. With several replicas
 a replica whose rank dies is restarted while the others serve; with one, the supervisor stops.
 On a terminal it then shows the dashboard (common/dashboard/); `flare dashboard --engine ADDR` attaches one later.
+`flare chat` (common/chat_terminal.py) chats in the terminal, starting `flare run` itself when given a core.
 
 Children run in their own session, so a terminal's Ctrl-C reaches only the supervisor, which then stops them in
 order: frontends first (they refuse new requests and give open responses five seconds), then the engine (rank 0
@@ -248,7 +249,12 @@ def main(argv: list[str] | None = None) -> None:
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,
                                   help="the engine's request address, as given to flare-engine --listen")
+    from common.chat_terminal import add_parser, chat  # it uses this module's spawn and wait_ready
+
+    add_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "chat":
+        sys.exit(chat(args))
     if args.command == "dashboard":
         from common.dashboard.app import attach  # textual loads only for this command
 

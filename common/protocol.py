@@ -34,6 +34,22 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     prompt_logprobs: int | None = None  # the same for every prompt token after the first (echo)
 
 
+class LabelQuery(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A scored prefill reads the logits of `token_ids` at prompt position `position` (DESIGN.md, Decisions)."""
+
+    position: int
+    token_ids: list[int]
+
+
+class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Structured output: the grammar the output must follow, as the frontend validated it (DESIGN.md, Beyond
+    plain decoding). kind is an llguidance grammar format: "json_schema", "regex", "choice" (a JSON list of
+    strings), "lark" or "gbnf"; text is the schema or grammar itself."""
+
+    kind: str
+    text: str
+
+
 class Hello(_Wire, tag="hello"):
     protocol_version: int
     frontend_id: str
@@ -45,6 +61,10 @@ class Submit(_Wire, tag="submit"):
     sampling: SamplingParams
     message_ends: list[int] = []  # token positions where a chat message ends
     arrival: float = 0.0  # time.time() at the frontend
+    # A scored prefill (decisions): no token is sampled; the request ends once its prompt is computed, and its
+    # Outputs carry the logits of each query's label tokens, in query order.
+    label_queries: list[LabelQuery] = []
+    constraint: Constraint | None = None  # structured output; None: free text
 
 
 class Abort(_Wire, tag="abort"):
@@ -97,6 +117,7 @@ class Outputs(_Wire, tag="outputs"):
     cached_tokens: list[int]
     logprobs: list[Logprobs | None] = []  # per request, for its new tokens, when asked for
     prompt_logprobs: list[Logprobs | None] = []  # per request, once, with its first tokens, when asked for
+    label_logits: list[list[list[float]]] = []  # per request: per label query, its labels' logits (else [])
 
 
 class Rejected(_Wire, tag="rejected"):

@@ -12,6 +12,7 @@ import zmq
 
 from common import protocol as wire
 from engine.executor.base import Executor
+from engine.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
 from engine.scheduler.plan import Plan
 from engine.telemetry import EngineTelemetry
 from engine.scheduler.request import Request
@@ -22,11 +23,13 @@ log = logging.getLogger("flare.engine")
 FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "cancellations", "error": "failures"}
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
+MAX_LABELS = 256  # label token ids one query of a scored prefill reads
 
 
 class Engine:
     def __init__(self, card: wire.ModelCard, executor: Executor, scheduler: RequestScheduler,
-                 vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str) -> None:
+                 vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str,
+                 grammars: GrammarCompiler | None = None) -> None:
         self.card = card
         self.executor = executor
         self.scheduler = scheduler
@@ -43,23 +46,28 @@ class Engine:
         self._steps_in_flight = 0
         self._seed = random.SystemRandom()
         self._last_heartbeat = 0.0
+        self.grammars = grammars  # None: structured output is refused (no tokenizer for the grammar engine)
+        self._compiling: dict[str, tuple[bytes, wire.Submit]] = {}  # request id -> submit awaiting its grammar
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.executor.wake_fd, zmq.POLLIN)
+        if self.grammars is not None:
+            poller.register(self.grammars.wake_fd, zmq.POLLIN)
         while not (self.stopping and self._steps_in_flight == 0):
             self._ingest()
+            self._admit_compiled()
             for plan, completion in self.executor.poll():
                 self._steps_in_flight -= 1
                 if completion.error is None:
                     self.telemetry.observe_step(plan, completion.duration)
-                self._publish(self.scheduler.complete(completion, plan))
+                self._publish(self._advance_grammars(self.scheduler.complete(completion, plan)))
             while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
                 self._count_start(plan)
                 self.scheduler.commit(plan, self.executor.next_fence())
-                self.executor.submit(plan)
+                self.executor.submit(self._with_masks(plan))
                 self._steps_in_flight += 1
             self._heartbeat()
             self.telemetry.maybe_publish(self.scheduler)
@@ -93,6 +101,9 @@ class Engine:
         self.stopping = True
         for request in [r for r in self.scheduler.slots if r is not None] + list(self.scheduler.waiting):
             self._publish(StepResult([], [replace(self.scheduler.cancel(request, reason), error=error)]))
+        for request_id, (identity, _) in list(self._compiling.items()):
+            self._send(identity, wire.Rejected(request_id, 503, "the engine is shutting down"))
+        self._compiling.clear()
 
     # --- intake -------------------------------------------------------------------------------------------------
     def _ingest(self) -> None:
@@ -126,6 +137,14 @@ class Engine:
             self._send(identity, rejection)
             self.counters["rejections"] += 1
             return
+        if submit.constraint is not None:  # admitted once its grammar has compiled, off the loop
+            self._compiling[submit.request_id] = (identity, submit)
+            self._owned[identity].add(submit.request_id)
+            self.grammars.submit(submit.request_id, GrammarSpec(submit.constraint.kind, submit.constraint.text))
+            return
+        self._start(identity, submit, None)
+
+    def _start(self, identity: bytes, submit: wire.Submit, grammar: object | None) -> None:
         params = submit.sampling
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                       else frozenset(self.card.eos_token_ids))
@@ -133,8 +152,11 @@ class Engine:
             request_id=submit.request_id, owner=identity, prompt_len=len(submit.prompt),
             tokens=list(submit.prompt), sampling=params,
             seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
-            stop_ids=stop_ids, max_outputs=min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
-            arrival=time.monotonic(), message_ends=list(submit.message_ends))
+            stop_ids=stop_ids, max_outputs=0 if submit.label_queries else
+            min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
+            arrival=time.monotonic(), message_ends=list(submit.message_ends),
+            label_queries=[(q.position, tuple(q.token_ids)) for q in submit.label_queries],
+            grammar=grammar)
         request.last_commit = request.arrival
         self.scheduler.add(request)
         self._owned[identity].add(request.request_id)
@@ -165,12 +187,76 @@ class Engine:
         if pages > self.scheduler.pages.num_pages:
             return reject(400, f"the request needs {pages} KV pages ({total} tokens) and the cache has "
                                f"{self.scheduler.pages.num_pages}", "capacity_hint: raise --kv-cache-bytes")
-        if self.scheduler.get(submit.request_id) is not None:
+        for query in submit.label_queries:
+            if not 0 <= query.position < len(submit.prompt) or not 0 < len(query.token_ids) <= MAX_LABELS or \
+                    min(query.token_ids) < 0 or max(query.token_ids) >= self.vocab_size:
+                return reject(400, f"a label query reads 1 to {MAX_LABELS} token ids in [0, {self.vocab_size}) at a "
+                                   f"prompt position in [0, {len(submit.prompt)})")
+        if self.scheduler.get(submit.request_id) is not None or submit.request_id in self._compiling:
             return reject(400, f"request id {submit.request_id!r} is already in use")
+        if submit.constraint is not None and self.grammars is None:
+            return reject(400, "structured output is not available: this engine has no grammar engine")
         return None
+
+    # --- structured output (engine/grammar.py) ------------------------------------------------------------------
+    def _admit_compiled(self) -> None:
+        if self.grammars is None:
+            return
+        for request_id, future in self.grammars.take_done():
+            identity, submit = self._compiling.pop(request_id, (None, None))
+            if submit is None:
+                continue  # aborted while compiling
+            error = future.exception()
+            if error is not None:
+                self._owned[identity].discard(request_id)
+                self.counters["rejections"] += 1
+                self._send(identity, wire.Rejected(request_id, 400, f"the output grammar does not compile: {error}"))
+            elif self.draining:
+                self._owned[identity].discard(request_id)
+                self._send(identity, wire.Rejected(request_id, 503, "the engine is draining and admits no new "
+                                                                    "requests"))
+            else:
+                self._owned[identity].discard(request_id)
+                self._start(identity, submit, future.result())
+
+    def _with_masks(self, plan: Plan) -> Plan:
+        """The committed plan with its rows' grammar masks. A request whose matcher failed to compute one ends
+        here with the error; the step's token for it is then discarded as for any request that ended."""
+        constrained = {r.slot: r for r in self.scheduler.slots if r is not None and r.grammar is not None}
+        if not constrained:
+            return plan
+        masks = plan_masks(plan, {slot: r.grammar for slot, r in constrained.items()}, mask_words(self.vocab_size),
+                           self.grammars.executor)
+        for request in constrained.values():
+            if request.grammar.is_error():
+                self._publish(StepResult([], [self._grammar_failed(request)]))
+        return replace(plan, masks=masks)
+
+    def _grammar_failed(self, request: Request) -> Finished:
+        error = request.grammar.get_error()
+        return replace(self.scheduler.cancel(request, "error"), error=f"the output grammar reached a dead end: {error}")
+
+    def _advance_grammars(self, result: StepResult) -> StepResult:
+        """Every committed token advances its request's matcher. A grammar that is complete ends its request
+        ("stop"); a token the matcher refuses (only possible if the mask was overridden, e.g. min_tokens banning
+        the end of sequence a complete grammar needs) ends it with an error, never a hang."""
+        for request, token, _ in result.tokens:
+            if request.grammar is None or token in request.stop_ids and request.finish_reason == "stop":
+                continue
+            matcher = request.grammar
+            if not matcher.consume_token(token):
+                if request.finish_reason is None:
+                    result.finished.append(self._grammar_failed(request))
+            elif matcher.is_stopped() and request.finish_reason is None:
+                result.finished.append(self.scheduler.cancel(request, "stop"))
+        return result
 
     def _abort(self, identity: bytes, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            if self._compiling.get(request_id, (None,))[0] == identity:
+                del self._compiling[request_id]
+                self._owned[identity].discard(request_id)
+                continue
             request = self.scheduler.get(request_id)
             if request is not None and request.owner == identity:
                 self._publish(StepResult([], [self.scheduler.cancel(request)]))
@@ -197,13 +283,15 @@ class Engine:
                 request.bursts += 1
         for owner, requests in by_owner.items():
             ends = [finished.get(r) for r in requests]
+            labels = [label_logits(r, end) for r, end in zip(requests, ends)]
             self._send(owner, wire.Outputs(
                 request_ids=[r.request_id for r in requests], token_ids=[news[r] for r in requests],
                 finish_reasons=[f.reason if f else None for f in ends],
                 errors=[f.error if f else None for f in ends],
                 prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests],
                 logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests],
-                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] else None for r in requests]))
+                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] else None for r in requests],
+                label_logits=labels if any(labels) else []))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
             self.counters[FINISH_COUNTERS[end.reason]] += 1
@@ -236,6 +324,13 @@ def join_logprobs(pieces: list[wire.Logprobs]) -> wire.Logprobs | None:
         return pieces[0]
     return wire.Logprobs([t for p in pieces for t in p.token_ids], [x for p in pieces for x in p.logprobs],
                          [t for p in pieces for t in p.top_ids], [x for p in pieces for x in p.top_logprobs])
+
+
+def label_logits(request: Request, end: Finished | None) -> list[list[float]]:
+    """A scored prefill's answer, in query order, once it ended well; nothing for any other request or news."""
+    if end is None or end.reason != "stop" or not request.scored:
+        return []
+    return [list(request.label_logits[position]) for position, _ in request.label_queries]
 
 
 def take(pieces: list[wire.Logprobs]) -> list[wire.Logprobs]:

@@ -22,6 +22,7 @@ from common import protocol
 from common.protocol import ModelCard
 from common.ranks import GROUP_FAILED
 from engine.core import Engine
+from engine.grammar import GrammarCompiler
 from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, make_executor
 from engine.model.loader import DTYPES, load_model
@@ -143,7 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     telemetry_address = protocol.telemetry_address(args.listen)
     telemetry_socket.bind(telemetry_address)
     telemetry = EngineTelemetry(telemetry_socket, f"engine-{uuid.uuid4().hex[:8]}")
-    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address)
+    tokenizer = args.core / "tokenizer.json"  # a core without one serves token ids only: no structured output
+    grammars = GrammarCompiler(tokenizer.read_text(), model.config.vocab_size, manifest.eos_token_ids) \
+        if tokenizer.is_file() else None
+    engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address,
+                    grammars)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
     log.info("loaded %s (%s, %s) on %s (%d threads) in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",
@@ -158,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         status = GROUP_FAILED
     finally:
         executor.close()
+        if grammars is not None:
+            grammars.close()
         socket.close()
         telemetry_socket.close()
         context.term()

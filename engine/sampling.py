@@ -32,6 +32,7 @@ class SamplingTensors:
     any_penalty: bool
     banned_rows: torch.Tensor | None = None  # [N] int64 with banned_ids: (row, token) pairs that may not be drawn
     banned_ids: torch.Tensor | None = None  # [N] int64
+    allowed: torch.Tensor | None = None  # [B, ceil(V / 32)] int32 packed grammar masks (engine/grammar.py)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
@@ -63,8 +64,17 @@ def apply_penalties(logits: torch.Tensor, params: SamplingTensors, output_counts
     return logits - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
 
 
+def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Tokens whose bit is clear in the packed mask (bit i of word w: token 32 w + i) can never be drawn."""
+    bits = torch.arange(32, device=allowed.device, dtype=torch.int32)
+    keep = ((allowed[:, :, None] >> bits) & 1).view(allowed.shape[0], -1)[:, :logits.shape[-1]]
+    return logits.masked_fill(keep == 0, float("-inf"))
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """logits [B, V] float32 (penalties applied) -> token ids [B] int64."""
+    if params.allowed is not None:
+        logits = apply_token_mask(logits, params.allowed)
     if params.banned_rows is not None and params.banned_rows.numel():  # stop ids before min_tokens, as vLLM does
         logits = logits.index_put((params.banned_rows, params.banned_ids),
                                   torch.tensor(float("-inf"), device=logits.device))
@@ -80,9 +90,12 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     keep = rank < top_k
     keep &= (sorted_probs.cumsum(dim=-1) - sorted_probs) < params.top_p[:, None]
     keep &= sorted_probs >= params.min_p[:, None] * sorted_probs[:, :1]
+    keep &= sorted_probs > 0  # a masked-out token has no chance, however the noise falls
     keep[:, 0] = True
     noise = exponential_noise(params.seed, params.position, vocab).gather(1, order)
-    choice = (sorted_probs * keep / noise).argmax(dim=-1, keepdim=True)
+    # Noise can be exactly 0 in float32 (a uniform draw rounds to 1.0): 0 / 0 would be NaN, which argmax picks, so
+    # dropped tokens score -1 rather than p / noise.
+    choice = torch.where(keep, sorted_probs / noise, -1.0).argmax(dim=-1, keepdim=True)
     drawn = order.gather(1, choice).squeeze(1)
     return torch.where(params.temperature > 0, drawn, greedy)
 

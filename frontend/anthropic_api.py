@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from common.errors import InvalidRequest
+from common.protocol import Constraint
 from frontend.errors_render import anthropic_error_event, as_flare_error
 from frontend.generation import Delta, Finish, GenerationRequest, merge
 from frontend.models_api import requested_model
@@ -20,7 +21,9 @@ from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import sampling_params
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
-from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
+from frontend.structured import after_reasoning, one_of, response_format
+from frontend.tool_parsers import forced_call
+from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tool_choice
 
 UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
 
@@ -91,7 +94,8 @@ def conversation(body: dict) -> list[dict]:
     return result
 
 
-def anthropic_tools(body: dict) -> tuple[list[dict] | None, bool]:
+def anthropic_tools(body: dict, tool_format: str) -> tuple[list[dict] | None, bool, Constraint | None]:
+    """The tools, whether calls are parsed, and the grammar of a forced call (tool_choice any or tool)."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise InvalidRequest("tools: must be a list", param="tools")
@@ -104,7 +108,18 @@ def anthropic_tools(body: dict) -> tuple[list[dict] | None, bool]:
         tools.append(function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"),
                                    f"tools[{i}]"))
     choice = body.get("tool_choice")
-    return check_tools(tools), bool(tools) and tools_enabled(choice, anthropic=True)
+    if not tools and isinstance(choice, dict) and choice.get("type") in ("any", "tool"):
+        raise InvalidRequest("tool_choice: forcing a tool call needs 'tools'", param="tool_choice")
+    parse, forced = tool_choice(choice, tools, anthropic=True)
+    return check_tools(tools), bool(tools) and parse, forced_call(forced, tools, tool_format) if forced else None
+
+
+def output_format(body: dict) -> Constraint | None:
+    """output_config.format: {"type": "json_schema", "schema": {...}} (Anthropic's structured outputs)."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise InvalidRequest("output_config: must be an object", param="output_config")
+    return response_format((config or {}).get("format"), "output_config.format", flat=True)
 
 
 def thinking_enabled(body: dict, model: ServedModel) -> bool:
@@ -124,22 +139,20 @@ def thinking_enabled(body: dict, model: ServedModel) -> bool:
     return True
 
 
-def unsupported_features(body: dict) -> None:
-    config = body.get("output_config")
-    if config is not None and (not isinstance(config, dict) or config.get("format") is not None):
-        raise InvalidRequest("output_config.format: structured output is not supported", param="output_config")
-
-
-async def encode(frontend: Frontend, body: dict) -> tuple[EncodedChat, list[dict] | None, bool, bool]:
-    """The prompt, tools, whether calls are parsed, and whether the reply thinks."""
+async def encode(frontend: Frontend, body: dict
+                 ) -> tuple[EncodedChat, list[dict] | None, bool, bool, Constraint | None]:
+    """The prompt, tools, whether calls are parsed, whether the reply thinks, and the output's constraint (a
+    forced call or an output format)."""
     messages = conversation(body)
-    tools, parse = anthropic_tools(body)
+    tools, parse, forced = anthropic_tools(body, frontend.model.tool_format)
+    constraint = one_of(("tool_choice", forced), ("output_config.format", output_format(body)))
     thinking = thinking_enabled(body, frontend.model)
-    unsupported_features(body)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     extra = {"enable_thinking": thinking} if frontend.model.reasons else {}
     encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, extra, prefill)
-    return encoded, tools, parse, thinking
+    if frontend.model.reasons:
+        constraint = after_reasoning(constraint, encoded.opens_reasoning)
+    return encoded, tools, parse, thinking, constraint
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -189,10 +202,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
     if max_tokens is None:
         raise InvalidRequest("max_tokens: field required", param="max_tokens")
     stream = get_bool(body, "stream", False)
-    encoded, tools, parse, thinking = await encode(frontend, body)
+    encoded, tools, parse, thinking, constraint = await encode(frontend, body)
     params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens)
     generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop_sequences"), encoded.message_ends,
-                                   time.time())
+                                   time.time(), constraint)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name,
                "content": []}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:

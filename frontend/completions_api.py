@@ -16,7 +16,7 @@ from frontend.generation import Delta, Finish, GenerationRequest, Outcome, colle
 from frontend.logprobs import legacy_logprobs, prompt_entries, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
-from frontend.openai_api import MAX_CHOICES, choices_count, stream_options, usage
+from frontend.openai_api import MAX_CHOICES, choices_count, output_constraint, stream_options, usage
 from frontend.params import get_bool, get_stop, get_str
 from frontend.sampling import choice_params, requested_max_tokens, sampling_params, top_logprobs
 from frontend.server import frontend_of, read_json
@@ -79,13 +79,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise InvalidRequest(f"at most {MAX_CHOICES * 4} choices per request (prompts times n)", param="prompt")
     encoded = [p if isinstance(p, list) else await frontend.on_pool(frontend.model.encode_text, p) for p in prompts]
     max_tokens = requested_max_tokens(body, "max_tokens")
+    constraint = output_constraint(body, None, "response_format", body.get("response_format"))
     stop = get_stop(body, "stop")
     arrival = time.time()
     requests = []
     for ids in encoded:
         params = sampling_params(frontend.model, body, len(ids), max_tokens or DEFAULT_MAX_TOKENS, logprobs=logprobs,
                                  prompt_logprobs=logprobs if echo else None)
-        requests.extend(GenerationRequest(ids, choice_params(params, i), stop, [], arrival) for i in range(n))
+        requests.extend(GenerationRequest(ids, choice_params(params, i), stop, [], arrival, constraint)
+                        for i in range(n))
     prefixes = [(frontend.model.decode(r.prompt_ids) if echo else "") for r in requests]
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:

@@ -31,6 +31,7 @@ class Update:
     cached_tokens: int
     logprobs: wire.Logprobs | None = None
     prompt_logprobs: wire.Logprobs | None = None
+    label_logits: list[list[float]] | None = None  # a scored prefill's, with its finish
 
 
 def failure(error: FlareError) -> Update:
@@ -177,7 +178,8 @@ class EngineClient:
                 outputs.token_ids[i], outputs.finish_reasons[i], error_for_status(500, message) if message else None,
                 outputs.prompt_tokens[i], outputs.cached_tokens[i],
                 outputs.logprobs[i] if i < len(outputs.logprobs) else None,
-                outputs.prompt_logprobs[i] if i < len(outputs.prompt_logprobs) else None))
+                outputs.prompt_logprobs[i] if i < len(outputs.prompt_logprobs) else None,
+                outputs.label_logits[i] if i < len(outputs.label_logits) else None))
 
     async def _keepalive(self) -> None:
         """Say hello every interval: the engine's liveness check of us, and how a restarted engine learns of us.

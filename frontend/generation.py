@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import ExecutionFailed
-from common.protocol import Logprobs, SamplingParams, Submit
+from common.protocol import Constraint, Logprobs, SamplingParams, Submit
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from frontend.replicas import Replicas
 from frontend.metrics import RequestTimer
@@ -25,6 +25,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     message_ends: list[int] = field(default_factory=list)
     arrival: float = 0.0
+    constraint: Constraint | None = None  # structured output (frontend/structured.py)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
     """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
     request_id = uuid.uuid4().hex
     queue = await client.submit(Submit(request_id, request.prompt_ids, request.sampling, request.message_ends,
-                                       request.arrival))
+                                       request.arrival, request.constraint))
     detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids, model.hidden_token_ids)
     stops = StopMatcher(request.stop)
     hidden_ids = set(request.sampling.stop_token_ids)

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from tokenizers import Tokenizer
 
 from common.errors import InvalidRequest
-from common.manifest import Manifest, load_manifest
+from common.manifest import DECISION_FILES, Manifest, load_manifest
 from frontend import reasoning, tool_parsers
 from frontend.detokenizer import special_token_ids
 from frontend.templates import ChatTemplate, TemplateError
@@ -34,7 +34,8 @@ class EncodedChat(NamedTuple):
 
 class ServedModel:
     def __init__(self, core: Path) -> None:
-        self.manifest: Manifest = load_manifest(core, verify=True, only=(TOKENIZER_FILE, TEMPLATE_FILE))
+        self.manifest: Manifest = load_manifest(core, verify=True, only=(TOKENIZER_FILE, TEMPLATE_FILE,
+                                                                          *DECISION_FILES))
         self.core = core
         self.tokenizer = Tokenizer.from_file(str(core / TOKENIZER_FILE))
         self.name = self.manifest.served_names[0]

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from common.errors import InvalidRequest
+from common.protocol import Constraint
 from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
 from frontend.logprobs import token_logprobs, unpack
@@ -20,7 +21,10 @@ from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import choice_params, requested_max_tokens, sampling_params, top_logprobs
 from frontend.server import Frontend, frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
-from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tools_enabled
+from frontend.model import ServedModel
+from frontend.structured import after_reasoning, extension, one_of, response_format
+from frontend.tool_parsers import forced_call
+from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tool_choice
 
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 MAX_CHOICES = 16
@@ -52,14 +56,6 @@ def stream_options(body: dict, stream: bool) -> bool:
     return get_bool(options, "include_usage", False)
 
 
-def text_format(value: object, name: str) -> None:
-    """Plain text is all this server produces; structured output is refused rather than silently ignored."""
-    kind = value.get("type") if isinstance(value, dict) else value
-    if value is not None and kind != "text":
-        raise InvalidRequest(f"'{name}' of type {str(kind)[:40]!r} is not supported; only 'text' is",
-                             param=name)
-
-
 def choices_count(body: dict) -> int:
     n = get_int(body, "n", 1, 1, MAX_CHOICES)
     best_of = get_int(body, "best_of", None, 1, MAX_CHOICES)
@@ -68,9 +64,11 @@ def choices_count(body: dict) -> int:
     return n
 
 
-def request_tools(body: dict, flat: bool) -> tuple[list[dict] | None, bool]:
-    """The tools to render, and whether calls are parsed from the output. Chat nests each function under
-    "function"; Responses (`flat`) puts its fields on the tool itself."""
+def request_tools(body: dict, flat: bool, model: ServedModel
+                  ) -> tuple[list[dict] | None, bool, Constraint | None]:
+    """The tools to render, whether calls are parsed from the output, and the grammar of a forced call
+    (tool_choice "required" or a named function). Chat nests each function under "function"; Responses (`flat`)
+    puts its fields on the tool itself."""
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise InvalidRequest("'tools' must be a list", param="tools")
@@ -86,7 +84,17 @@ def request_tools(body: dict, flat: bool) -> tuple[list[dict] | None, bool]:
     choice = body.get("tool_choice")
     if not tools and choice not in (None, "none"):
         raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
-    return check_tools(tools), bool(tools) and tools_enabled(choice)
+    parse, forced = tool_choice(choice, tools)
+    constraint = forced_call(forced, tools, model.tool_format) if forced else None
+    return check_tools(tools), bool(tools) and parse, constraint
+
+
+def output_constraint(body: dict, forced_call_: Constraint | None, format_name: str, format_value: object,
+                      flat: bool = False) -> Constraint | None:
+    """The one structured-output constraint of an OpenAI request: a forced call, a response format, or the
+    `structured_outputs` extension."""
+    return one_of(("tool_choice", forced_call_), (format_name, response_format(format_value, format_name, flat)),
+                  ("structured_outputs", extension(body)))
 
 
 # --- chat ---------------------------------------------------------------------------------------------------------
@@ -188,13 +196,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     name = requested_model(frontend.model, body)
     messages = chat_messages(body)
     logprobs = chat_logprobs(body)
-    text_format(body.get("response_format"), "response_format")
     if body.get("logit_bias"):
         raise InvalidRequest("'logit_bias' is not supported", param="logit_bias")
     stream = get_bool(body, "stream", False)
     include_usage = stream_options(body, stream)
     n = choices_count(body)
-    tools, parse_tools = request_tools(body, flat=False)
+    tools, parse_tools, forced = request_tools(body, False, frontend.model)
+    constraint = output_constraint(body, forced, "response_format", body.get("response_format"))
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     continue_final = get_bool(body, "continue_final_message", False)  # vLLM's extension: prefill the reply
     if continue_final and (messages[-1]["role"] != "assistant" or body.get("add_generation_prompt")):
@@ -203,11 +211,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
                                      template_kwargs(body), continue_final)
     ids = encoded.ids
+    constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     params = sampling_params(frontend.model, body, len(ids),
                              requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")
     arrival = time.time()
-    requests = [GenerationRequest(ids, choice_params(params, i), stop, encoded.message_ends, arrival)
+    requests = [GenerationRequest(ids, choice_params(params, i), stop, encoded.message_ends, arrival, constraint)
                 for i in range(n)]
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:

@@ -17,12 +17,13 @@ from frontend.generation import Delta, Finish, GenerationRequest, merge
 from frontend.logprobs import TokenLogprob, token_logprobs, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
-from frontend.openai_api import message_text, request_tools, text_format
+from frontend.openai_api import message_text, output_constraint, request_tools
 from frontend.params import get_bool, get_stop, get_str
 from frontend.replies import ReplyFormat, parse_replies
 from frontend.sampling import requested_max_tokens, sampling_params, top_logprobs
 from frontend.server import frontend_of, read_json
 from frontend.streaming import open_stream, primed, sse
+from frontend.structured import after_reasoning
 from frontend.tools import ToolCall, assistant_tool_call
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -232,7 +233,9 @@ async def responses(request: web.Request) -> web.StreamResponse:
         raise InvalidRequest("'background' responses are not supported", param="background")
     messages = input_messages(body, frontend.model.reasons)
     text = body.get("text")
-    text_format(text.get("format") if isinstance(text, dict) else text, "text.format")
+    if text is not None and not isinstance(text, dict):
+        raise InvalidRequest("'text' must be an object", param="text")
+    text_format = (text or {}).get("format")
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
         raise InvalidRequest("'include' must be a list of strings", param="include")
@@ -242,8 +245,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if not isinstance(metadata, dict):
         raise InvalidRequest("'metadata' must be an object", param="metadata")
     stream = get_bool(body, "stream", False)
-    tools, parse_tools = request_tools(body, flat=True)
+    tools, parse_tools, forced = request_tools(body, True, frontend.model)
+    constraint = output_constraint(body, forced, "text.format", text_format, flat=True)
     encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {})
+    constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     max_tokens = requested_max_tokens(body, "max_output_tokens")
     params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens, logprobs=logprobs)
     arrival = time.time()
@@ -251,12 +256,14 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "incomplete_details": None, "instructions": get_str(body, "instructions"),
             "max_output_tokens": max_tokens, "model": name, "parallel_tool_calls": get_bool(body,
             "parallel_tool_calls", True), "previous_response_id": None, "store": False,
-            "temperature": params.temperature, "top_p": params.top_p, "text": {"format": {"type": "text"}},
+            "temperature": params.temperature, "top_p": params.top_p,
+            "text": {"format": text_format or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "top_logprobs": top, "truncation": "disabled",
             "tools": [{"type": "function", **t["function"]} for t in tools or []], "usage": None,
             "metadata": metadata}
     builder = ResponseBuilder(frontend.model, base, logprobs is not None)
-    generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop"), encoded.message_ends, arrival)
+    generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop"), encoded.message_ends, arrival,
+                                   constraint)
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
         events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse_tools else None))
         if stream:

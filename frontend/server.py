@@ -23,7 +23,9 @@ log = logging.getLogger("flare.frontend")
 T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-OPEN_PATHS = ("/health", "/metrics")
+# The chat page (chat_page.py) loads without a key and asks for one; its API calls carry it.
+OPEN_PATHS = ("/health", "/metrics", "/")
+OPEN_PREFIX = "/static/"
 
 
 class Frontend:
@@ -85,7 +87,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     dialect = dialect_of(request)
     admitted = False
     try:
-        if frontend.api_key and request.path not in OPEN_PATHS:
+        if frontend.api_key and request.path not in OPEN_PATHS and not request.path.startswith(OPEN_PREFIX):
             check_api_key(request, frontend.api_key)
         if request.method == "POST":
             if frontend.draining:

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import re
 
+from common.protocol import Constraint
 from frontend.reasoning import partial_suffix
+from frontend.structured import checked, json_constraint, json_schema_text
 from frontend.tools import ToolCall
 
 MISTRAL_OPEN = "[TOOL_CALLS]"
@@ -25,6 +27,28 @@ _MISTRAL_NAMED = re.compile(r"([A-Za-z0-9_.:-]+)(?:\[CALL_ID\][A-Za-z0-9]*)?(?:\
 
 def tool_format(template_source: str) -> str:
     return "mistral" if MISTRAL_OPEN in template_source else "hermes"
+
+
+def forced_call(tools: list[dict], all_tools: list[dict], tool_format: str) -> Constraint:
+    """The grammar of one call to one of `tools`, its arguments following that tool's parameter schema, written
+    as the model family writes calls (the parsers below read them back): Hermes `<tool_call>` tags around {"name",
+    "arguments"}, or Mistral's `[TOOL_CALLS]name[ARGS]{...}`. Markers that are special tokens are spelled in text
+    pieces, which decode to the same text the reply parser reads."""
+    names = [t["function"]["name"] for t in all_tools]
+    calls = []
+    for tool in tools:
+        function = tool["function"]
+        json_constraint(function["parameters"], f"tools[{names.index(function['name'])}].parameters")
+        calls.append(function)
+    if tool_format == "mistral":
+        bodies = [f'"{MISTRAL_OPEN}{f["name"]}[ARGS]" %json {json_schema_text(f["parameters"], "tools")}'
+                  for f in calls]
+        return checked(Constraint("lark", "start: " + " | ".join(bodies)), "tools")
+    shapes = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+               "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]}} for f in calls]
+    schema = json_schema_text(shapes[0] if len(shapes) == 1 else {"anyOf": shapes}, "tools")
+    tags = f'"{HermesParser.OPEN}\\n" call "\\n{HermesParser.CLOSE}"'
+    return checked(Constraint("lark", f"start: {tags}\ncall: %json {schema}"), "tools")
 
 
 def tool_parser(format_: str, names: set[str]) -> ToolCallParser:

@@ -56,16 +56,28 @@ def check_tools(tools: list[dict]) -> list[dict] | None:
     return tools or None
 
 
-def tools_enabled(choice: object, anthropic: bool = False) -> bool:
-    """Whether tool calls are parsed. Forcing a call ("required", "any", a named tool) would need constrained
-    decoding, which this server does not do: it says so rather than return a reply that may hold no call."""
-    kind = choice.get("type") if anthropic and isinstance(choice, dict) else choice
+def tool_choice(choice: object, tools: list[dict], anthropic: bool = False) -> tuple[bool, list[dict] | None]:
+    """(whether calls are parsed from the output, the tools one of which the reply must call or None).
+    OpenAI: "auto" | "none" | "required" | {"type": "function", "function": {"name"}} (Responses: {"type":
+    "function", "name"}); Anthropic: {"type": "auto" | "none" | "any"} | {"type": "tool", "name"}."""
+    kind = choice.get("type") if isinstance(choice, dict) else choice
     if kind in (None, "auto"):
-        return True
+        return True, None
     if kind == "none":
-        return False
-    raise InvalidRequest(f"tool_choice {json.dumps(choice)[:60]} is not supported: this server cannot force a tool "
-                         f"call; use \"auto\" or \"none\"", param="tool_choice")
+        return False, None
+    if kind == ("any" if anthropic else "required"):
+        return True, tools
+    if isinstance(choice, dict) and kind == ("tool" if anthropic else "function"):
+        function = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        name = function.get("name")
+        chosen = [t for t in tools if t["function"]["name"] == name]
+        if not chosen:
+            raise InvalidRequest(f"tool_choice names tool {str(name)[:60]!r}, which is not in 'tools'",
+                                 param="tool_choice")
+        return True, chosen
+    shapes = ('{"type": "auto" | "none" | "any"} or {"type": "tool", "name": ...}' if anthropic else
+              '"auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+    raise InvalidRequest(f"tool_choice must be {shapes}, got {json.dumps(choice)[:60]}", param="tool_choice")
 
 
 def assistant_tool_call(call_id: str, name: str, arguments: object) -> dict:

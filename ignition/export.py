@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from common.errors import CoreError
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, load_manifest, sha256_file
-from common.manifest import write_manifest
+from common.manifest import DECISION_FILES, write_manifest
 from ignition.families import core_tensors, expected_shapes, normalised_config
 from ignition.gguf_source import GgufSource
 from ignition.hf_source import HfSource, token_ids
@@ -142,6 +142,9 @@ def _write_files(source: Source, family: str, config: dict[str, object], dtype: 
     bar.set_postfix_str("tokenizer")
     eos_ids = source.write_tokenizer(staging / TOKENIZER_NAME)
     (staging / TEMPLATE_NAME).write_text(annotate(source.chat_template), encoding="utf-8")
+    for name in DECISION_FILES:
+        if source.path.is_dir() and (source.path / name).is_file():
+            shutil.copyfile(source.path / name, staging / name)
     bar.update()
     for name, tensor in core_tensors(family, config, _counted(source.tensors(), bar)):
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in shapes):

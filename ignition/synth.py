@@ -103,13 +103,15 @@ class SynthSource:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Core names and layouts already (core_tensors passes them through)."""
-        generator = torch.Generator().manual_seed(self._seed)
+        # A GPU draws an 8B core's weights in seconds where a CPU takes minutes (the seed's stream differs by device).
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        generator = torch.Generator(device).manual_seed(self._seed)
         for name, shape in self._shapes().items():
             if name.endswith("norm.weight"):
                 yield name, torch.full(shape, self._norm_fill, dtype=self._dtype)
             else:
-                yield name, torch.empty(shape, dtype=self._dtype).normal_(0, INIT_STD, generator=generator)
-
+                weight = torch.empty(shape, dtype=self._dtype, device=device)
+                yield name, weight.normal_(0, INIT_STD, generator=generator).cpu()
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         from ignition.families import normalised_config

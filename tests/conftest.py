@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,3 +88,39 @@ def server(core_dir: Path):
     server = Server(core_dir)
     yield server
     server.stop()
+
+
+def cancellations(base_url: str) -> float:
+    """The engine's count of cancelled requests, as a frontend's /metrics relays it (twice a second)."""
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        return float(re.search(r"^flare_engine_cancellations_total (\S+)$", response.read().decode(), re.M)[1])
+
+
+def wait_for_cancellation(base_url: str, before: float, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while cancellations(base_url) <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return cancellations(base_url) > before
+
+
+TEST_API_KEY = "test-api-key"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(core_dir: Path):
+    """A server started with --api-key TEST_API_KEY."""
+    server = Server(core_dir, "--api-key", TEST_API_KEY)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def thinking_stack(core_dir: Path, tmp_path_factory):
+    """A real frontend with Qwen3's template (it reasons) before the scripted engine: a 135M model does not think."""
+    from tests.api_scripted_engine import ScriptedStack
+    from tests.chat_family_cores import QWEN_TOKENS, differential_template, family_core
+
+    stack = ScriptedStack(family_core(core_dir, tmp_path_factory.mktemp("qwen3") / "core", "qwen3",
+                                      differential_template("qwen3"), QWEN_TOKENS))
+    yield stack
+    stack.stop()

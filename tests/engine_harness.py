@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import itertools
 import select
+from dataclasses import replace
 
+import numpy as np
 import torch
 
 from common.protocol import SamplingParams
 from engine.executor.eager import EagerExecutor
+from engine.grammar import mask_words
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.scheduler.request import Request
@@ -52,11 +55,14 @@ class Harness:
         self._ids = itertools.count()
         self.steps = 0
 
-    def add(self, prompt: list[int], message_ends: list[int] = (), **sampling: object) -> Request:
+    def add(self, prompt: list[int], message_ends: list[int] = (),
+            label_queries: list[tuple[int, tuple[int, ...]]] = (), **sampling: object) -> Request:
+        """A request as the engine admits it; with label queries, a scored prefill (it generates nothing)."""
         params = SamplingParams(**sampling)
         request = Request(f"r{next(self._ids)}", b"test", len(prompt), list(prompt), params,
                           params.seed if params.seed is not None else 0, frozenset(params.stop_token_ids),
-                          params.max_tokens, float(next(self._ids)), message_ends=list(message_ends))
+                          0 if label_queries else params.max_tokens, float(next(self._ids)),
+                          message_ends=list(message_ends), label_queries=list(label_queries))
         self.scheduler.add(request)
         return request
 
@@ -85,3 +91,29 @@ class Harness:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def run_split(harness: Harness, constrained: set, vocab: int, allowed_token: int | None = None
+              ) -> list[tuple[set, set]]:
+    """Run the harness as the engine loop does; masks (when `allowed_token` is set) allow only that token for
+    constrained rows. Returns, per submitted plan, (slots in it, slots of every step then in flight)."""
+    steps, in_flight = [], []
+    while harness.scheduler.has_work():
+        while harness.executor.can_submit() and (plan := harness.scheduler.plan()) is not None:
+            harness.scheduler.commit(plan, harness.executor.next_fence())
+            rows = {r.slot for r in plan.rows}
+            steps.append((rows, set().union(*in_flight) if in_flight else set()))
+            in_flight.append(rows)
+            if allowed_token is not None and any(harness.scheduler.slots[s] in constrained for s in rows):
+                masks = np.full((len(plan.rows), mask_words(vocab)), -1, dtype=np.int32)
+                for i, row in enumerate(plan.rows):
+                    if harness.scheduler.slots[row.slot] in constrained:
+                        masks[i] = 0
+                        masks[i, allowed_token // 32] = np.int32(np.uint32(1 << allowed_token % 32))
+                plan = replace(plan, masks=masks.tobytes())
+            harness.executor.submit(plan)
+        select.select([harness.executor.wake_fd], [], [], 5)
+        for plan, completion in harness.executor.poll():
+            in_flight.pop(0)
+            harness.scheduler.complete(completion, plan)
+    return steps

@@ -104,7 +104,9 @@ def test_bad_requests_are_anthropic_errors(claude: anthropic.Anthropic, model: s
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="no-such-model", max_tokens=8, messages=QUESTION)
-    for unsupported in ({"thinking": {"type": "enabled", "budget_tokens": 1024}},
-                        {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}):
-        with pytest.raises(anthropic.BadRequestError, match="not supported"):
-            claude.messages.create(model=model, max_tokens=8, messages=QUESTION, extra_body=unsupported)
+    with pytest.raises(anthropic.BadRequestError, match="not supported"):
+        claude.messages.create(model=model, max_tokens=8, messages=QUESTION,
+                               extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}})
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format"):
+        claude.messages.create(model=model, max_tokens=8, messages=QUESTION,
+                               extra_body={"output_config": {"format": {"type": "xml"}}})

@@ -71,3 +71,18 @@ def test_compare_one_server_twice(server: Server, tmp_path: Path) -> None:
     successful = next(line for line in stdout.splitlines() if line.startswith("| Successful requests"))
     assert successful.split("|")[-2].strip() == "1.00x"
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_extra_body_reaches_every_request(server: Server, tmp_path: Path) -> None:
+    """--extra-body: here a regex no reply can complete within max_tokens, so every request runs to the end."""
+    out = tmp_path / "extra.json"
+    flare_bench("serve", "--base-url", server.base_url, "--endpoint", "completions", "--num-prompts", "4",
+                "--input-len", str(INPUT_LEN), "--output-len", str(OUTPUT_LEN), "--json", str(out),
+                "--extra-body", json.dumps({"structured_outputs": {"regex": "[a-z]{200}"}}))
+    records = json.loads(out.read_text())["requests"]
+    assert [r["output_tokens"] for r in records] == [OUTPUT_LEN] * 4 and all(r["error"] is None for r in records)
+    bench = Path(sys.executable).with_name("flare-bench")
+    refused = subprocess.run([str(bench), "serve", "--base-url", server.base_url, "--num-prompts", "1",
+                              "--extra-body", json.dumps({"structured_outputs": {"regex": "[a-z"}})],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "HTTP 400" in refused.stderr  # the probe request already says why

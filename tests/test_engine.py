@@ -177,3 +177,16 @@ def test_stop_tokens_are_never_drawn_before_min_tokens(model) -> None:
     outputs = held.tokens[len(PROMPTS[1]):]
     assert stop not in outputs[:3] and len(outputs) >= 3
     harness.close()
+
+
+def test_cached_pages_of_preempted_requests_are_evicted_for_the_one_that_preempted_them(model) -> None:
+    """A decoding request short of a page preempts newer ones whose pages are all cached blocks; unpinned by the
+    preemption, those blocks must then be evicted for it (it used to wait for a page forever)."""
+    harness = Harness(model, num_pages=12, page_size=16)
+    prompts = [list(range(10, 70)), list(range(11, 71)), [(i * 7) % 250 + 4 for i in range(90)]]
+    requests = [harness.add(p, temperature=0.0, max_tokens=m) for p, m in zip(prompts, (40, 40, 1))]
+    harness.run()
+    for prompt, request, count in zip(prompts, requests, (40, 40, 1)):
+        assert request.tokens[len(prompt):] == reference_greedy(model, prompt, count)
+    assert_no_page_leaked(harness, 12)
+    harness.close()

@@ -22,8 +22,9 @@ from common.protocol import SamplingParams  # noqa: E402
 from engine.executor.frames import PageTableMirror, host_views, make_layout, pack  # noqa: E402
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
 from engine.executor.graph_step import StaticBuffers, model_step, sample_step  # noqa: E402
+from engine.executor.label_scores import assemble, graph_index  # noqa: E402
 from engine.scheduler.plan import Completion, Plan, Row  # noqa: E402
-from tests.engine_harness import Harness, tiny_model  # noqa: E402
+from tests.engine_harness import Harness, run_split, tiny_model  # noqa: E402
 
 PROMPTS = [[5, 6, 7], list(range(10, 60)), list(range(100, 131)), [42], list(range(200, 223))]
 MAX_ACTIVE, PAGES, PAGE_SIZE, CHUNK, CONTEXT = 8, 64, 16, 48, 1024
@@ -92,11 +93,17 @@ class FrameExecutor:
         self.buffers.frame[:words] = torch.from_numpy(self.frame[:words])
         model_step(self.model, self.kv_cache, self.buffers, layout, self.page_size)
         greedy = all(r.sampling.temperature == 0 for r in plan.rows if r.sample)
-        sample_step(self.buffers, layout, greedy)
+        if plan.masks:  # as GraphExecutor uploads them: one row per plan row
+            masks = torch.from_numpy(np.frombuffer(plan.masks, np.int32).reshape(len(plan.rows), -1).copy())
+            self.buffers.masks[:len(plan.rows)] = masks
+        sample_step(self.buffers, layout, greedy, masked=bool(plan.masks))
         tokens = self.buffers.sampled[:len(plan.rows)].tolist()
         sampled = [(r.slot, r.generation, t) for r, t in zip(plan.rows, tokens) if r.sample]
+        found, index = graph_index(plan, self.model.config.vocab_size)  # GraphExecutor's label gather
+        scores = assemble(found, self.buffers.logits.view(-1)[torch.tensor(index, dtype=torch.int64)].tolist())
         self.done.append((plan, Completion(self.fence, tuple(s for s, _, _ in sampled),
-                                           tuple(g for _, g, _ in sampled), tuple(t for _, _, t in sampled), 0.0)))
+                                           tuple(g for _, g, _ in sampled), tuple(t for _, _, t in sampled), 0.0,
+                                           scores=scores)))
         os.write(self._write, b"x")
 
     def poll(self) -> list:
@@ -130,6 +137,28 @@ def test_frame_steps_produce_the_eager_executors_tokens() -> None:
     assert {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
 
 
+def masked_run(harness: Harness, vocab: int) -> tuple[list[int], list[int]]:
+    """A free greedy request beside a sampled one whose masks allow a single token (tests/test_grammar_engine.py)."""
+    free = harness.add(PROMPTS[0], temperature=0.0, max_tokens=10)
+    constrained = harness.add(PROMPTS[1], temperature=1.0, seed=3, max_tokens=10)
+    constrained.grammar = object()
+    run_split(harness, {constrained}, vocab, allowed_token=42)
+    harness.close()
+    return free.tokens, constrained.tokens
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_frame_steps_apply_grammar_masks_as_the_eager_executor_does() -> None:
+    model = tiny_model()
+    expected = masked_run(Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK), model.config.vocab_size)
+    assert expected[1][-10:] == [42] * 10
+    model.use_kernels(CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
+    assert masked_run(harness, model.config.vocab_size) == expected
+
+
 # What each family's kernel path adds: q/k/v bias, q/k norm, the fused MoE (Mixtral's differs by configuration
 # only), Gemma 3's norms, scale and GeLU, with its sliding-window layers and without.
 FAMILY_CASES = [("qwen2", {}), ("qwen3", {}), ("qwen3_moe", {}), ("gemma3_text", {}),
@@ -156,6 +185,41 @@ def test_each_familys_kernel_path_produces_the_torch_paths_tokens(family: str, c
     harness.executor.close()
     harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
     assert run_few_requests(harness) == expected
+
+
+LABELS = (3, 17, 250)
+
+
+def run_scored(harness: Harness) -> tuple[list[list[int]], list[dict]]:
+    """Scored prefills read at their last position (as the generic decision prompt does), beside generation;
+    a long one is computed in several chunks. Their label logits, and the generated tokens."""
+    generating = [harness.add(p, temperature=0.0, max_tokens=6) for p in PROMPTS[:2]]
+    scored = [harness.add(p, label_queries=[(len(p) - 1, LABELS)]) for p in (PROMPTS[2], list(range(150)), [9, 4])]
+    harness.run()
+    harness.close()
+    assert all(r.finish_reason == "stop" and r.outputs == 0 for r in scored)
+    return [r.tokens[r.prompt_len:] for r in generating], [r.label_logits for r in scored]
+
+
+def assert_same_scores(got: list[dict], want: list[dict], tolerance: float) -> None:
+    for mine, theirs in zip(got, want):
+        assert mine.keys() == theirs.keys()
+        for position in theirs:
+            torch.testing.assert_close(torch.tensor(mine[position]), torch.tensor(theirs[position]),
+                                       atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_frame_steps_read_the_eager_executors_label_logits() -> None:
+    eager_tokens, eager_scores = run_scored(Harness(tiny_model(), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK))
+    model = tiny_model()
+    model.use_kernels(CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
+    tokens, scores = run_scored(harness)
+    assert tokens == eager_tokens
+    assert_same_scores(scores, eager_scores, 1e-4)
 
 
 def gpu_harness(model, graphs: bool) -> Harness:
@@ -206,3 +270,29 @@ def test_graph_executor_falls_back_to_eager_steps_for_penalties_and_logprobs() -
         results.append([r.tokens for r in (plain, unique, scored)])
     assert results[0] == results[1]
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_scored_prefills_run_in_the_extend_graphs_and_read_the_eager_label_logits() -> None:
+    model = tiny_model().to("cuda")
+    model.use_kernels(CONTEXT)
+    harness = gpu_harness(model, graphs=True)
+    eager_steps = []
+    run_eager = harness.executor._run_eager
+    harness.executor._run_eager = lambda fence, plan: eager_steps.append(plan) or run_eager(fence, plan)
+    tokens, scores = run_scored(harness)
+    assert eager_steps == [], "every step of these scored prefills has a graph"
+    eager_tokens, eager_scores = run_scored(gpu_harness(model, graphs=False))
+    assert tokens == eager_tokens
+    assert_same_scores(scores, eager_scores, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_graph_executor_applies_grammar_masks_as_the_eager_executor_does() -> None:
+    model = tiny_model().to("cuda")
+    model.use_kernels(CONTEXT)
+    graph = masked_run(gpu_harness(model, graphs=True), model.config.vocab_size)
+    assert graph == masked_run(gpu_harness(model, graphs=False), model.config.vocab_size)
+    assert graph[1][-10:] == [42] * 10

@@ -144,6 +144,18 @@ def test_hf_directory_exports_to_a_verified_core(hf_dir: Path, tmp_path: Path) -
     assert tokenizer.encode("hello cat<|im_end|>").ids == _tokenizer().encode("hello cat<|im_end|>").ids
 
 
+def test_a_decision_config_and_template_travel_with_the_core(hf_dir: Path, tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    shutil.copytree(hf_dir, source)
+    (source / "decision.json").write_text('{"labels": {"noul": ["yes", "no"]}}')
+    (source / "decision_template.jinja").write_text("{{ state }}<|mark|>")
+    core = tmp_path / "core"
+    export(source, core)
+    manifest = load_manifest(core, verify=True)
+    assert {"decision.json", "decision_template.jinja"} <= manifest.files.keys()
+    assert (core / "decision_template.jinja").read_text() == "{{ state }}<|mark|>"
+
+
 def test_dtype_and_names_and_force(hf_dir: Path, tmp_path: Path) -> None:
     core = tmp_path / "core"
     core.mkdir()

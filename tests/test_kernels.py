@@ -18,12 +18,15 @@ from engine.kernels.decode_attention import (decode_attention, decode_attention_
                                              num_splits)
 from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
                                              extend_blocks)
-from engine.kernels.fused_moe import fused_moe, fused_moe_reference, route  # noqa: E402
+from engine.kernels.fused_moe import (align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
+                                      fused_moe_reference, route)
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
                                    rope_table)
 
+# On a GPU these are GPU tests (`pytest -m gpu` selects them); on the CPU they run in CI under the interpreter.
+pytestmark = [pytest.mark.gpu] if GPU else []
 DEVICE = torch.device("cuda" if GPU else "cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32] if GPU else [torch.float16, torch.float32]
 # (heads, kv heads, head dim, page size): Llama-3.1-8B's shape on the GPU, a small grouped one on the CPU.
@@ -118,13 +121,20 @@ def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
     if window:
         assert relative_error(extend_attention_reference(q, k_cache, v_cache, *meta, page, head_dim**-0.5), ref) > 0.05
     new = sum(n for n, _ in spans)
-    # The GPU's own program count, and one so large that long blocks' keys are split (then merged).
-    for programs in (None, 10**4 if GPU else 112):
+    # The GPU's own program count, and one so large that long blocks' keys are split (then merged); on the CPU
+    # a window keeps keys too few to split.
+    for programs in (None, 10**4) if GPU else (None,) if window else (None, 112):
         out = torch.full_like(q, 7.0)
         extend_attention(q, k_cache, v_cache, out, *meta, *blocks, page, head_dim**-0.5, window=window,
                          programs=programs)
         assert relative_error(out[:new], ref[:new]) < tolerance(dtype), programs
         assert (out[new:] == 7.0).all()
+    # A graph lists padding blocks after the live ones; the eager step does not: the same numbers either way.
+    unpadded = torch.full_like(q, 7.0)
+    live = int((blocks[0] >= 0).sum())
+    extend_attention(q, k_cache, v_cache, unpadded, *meta, blocks[0][:live], blocks[1][:live], page,
+                     head_dim**-0.5, window=window, programs=programs)
+    assert torch.equal(unpadded, out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -247,3 +257,21 @@ def test_route_and_moe_reference_match_transformers(family: str) -> None:
                              renormalize=family != "qwen3_moe")
         out = fused_moe_reference(x[0], block.experts.gate_up_proj, block.experts.down_proj, weights, ids)
     assert torch.allclose(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pairs", [2, 40, 300, 2048])
+def test_align_by_expert_one_program_matches_torch(pairs: int) -> None:
+    g = torch.Generator().manual_seed(pairs)
+    for experts, block_m in ((8, 16), (128, 16), (60, 64)):
+        ids = torch.randint(0, experts // 3 if pairs == 300 else experts, (pairs,), generator=g,
+                            dtype=torch.int32).to(DEVICE)
+        one = align_in_one_program(ids, experts, block_m)
+        with_torch = align_with_torch(ids, experts, block_m)
+        for a, b in zip(one, with_torch):
+            assert torch.equal(a.cpu(), b.cpu()), (experts, block_m)
+        sorted_pairs, block_expert, total = (t.cpu() for t in one)
+        live = sorted_pairs[sorted_pairs < pairs].long()
+        assert sorted(live.tolist()) == list(range(pairs))  # every pair once
+        for row in range(int(total)):  # each pair sits in a block of its own expert
+            if sorted_pairs[row] < pairs:
+                assert ids.cpu()[sorted_pairs[row]] == block_expert[row // block_m]

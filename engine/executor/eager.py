@@ -16,6 +16,7 @@ import torch
 
 from common.protocol import Logprobs
 from engine.executor.inputs import build_inputs
+from engine.executor.label_scores import eager_scores
 from engine.model.decoder import CausalLM
 from engine.sampling import apply_penalties, sample, token_logprobs
 from engine.scheduler.plan import Completion, Plan, Row
@@ -123,7 +124,8 @@ class EagerExecutor:
         return Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
                           tuple(tokens.tolist()), time.perf_counter() - started,
                           logprobs=self._logprobs(sampled, logits, tokens),
-                          prompt_logprobs=self._prompt_logprobs(plan, hidden))
+                          prompt_logprobs=self._prompt_logprobs(plan, hidden),
+                          scores=eager_scores(plan, hidden, self.model.logits))
 
     def _copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
         if not copies:

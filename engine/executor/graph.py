@@ -8,9 +8,13 @@ waits for the device. The sampled token of each slot stays on the device, where 
 
 Graphs: one per decode capacity (1, 2, 4, ... max_active) and one per extend capacity (64-token steps up to 512,
 then 256-token steps, up to the prefill chunk plus a decode row per slot), so prefill and mixed steps are graphs
-too; one sampling graph per sequence capacity, greedy and random. Steps that ask for penalties, logprobs or prompt
-logprobs, and plans no graph holds, run eagerly on the model stream through EagerExecutor's step (the reference
-semantics), synchronously: these are the exceptions, not the hot path.
+too; one sampling graph per sequence capacity, greedy and random, each with and without grammar masks (a
+constrained step uploads its packed masks beside its frame and launches the masked variant). Scored prefills
+(decisions) run in the extend graphs: the logits of a row's last token are in the logits buffer, and one gather by
+flat index, uploaded with the step, reads their labels' (engine/executor/label_scores.py). Steps that ask for
+penalties, logprobs or prompt logprobs, label logits anywhere but at a row's last token, and plans no graph holds,
+run eagerly on the model stream through EagerExecutor's step (the reference semantics), synchronously: these are the
+exceptions, not the hot path.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from engine.executor.eager import EagerExecutor, kv_cache_shape
 from engine.executor.frames import Layout, PageTableMirror, host_views, make_layout, pack
 from engine.executor.graph_step import StaticBuffers, model_step, sample_step
 from engine.executor.inputs import has_penalty
+from engine.executor.label_scores import Query, assemble, graph_index
 from engine.model.decoder import CausalLM
 from engine.scheduler.plan import Completion, Plan
 
@@ -39,6 +44,7 @@ log = logging.getLogger("flare.engine")
 MAX_IN_FLIGHT = 2
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
 EVENT_DISABLE_TIMING = 2
+LABELS_PER_SEQUENCE = 32  # label logits a graph step reads, per sequence of its largest capacity
 
 
 def decode_capacities(max_active: int) -> list[int]:
@@ -58,6 +64,7 @@ class _Launched:
     plan: Plan
     frame: int
     kind: str  # the graph's: "decode" or "extend"
+    labels: tuple[Query, ...] = ()  # the label queries whose logits the step gathered
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,16 @@ class GraphExecutor:
         self._views = [{layout: host_views(frame, layout) for layout in layouts} for frame in self._host_np]
         self._out_host = [torch.zeros(max_seqs, dtype=torch.int64).pin_memory() for _ in range(MAX_IN_FLIGHT)]
         self._out_dev = [torch.zeros(max_seqs, dtype=torch.int64, device=device) for _ in range(MAX_IN_FLIGHT)]
+        # Label logits of scored prefills: flat indices into the logits buffer in, the values out, per frame.
+        self._vocab = model.config.vocab_size
+        self._max_labels = max_seqs * LABELS_PER_SEQUENCE
+        self._label_index_host = [torch.zeros(self._max_labels, dtype=torch.int64).pin_memory()
+                                  for _ in range(MAX_IN_FLIGHT)]
+        self._label_index = torch.zeros(self._max_labels, dtype=torch.int64, device=device)
+        self._label_dev = [torch.zeros(self._max_labels, device=device) for _ in range(MAX_IN_FLIGHT)]
+        self._label_host = [torch.zeros(self._max_labels).pin_memory() for _ in range(MAX_IN_FLIGHT)]
+        mask_shape = tuple(self._buffers.masks.shape)
+        self._masks_host = [torch.zeros(mask_shape, dtype=torch.int32).pin_memory() for _ in range(MAX_IN_FLIGHT)]
         self._model_stream = torch.cuda.Stream(device)
         self._copy_stream = torch.cuda.Stream(device)
         self._start = [runtime.eventCreate() for _ in range(MAX_IN_FLIGHT)]
@@ -133,8 +150,9 @@ class GraphExecutor:
         samplers = {layout.seqs: layout for layout in layouts}
         steps = [(layout, lambda layout=layout: model_step(self.model, self.kv_cache, self._buffers, layout,
                                                            self.page_size)) for layout in layouts]
-        steps += [((seqs, greedy), lambda layout=layout, greedy=greedy: sample_step(self._buffers, layout, greedy))
-                  for seqs, layout in samplers.items() for greedy in (True, False)]
+        steps += [((seqs, greedy, masked), lambda layout=layout, greedy=greedy, masked=masked:
+                   sample_step(self._buffers, layout, greedy, masked))
+                  for seqs, layout in samplers.items() for greedy in (True, False) for masked in (False, True)]
         steps.sort(key=lambda step: -(step[0].tokens if isinstance(step[0], Layout) else step[0][0]))
         scratch = np.zeros(self._buffers.frame.numel(), dtype=np.int32)
         for key, run in steps:
@@ -212,7 +230,7 @@ class GraphExecutor:
             graph.reset()
         self._graphs.clear()
         self._exec.clear()
-        del self.kv_cache, self._buffers, self._out_dev
+        del self.kv_cache, self._buffers, self._out_dev, self._label_index, self._label_dev
         torch.cuda.empty_cache()
         os.close(self.wake_fd)
         os.close(self._wake_write)
@@ -224,6 +242,10 @@ class GraphExecutor:
         if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets
                            for r in rows):
             return None
+        if any(row.scores for row in rows):
+            index = graph_index(plan, self._vocab)
+            if index is None or len(index[1]) > self._max_labels:
+                return None
         if all(row.tokens is None for row in rows):
             i = bisect.bisect_left(self._decode_caps, len(rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
@@ -239,16 +261,36 @@ class GraphExecutor:
         rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
         rt.eventRecord(self._start[k], model)
         rt.memcpyAsync(self._buffers.frame.data_ptr(), self._host[k].data_ptr(), words * 4, H2D, model)
+        if plan.masks:  # grammar masks, one row per plan row; rows past the plan are padding and sample nothing
+            self._masks_host[k].numpy().reshape(-1)[:len(plan.masks) // 4] = np.frombuffer(plan.masks, np.int32)
+            rt.memcpyAsync(self._buffers.masks.data_ptr(), self._masks_host[k].data_ptr(), len(plan.masks), H2D,
+                           model)
         rt.graphLaunch(self._exec[layout], model)
-        rt.graphLaunch(self._exec[(seqs, greedy)], model)
+        rt.graphLaunch(self._exec[(seqs, greedy, bool(plan.masks))], model)
+        labels = self._gather_labels(plan, k) if any(row.scores for row in plan.rows) else ()
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)
         rt.eventRecord(self._end[k], model)
         rt.streamWaitEvent(copy, self._end[k], 0)
         rt.memcpyAsync(self._out_host[k].data_ptr(), self._out_dev[k].data_ptr(), seqs * 8, D2H, copy)
+        if labels:
+            count = sum(len(query.token_ids) for query in labels)
+            rt.memcpyAsync(self._label_host[k].data_ptr(), self._label_dev[k].data_ptr(), count * 4, D2H, copy)
         rt.eventRecord(self._done[k], copy)
-        self._pending.append(_Launched(fence, plan, k, layout.kind))
+        self._pending.append(_Launched(fence, plan, k, layout.kind, labels))
         self._watch.put((fence, self._done[k]))
+
+    def _gather_labels(self, plan: Plan, k: int) -> tuple[Query, ...]:
+        """On the model stream, after the model graph: the queried labels' logits into frame k's label buffer."""
+        found, index = graph_index(plan, self._vocab)
+        count = len(index)
+        self._label_index_host[k].numpy()[:count] = index
+        self._rt.memcpyAsync(self._label_index.data_ptr(), self._label_index_host[k].data_ptr(), count * 8, H2D,
+                             self._model_stream.cuda_stream)
+        with torch.cuda.stream(self._model_stream):
+            torch.index_select(self._buffers.logits.view(-1), 0, self._label_index[:count],
+                               out=self._label_dev[k][:count])
+        return tuple(found)
 
     def _collect(self, step: _Launched) -> Completion:
         if self._failure is not None:
@@ -259,8 +301,10 @@ class GraphExecutor:
         start = self._rt.eventElapsedTime(self._origin, self._start[k])
         end = self._rt.eventElapsedTime(self._origin, self._end[k])
         self.spans.append((start, end, len(step.plan.rows), step.kind))
+        count = sum(len(query.token_ids) for query in step.labels)
+        scores = assemble(list(step.labels), self._label_host[k].numpy()[:count].tolist()) if count else ()
         return Completion(step.fence, tuple(s for s, _, _ in sampled), tuple(g for _, g, _ in sampled),
-                          tuple(t for _, _, t in sampled), (end - start) / 1000)
+                          tuple(t for _, _, t in sampled), (end - start) / 1000, scores=scores)
 
     def _run_eager(self, fence: int, plan: Plan) -> Completion:
         """The eager executor's step (page copies included) on the model stream; its tokens reaching the host end

@@ -13,7 +13,7 @@ from engine.executor.frames import Layout, device_views
 from engine.kernels.page_table import apply_patches
 from engine.model.attention import DecodeBatch, ExtendBatch, KernelMetadata
 from engine.model.decoder import CausalLM
-from engine.sampling import SamplingTensors, sample
+from engine.sampling import SamplingTensors, apply_token_mask, sample
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class StaticBuffers:
     slot_tokens: torch.Tensor  # int64 [slots + 1]: each slot's last sampled token; the last entry is padding's
     logits: torch.Tensor  # float32 [max_seqs, vocab]
     sampled: torch.Tensor  # int64 [max_seqs]: the step's tokens, one per sequence row
+    masks: torch.Tensor  # int32 [max_seqs, ceil(vocab / 32)]: grammar masks of a constrained step (engine/grammar.py)
 
     @classmethod
     def allocate(cls, words: int, slots: int, width: int, max_seqs: int, vocab: int,
@@ -31,7 +32,8 @@ class StaticBuffers:
                    torch.zeros(slots + 1, width, dtype=torch.int32, device=device),
                    torch.zeros(slots + 1, dtype=torch.int64, device=device),
                    torch.zeros(max_seqs, vocab, dtype=torch.float32, device=device),
-                   torch.zeros(max_seqs, dtype=torch.int64, device=device))
+                   torch.zeros(max_seqs, dtype=torch.int64, device=device),
+                   torch.full((max_seqs, (vocab + 31) // 32), -1, dtype=torch.int32, device=device))
 
 
 def step_metadata(views: dict[str, torch.Tensor], layout: Layout, page_tables: torch.Tensor,
@@ -57,11 +59,14 @@ def model_step(model: CausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, 
 
 
 @torch.inference_mode()
-def sample_step(buffers: StaticBuffers, layout: Layout, greedy: bool) -> None:
+def sample_step(buffers: StaticBuffers, layout: Layout, greedy: bool, masked: bool = False) -> None:
     """Draw one token per sequence row into buffers.sampled, and into slot_tokens for rows that sample (others
-    write the padding entry). The randomness is the explicit (seed, position) hash of engine/sampling.py."""
+    write the padding entry). The randomness is the explicit (seed, position) hash of engine/sampling.py.
+    `masked`: the rows' grammar masks, uploaded into buffers.masks before the launch, are applied first."""
     views = device_views(buffers.frame, layout)
     logits = buffers.logits[:layout.seqs]
+    if masked:
+        logits = apply_token_mask(logits, buffers.masks[:layout.seqs])
     if greedy:
         tokens = logits.argmax(dim=-1)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.model.attention import AttentionMetadata, PrefillSpan
@@ -30,6 +31,15 @@ class StepInputs:
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def sampled_masks(plan: Plan, device: torch.device) -> torch.Tensor | None:
+    """The grammar masks of the plan's sampled rows, or None when the step is unconstrained."""
+    if not plan.masks:
+        return None
+    masks = np.frombuffer(plan.masks, dtype=np.int32).reshape(len(plan.rows), -1)
+    rows = [i for i, row in enumerate(plan.rows) if row.sample]
+    return torch.from_numpy(masks[rows]).to(device)
 
 
 def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs:
@@ -80,6 +90,7 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
         repetition_penalty=_tensor([r.sampling.repetition_penalty for r in sampled], torch.float32, device),
         banned_rows=_tensor([i for i, r in enumerate(sampled) for _ in r.banned], torch.int64, device),
         banned_ids=_tensor([t for r in sampled for t in r.banned], torch.int64, device),
+        allowed=sampled_masks(plan, device),
         all_greedy=all(r.sampling.temperature == 0 for r in sampled),
         any_penalty=any(has_penalty(r.sampling) for r in sampled))
     return StepInputs(

@@ -24,6 +24,7 @@ import triton.language as tl
 from engine.kernels.decode_attention import LOG2E, NO_WINDOW, dot_precision
 
 BLOCK_M = 128  # new tokens per listed block
+NARROW = 16  # blocks of at most this many rows run in 16-row tiles
 MAX_SPLITS = 16
 MIN_SPLIT_TILES = 4  # a split walks at least this many key tiles
 
@@ -86,7 +87,7 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
             stride_ks, stride_kh, stride_table, scale_log2, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr,
-            MIN_SPLIT_TILES: tl.constexpr, PRECISION: tl.constexpr):
+            MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, IS_NARROW: tl.constexpr, PRECISION: tl.constexpr):
     item = tl.program_id(0)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
@@ -96,9 +97,11 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
     if block >= live:
         return
     seq = tl.load(block_seq_ptr + block)
-    row0 = tl.load(block_first_ptr + block) + tl.program_id(2) * TILE_M
+    first = tl.load(block_first_ptr + block)
+    row0 = first + tl.program_id(2) * TILE_M
     qlen = tl.load(qlen_ptr + seq)
-    if row0 >= qlen:
+    # Blocks of a few rows (decode rows, verify rows, a prompt's tail) take the narrow launch's small tiles.
+    if (row0 >= qlen) | ((qlen - first <= NARROW) != IS_NARROW):
         return
     ctx = tl.load(ctx_ptr + seq)
     rows_here = tl.minimum(qlen - row0, TILE_M)
@@ -140,7 +143,7 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
         o_offs = (qstart + i).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        r = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - tl.load(block_first_ptr + block)
+        r = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - first
         tl.store(part_ptr + r[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
         tl.store(lse_ptr + r, tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf")), mask=rows)
 
@@ -210,7 +213,8 @@ def target_programs(device: torch.device) -> int:
 
 def tile_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
     """(TILE_M, BLOCK_N, num_warps, num_stages): 128x64 tiles on eight warps for half types up to head_dim 128 (the
-    FlashAttention-2 shape on Hopper); smaller tiles where float32 or wide heads would spill registers."""
+    FlashAttention-2 shape on Hopper); smaller tiles where float32 or wide heads would spill registers. Narrow
+    blocks take NARROW-row tiles on four warps, with the same BLOCK_N."""
     if device.type != "cuda":
         return 64, 16, 4, 1
     if dtype == torch.float32:
@@ -240,19 +244,22 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = max(16, triton.next_power_of_2(head_dim))
     part = torch.empty(split_items * heads * BLOCK_M * head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(split_items * heads * BLOCK_M, dtype=torch.float32, device=q.device)
-    common = dict(BLOCK_M=BLOCK_M, TILE_M=tile_m, BLOCK_N=block_n,
-                  BLOCKS_POW2=triton.next_power_of_2(max(num_blocks, 1)), MAX_SPLITS=MAX_SPLITS,
-                  MIN_SPLIT_TILES=MIN_SPLIT_TILES)
     window = window if window > 0 else NO_WINDOW
-    _extend[(max(num_blocks, split_items), heads, BLOCK_M // tile_m)](
-        q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens, block_seq,
-        block_first, num_blocks, programs, q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
-        k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window, GROUP=heads // k_cache.shape[1],
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, PRECISION=dot_precision(q.dtype), num_warps=warps,
-        num_stages=stages, **common)
+    # One BLOCK_N for both launches and the merge: a block's key splits are counted in its tiles.
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                  BLOCKS_POW2=triton.next_power_of_2(num_blocks), MAX_SPLITS=MAX_SPLITS,
+                  MIN_SPLIT_TILES=MIN_SPLIT_TILES)
+    for narrow in (False, True):
+        _extend[(max(num_blocks, split_items), heads, 1 if narrow else BLOCK_M // tile_m)](
+            q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens,
+            block_seq, block_first, num_blocks, programs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
+            GROUP=heads // k_cache.shape[1], PAGE=page_size, TILE_M=NARROW if narrow else tile_m, NARROW=NARROW,
+            IS_NARROW=narrow, PRECISION=dot_precision(q.dtype), num_warps=4 if narrow else warps,
+            num_stages=stages, **common)
     _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
         out, part, lse, query_start, query_len, context_lens, block_seq, block_first, num_blocks, programs,
-        out.stride(0), out.stride(1), window, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **common)
+        out.stride(0), out.stride(1), window, TILE_M=tile_m, num_warps=8, **common)
 
 
 def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -52,26 +52,87 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids.to(torch.int32)
 
 
+ONE_PROGRAM_PAIRS = 2048  # up to this many pairs (decode batches) one Triton program aligns them in one launch
+ALIGN_CHUNK = 128
+
+
+def align_capacity(pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows the sorted list may need: each expert that has pairs wastes at most block_m - 1 rows, and at most
+    `pairs` experts have any."""
+    capacity = min(pairs + num_experts * (block_m - 1), pairs * block_m)
+    return -(-capacity // block_m) * block_m
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs (index t*K + k) sorted by expert, each expert's run padded to a multiple of block_m with the index
-    T*K (no pair); the expert of each block of block_m rows; and the padded total [1]. Blocks past the total are
-    listed (the buffer is sized for the worst case) and the kernels skip them."""
+    """Pairs (index t*K + k) sorted by expert, stable, each expert's run padded to a multiple of block_m with the
+    index T*K (no pair); the expert of each block of block_m rows; and the padded total [1]. Blocks past the total
+    are listed (the buffers are sized for the worst case) and the kernels skip them."""
     flat = topk_ids.flatten()
-    pairs = flat.numel()
-    # Each expert that has pairs wastes at most block_m - 1 rows, and at most `pairs` experts have any.
-    capacity = min(pairs + num_experts * (block_m - 1), pairs * block_m)
-    capacity = -(-capacity // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+    if flat.numel() <= ONE_PROGRAM_PAIRS:
+        return align_in_one_program(flat, num_experts, block_m)
+    return align_with_torch(flat, num_experts, block_m)
+
+
+@triton.jit
+def _align(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, pairs, capacity, num_experts, BLOCK_M: tl.constexpr,
+           E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    e = tl.arange(0, E_POW2)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([E_POW2], tl.int32)
+    for start in range(0, pairs, CHUNK):
+        ids = tl.load(ids_ptr + start + c, mask=start + c < pairs, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(total_ptr, tl.sum(padded, 0))
+    for start in range(0, capacity, CHUNK):
+        tl.store(sorted_ptr + start + c, c * 0 + pairs, mask=start + c < capacity)
+    blocks = capacity // BLOCK_M
+    for start in range(0, blocks, CHUNK):
+        b = start + c
+        expert = tl.sum((ends[None, :] <= (b * BLOCK_M)[:, None]).to(tl.int32), 1)  # searchsorted, right side
+        tl.store(block_expert_ptr + b, tl.minimum(expert, num_experts - 1), mask=b < blocks)
+    tl.debug_barrier()  # the padding fill lands before any pair's own row
+    taken = ends - padded  # the next free row of each expert
+    for start in range(0, pairs, CHUNK):
+        pair = start + c
+        ids = tl.load(ids_ptr + pair, mask=pair < pairs, other=-1)
+        onehot = (ids[:, None] == e[None, :]).to(tl.int32)
+        rank = tl.sum(tl.cumsum(onehot, 0) * onehot, 1) - 1  # earlier pairs of the same expert in this chunk
+        tl.store(sorted_ptr + tl.sum(onehot * taken[None, :], 1) + rank, pair, mask=pair < pairs)
+        taken += tl.sum(onehot, 0)
+
+
+def align_in_one_program(flat_ids: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align_by_expert in one launch: decode steps call it every layer, where a dozen small torch kernels cost more
+    than the experts' GEMMs."""
+    pairs = flat_ids.numel()
+    capacity = align_capacity(pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=flat_ids.device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat_ids.device)
+    total = torch.empty(1, dtype=torch.int32, device=flat_ids.device)
+    _align[(1,)](flat_ids.to(torch.int32), sorted_pairs, block_expert, total, pairs, capacity, num_experts,
+                 BLOCK_M=block_m, E_POW2=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=4)
+    return sorted_pairs, block_expert, total
+
+
+def align_with_torch(flat_ids: torch.Tensor, num_experts: int,
+                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """align_by_expert in torch operations (a device sort), for prefill-sized batches; no host sync either."""
+    pairs = flat_ids.numel()
+    capacity = align_capacity(pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids.long(), torch.ones_like(flat_ids, dtype=torch.int64))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
-    experts, order = torch.sort(flat, stable=True)
+    experts, order = torch.sort(flat_ids, stable=True)
     experts = experts.long()
-    rank = torch.arange(pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
-    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=flat.device)
+    rank = torch.arange(pairs, device=flat_ids.device) - (counts.cumsum(0) - counts)[experts]
+    sorted_pairs = torch.full((capacity,), pairs, dtype=torch.int32, device=flat_ids.device)
     sorted_pairs[(ends - padded)[experts] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, capacity, block_m, device=flat.device)
+    block_start = torch.arange(0, capacity, block_m, device=flat_ids.device)
     block_expert = torch.searchsorted(ends, block_start, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 

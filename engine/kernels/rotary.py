@@ -27,18 +27,17 @@ def _head_norm(x1, x2, w_ptr, j, jm, eps, HEAD_DIM: tl.constexpr, HALF: tl.const
                dtype: tl.constexpr):
     """RMSNorm of each head row (halves x1, x2 in float32). NORM 1 (Llama/Qwen3): the normalised row rounds before
     the weight multiplies it; 2 (Gemma 3): times (1 + w) in float32, rounded once."""
-    if NORM == 0:
-        return x1, x2
-    rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-    w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-    if NORM == 1:
-        x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype)
-        x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype)
-    else:
-        x1 = (x1 * rstd * (1.0 + w1)).to(dtype)
-        x2 = (x2 * rstd * (1.0 + w2)).to(dtype)
-    return x1.to(tl.float32), x2.to(tl.float32)
+    if NORM != 0:
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+        if NORM == 1:
+            x1 = (w1 * (x1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x2 = (w2 * (x2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        else:
+            x1 = (x1 * rstd * (1.0 + w1)).to(dtype).to(tl.float32)
+            x2 = (x2 * rstd * (1.0 + w2)).to(dtype).to(tl.float32)
+    return x1, x2
 
 
 @triton.jit

@@ -31,6 +31,9 @@ class Row:
     prompt_targets: tuple[int, ...] = ()
     epoch: int = 0  # the request's epoch when planned: commit refuses the plan if it changed
     banned: tuple[int, ...] = ()  # token ids the sampled token may not be (stop ids before min_tokens)
+    # A scored prefill's label queries in [start, start + length): (position, label token ids) whose logits the
+    # step reads at that position's hidden state. Such a row never samples.
+    scores: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,6 +43,9 @@ class Plan:
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
     shape: tuple[str, int] = ("", 0)  # (kind, capacity) whose cost the policy learns from this step's duration
+    # Grammar masks (engine/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
+    # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
+    masks: bytes = b""
 
     @property
     def num_tokens(self) -> int:
@@ -62,3 +68,5 @@ class Completion:
     error: str | None = None  # the step failed; its requests fail with this message
     logprobs: tuple[Logprobs | None, ...] = ()  # per sampled row, when its request asked
     prompt_logprobs: tuple[tuple[int, int, Logprobs], ...] = ()  # (slot, generation, logprobs) per row that asked
+    # (slot, generation, position, label logits) per label query of the plan's rows, in plan order.
+    scores: tuple[tuple[int, int, int, tuple[float, ...]], ...] = ()

@@ -55,7 +55,7 @@ class PrefixReuse:
         if request.sampling.prompt_logprobs is not None:
             return  # every prompt position must be computed to report its logprob
         history, size = request.history, self.page_size
-        limit = request.prefill_target - 1  # the last prompt token is always computed: its logits are sampled
+        limit = request.first_computed  # the position whose logits are read is always computed
         chain: list[Checkpoint] = []
         for k, key in enumerate(history.block_keys):
             if (k + 1) * size > limit or (found := self.cache.lookup(key)) is None:

@@ -52,6 +52,21 @@ class Request:
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
     finish_reason: str | None = None
+    # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
+    label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    label_logits: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # Structured output: the request's llguidance matcher (engine/grammar.py), advanced on every committed token.
+    # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
+    grammar: object | None = None
+
+    @property
+    def scored(self) -> bool:
+        return bool(self.label_queries)
+
+    @property
+    def first_computed(self) -> int:
+        """The first position whose hidden state the request reads: prefix reuse must stop before it."""
+        return min(p for p, _ in self.label_queries) if self.scored else self.prefill_target - 1
 
     @property
     def outputs(self) -> int:

@@ -185,8 +185,10 @@ class RequestScheduler:
                 request.phase = Phase.DECODE
 
     def _decode_candidates(self) -> list[Request]:
+        """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
+        (its mask depends on that step's token), while free ones keep a second step in flight."""
         return [r for r in self.slots if r is not None and r.phase is Phase.DECODE
-                and r.outputs_scheduled < r.max_outputs]
+                and r.outputs_scheduled < r.max_outputs and not (r.grammar is not None and r.in_flight)]
 
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is Phase.PREFILL]
@@ -219,6 +221,7 @@ class RequestScheduler:
         while needed > self.pages.free_count:
             if not self._preempt_one(request, planned):
                 return False
+            self.prefix.free_pages(needed)  # the victim's cached pages are unpinned now: evictable
         if needed > 0:
             request.pages.extend(self.pages.allocate(needed))
         return True
@@ -245,7 +248,7 @@ class RequestScheduler:
         start = request.scheduled
         end = start + length
         prefill = request.phase is Phase.PREFILL
-        samples = not prefill or end == request.prefill_target
+        samples = (not prefill or end == request.prefill_target) and not request.scored
         targets = ()
         if prefill and request.sampling.prompt_logprobs is not None:
             targets = tuple(request.tokens[start + 1:min(end + 1, request.prompt_len)])
@@ -256,7 +259,8 @@ class RequestScheduler:
             sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
             prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
             prompt_targets=targets, epoch=request.epoch,
-            banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else ())
+            banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else (),
+            scores=tuple((p, ids) for p, ids in request.label_queries if start <= p < end))
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
@@ -287,6 +291,7 @@ class RequestScheduler:
             request = self.slots[row.slot]
             if request is not None and request.generation == row.generation:
                 self.prefix.publish(request, row.start + row.length, completion.fence, self._try_allocate)
+        self._complete_scores(completion, plan, result)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
         for slot, generation, token, lp in zip(completion.slots, completion.generations, completion.tokens, logprobs):
             request = self.slots[slot]
@@ -301,6 +306,19 @@ class RequestScheduler:
             elif request.outputs >= request.max_outputs:
                 result.finished.append(self._finish(request, "length"))
         return result
+
+    def _complete_scores(self, completion: Completion, plan: Plan, result: StepResult) -> None:
+        """A scored prefill keeps the label logits it read and ends with the step that computed its prompt: it
+        never holds a slot for decoding. Logits are kept by position, so a recomputed chunk reads them again."""
+        for slot, generation, position, logits in completion.scores:
+            request = self.slots[slot]
+            if request is not None and request.generation == generation:
+                request.label_logits[position] = logits
+        for row in plan.rows:
+            request = self.slots[row.slot]
+            if request is not None and request.generation == row.generation and request.scored \
+                    and row.start + row.length == request.prefill_target:
+                result.finished.append(self._finish(request, "stop"))
 
     def _validate(self, completion: Completion, plan: Plan) -> None:
         """A completion must follow the last one and fit its plan; anything else is a broken executor."""

@@ -1,0 +1,121 @@
+"""Structured output in the engine (DESIGN.md, Beyond plain decoding): grammars compiled off the loop and cached,
+a matcher per constrained request, and the packed token masks a step's sampling applies.
+
+The grammar engine is llguidance: a grammar spec (kind, text) from the wire becomes an llguidance grammar, and a
+matcher built from it for this engine's tokenizer is the compiled form. Compiles run on a small thread pool (the
+library drops the GIL), so a slow one never stalls the loop; finished compiles wake the loop through `wake_fd`.
+Compiled matchers are cached by spec: each request gets a cheap deep copy of the cached, never-advanced one (the
+cache belongs to this engine's one tokenizer, so the tokenizer is part of every key implicitly).
+
+Masks are int32 words, bit i of word w allowing token 32 w + i, one row per plan row (all ones for rows that are
+not constrained), carried in the Plan as bytes so that tensor-parallel ranks receive them with the step.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+from engine.scheduler.plan import Plan
+
+CACHE_SIZE = 256  # compiled grammars kept (least recently used ones go first)
+COMPILE_THREADS = 2
+# Lexer work allowed per mask, about 70 ms at worst (the default, 200_000, is too little for the date-time format's
+# regex at some states); errors name the failure without echoing the parser state and the whole grammar.
+LIMITS = dict(step_lexer_fuel=1_000_000, verbose_errors=False)
+
+
+class GrammarError(ValueError):
+    """The spec does not compile for this tokenizer: a 400 for its request only."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # an llguidance grammar format: "json_schema", "regex", "choice", "lark", "gbnf", ...
+    text: str
+
+
+def mask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class GrammarCompiler:
+    """Compiles specs on worker threads; `take_done()` on the loop hands back what finished."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
+                                                eos_token=list(eos_token_ids) or None)
+        self.vocab_size = vocab_size
+        self._cache: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._done: collections.deque[tuple[object, Future]] = collections.deque()
+        self.wake_fd, self._wake_write = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        self.executor = llguidance.LLExecutor()  # computes a batch's masks in parallel, GIL released
+
+    def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A fresh matcher for the spec (blocking); raises GrammarError."""
+        with self._lock:
+            cached = self._cache.get(spec)
+            if cached is not None:
+                self._cache.move_to_end(spec)
+        if cached is None:
+            try:
+                grammar = llguidance.grammar_from(spec.kind, spec.text)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise GrammarError(str(exc)) from exc
+            cached = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                          limits=llguidance.LLParserLimits(**LIMITS))
+            if cached.is_error():
+                raise GrammarError(cached.get_error())
+            with self._lock:
+                self._cache[spec] = cached
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        return cached.deep_copy()
+
+    def submit(self, key: object, spec: GrammarSpec) -> None:
+        """Compile in the background; (key, future) comes back from take_done()."""
+        future = self._pool.submit(self.compile, spec)
+        future.add_done_callback(lambda f: self._finished(key, f))
+
+    def _finished(self, key: object, future: Future) -> None:
+        self._done.append((key, future))
+        os.write(self._wake_write, b"x")
+
+    def take_done(self) -> list[tuple[object, Future]]:
+        try:
+            os.read(self.wake_fd, 1 << 16)
+        except BlockingIOError:
+            pass
+        done = []
+        while self._done:
+            done.append(self._done.popleft())
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        os.close(self.wake_fd)
+        os.close(self._wake_write)
+
+
+def plan_masks(plan: Plan, matchers: dict[int, llguidance.LLMatcher], words: int,
+               executor: llguidance.LLExecutor) -> bytes:
+    """The plan's masks: one row per plan row, all ones except sampled rows of constrained slots (`matchers` maps
+    a slot to its request's matcher). Empty when no row is constrained. A matcher that fails to compute its mask
+    (a parser limit) is left in its error state, for the caller to end its request."""
+    constrained = [(matchers[row.slot], i) for i, row in enumerate(plan.rows) if row.sample and row.slot in matchers]
+    if not constrained:
+        return b""
+    masks = np.full((len(plan.rows), words), -1, dtype=np.int32)
+    fill_next_token_bitmask_par(executor, constrained, masks)
+    return masks.tobytes()
+
