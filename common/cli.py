@@ -162,9 +162,12 @@ def run(args: argparse.Namespace) -> int:
                      "--routing", args.routing]
     for replica in replicas:
         frontend_args += ["--engine", replica.address]
-    for flag in ("api_key", "capacity", "body_limit", "workers"):
+    for flag in ("api_key", "capacity", "body_limit", "workers", "max_images", "max_image_bytes",
+                 "max_image_pixels", "media_timeout"):
         if getattr(args, flag) is not None:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if args.allowed_media_domains:
+        frontend_args += ["--allowed-media-domains", *args.allowed_media_domains]
     frontends = {f"frontend {i}": spawn(frontend_args, output) for i in range(args.frontends)}
     stop = False
 
@@ -237,6 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--workers", type=int, help="template/tokenizer threads per frontend (default 2)")
     run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket); with "
                                                      "replicas, the first's, the others' derived from it")
+    run_parser.add_argument("--allowed-media-domains", nargs="*", help="domains remote image URLs may name "
+                                                                        "(default: none, data: URLs only)")
+    run_parser.add_argument("--max-images", type=int, help="images per request (frontend default 16)")
+    run_parser.add_argument("--max-image-bytes", type=int, help="encoded bytes per image (frontend default 16 MiB)")
+    run_parser.add_argument("--max-image-pixels", type=int, help="decoded pixels per image (frontend default 32M)")
+    run_parser.add_argument("--media-timeout", type=float, help="seconds to fetch a remote image (default 10)")
     engine_group = run_parser.add_argument_group("engine capacities (default: sized from the device's memory on a "
                                                  "GPU, the core's recipe on the CPU)")
     engine_group.add_argument("--max-active", type=int, help="live request slots per engine")

@@ -8,11 +8,12 @@ from pathlib import Path
 import msgspec
 
 from common.errors import CoreError
+from common.vision import ImageProcessing
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 # Model families the engine serves (engine/model/config.py).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_vl")
 # A decision model's settings and prompt template, carried into a core as they are (frontend/decision_prompts.py).
 DECISION_FILES = ("decision.json", "decision_template.jinja")
 
@@ -47,6 +48,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True):
     files: dict[str, str]  # relative path -> SHA-256 hex
     bos_token_id: int | None = None
     created: int = 0  # unix time of export
+    vision: ImageProcessing | None = None  # a vision core's image settings; None: text only
     quantization: str | None = None  # "q4", "q8" or "q4,q8": weights kept in groups of 32 (engine/model/quant.py)
 
     def __post_init__(self) -> None:

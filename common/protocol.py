@@ -55,6 +55,15 @@ class Hello(_Wire, tag="hello"):
     frontend_id: str
 
 
+class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One prepared image of a prompt (DESIGN.md, Images): its placeholder tokens start at `offset`."""
+
+    identity: bytes  # BLAKE2b-256 of the source bytes and the processor settings (common.vision)
+    offset: int  # prompt position of its first placeholder token
+    grid: list[int]  # (t, h, w) in patches
+    patches: bytes  # float32 rows of (3 * temporal * patch * patch), t*h*w of them
+
+
 class Submit(_Wire, tag="submit"):
     request_id: str
     prompt: list[int]
@@ -65,6 +74,7 @@ class Submit(_Wire, tag="submit"):
     # Outputs carry the logits of each query's label tokens, in query order.
     label_queries: list[LabelQuery] = []
     constraint: Constraint | None = None  # structured output; None: free text
+    images: list[ImageInput] = []  # in prompt order
 
 
 class Abort(_Wire, tag="abort"):

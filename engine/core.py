@@ -11,6 +11,8 @@ from dataclasses import replace
 import zmq
 
 from common import protocol as wire
+from common.mrope import mrope_delta
+from common.vision import ImageProcessing
 from engine.executor.base import Executor
 from engine.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
 from engine.scheduler.plan import Plan
@@ -26,11 +28,31 @@ FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are
 MAX_LABELS = 256  # label token ids one query of a scored prefill reads
 
 
+def image_problem(submit: wire.Submit, vision: ImageProcessing | None, model: str) -> str | None:
+    """Why a Submit's images cannot be run (the frontend's checks, repeated where a peer could be wrong)."""
+    if vision is None:
+        return f"the model '{model}' does not accept images (it is text only)"
+    end = 0
+    for i, image in enumerate(submit.images):
+        if len(image.grid) != 3 or min(image.grid) < 1 or image.grid[1] % vision.merge_size \
+                or image.grid[2] % vision.merge_size:
+            return f"image {i + 1}: grid {image.grid} is not a (t, h, w) grid of merged patches"
+        t, h, w = image.grid
+        tokens = vision.tokens(image.grid)
+        if len(image.patches) != 4 * t * h * w * vision.patch_dim:
+            return f"image {i + 1}: {len(image.patches)} bytes of patches for a {t}x{h}x{w} grid"
+        if image.offset < end or submit.prompt[image.offset:image.offset + tokens] != [vision.image_token_id] * tokens:
+            return f"image {i + 1}: its {tokens} placeholder tokens are not at prompt position {image.offset}"
+        end = image.offset + tokens
+    return None
+
+
 class Engine:
     def __init__(self, card: wire.ModelCard, executor: Executor, scheduler: RequestScheduler,
                  vocab_size: int, socket: zmq.Socket, telemetry: EngineTelemetry, telemetry_address: str,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, vision: ImageProcessing | None = None) -> None:
         self.card = card
+        self.vision = vision  # a vision model's image settings
         self.executor = executor
         self.scheduler = scheduler
         self.vocab_size = vocab_size
@@ -156,7 +178,9 @@ class Engine:
             min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
             arrival=time.monotonic(), message_ends=list(submit.message_ends),
             label_queries=[(q.position, tuple(q.token_ids)) for q in submit.label_queries],
-            grammar=grammar)
+            grammar=grammar, images=tuple(submit.images),
+            image_spans=tuple((i.offset, i.offset + self.vision.tokens(i.grid),
+                               mrope_delta([(i.offset, i.grid)], self.vision.merge_size)) for i in submit.images))
         request.last_commit = request.arrival
         self.scheduler.add(request)
         self._owned[identity].add(request.request_id)
@@ -192,6 +216,8 @@ class Engine:
                     min(query.token_ids) < 0 or max(query.token_ids) >= self.vocab_size:
                 return reject(400, f"a label query reads 1 to {MAX_LABELS} token ids in [0, {self.vocab_size}) at a "
                                    f"prompt position in [0, {len(submit.prompt)})")
+        if submit.images and (problem := image_problem(submit, self.vision, self.card.served_names[0])):
+            return reject(400, problem)
         if self.scheduler.get(submit.request_id) is not None or submit.request_id in self._compiling:
             return reject(400, f"request id {submit.request_id!r} is already in use")
         if submit.constraint is not None and self.grammars is None:

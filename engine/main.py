@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     grammars = GrammarCompiler(tokenizer.read_text(), model.config.vocab_size, manifest.eos_token_ids) \
         if tokenizer.is_file() else None
     engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address,
-                    grammars)
+                    grammars, manifest.vision)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
     log.info("loaded %s (%s, %s) on %s (%d threads) in %.1fs: %d KV pages of %d tokens, %d slots; listening on %s",

@@ -14,6 +14,7 @@ from common.errors import InvalidRequest
 from common.protocol import Constraint
 from frontend.errors_render import anthropic_error_event, as_flare_error
 from frontend.generation import Delta, Finish, GenerationRequest, merge
+from frontend.image_inputs import content_of, encode_chat, image_part, text_part
 from frontend.models_api import requested_model
 from frontend.model import EncodedChat, ServedModel
 from frontend.params import get_bool, get_int, get_stop
@@ -25,7 +26,7 @@ from frontend.structured import after_reasoning, one_of, response_format
 from frontend.tool_parsers import forced_call
 from frontend.tools import ToolCall, assistant_tool_call, check_tools, function_tool, tool_choice
 
-UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload")
+UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload")
 
 
 def text_of(content: object, where: str) -> str:
@@ -36,6 +37,17 @@ def text_of(content: object, where: str) -> str:
                                          and isinstance(b.get("text"), str) for b in content):
         return "".join(b["text"] for b in content)
     raise InvalidRequest(f"{where} must be a string or a list of text blocks", param=where.split("[")[0])
+
+
+def image_source_url(source: object, where: str) -> str:
+    """An image block's source as a URL: base64 becomes a data: URL (its media type checked with the bytes)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise InvalidRequest(f"{where} must be {{\"type\": \"base64\", \"media_type\", \"data\"}} or "
+                         f"{{\"type\": \"url\", \"url\"}}", param="messages")
 
 
 def conversation(body: dict) -> list[dict]:
@@ -61,12 +73,14 @@ def conversation(body: dict) -> list[dict]:
         if not isinstance(content, list) or not content:
             raise InvalidRequest(f"{where}.content must be a string or a non-empty list of content blocks",
                                  param="messages")
-        texts, calls, results, thoughts = [], [], [], []
+        parts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
+                parts.append(text_part(block["text"]))
+            elif kind == "image" and role == "user":
+                parts.append(image_part(image_source_url(block.get("source"), f"{at}.source")))
             elif kind == "tool_use" and role == "assistant" and isinstance(block.get("id"), str) \
                     and isinstance(block.get("name"), str) and isinstance(block.get("input"), dict):
                 calls.append(assistant_tool_call(block["id"], block["name"], block["input"]))
@@ -84,8 +98,8 @@ def conversation(body: dict) -> list[dict]:
                 raise InvalidRequest(f"{at}: invalid or unknown block for a {role} message "
                                      f"(type {str(kind)[:40]!r})", param="messages")
         result += results
-        if texts or calls or not results:
-            turn = {"role": role, "content": "".join(texts)}
+        if parts or calls or not results:
+            turn = {"role": role, "content": content_of(parts)}
             if calls:
                 turn["tool_calls"] = calls
             if thoughts:
@@ -149,7 +163,7 @@ async def encode(frontend: Frontend, body: dict
     thinking = thinking_enabled(body, frontend.model)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     extra = {"enable_thinking": thinking} if frontend.model.reasons else {}
-    encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, extra, prefill)
+    encoded = await encode_chat(frontend, messages, tools, True, extra, prefill)
     if frontend.model.reasons:
         constraint = after_reasoning(constraint, encoded.opens_reasoning)
     return encoded, tools, parse, thinking, constraint
@@ -205,7 +219,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     encoded, tools, parse, thinking, constraint = await encode(frontend, body)
     params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens)
     generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop_sequences"), encoded.message_ends,
-                                   time.time(), constraint)
+                                   time.time(), constraint, encoded.images)
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name,
                "content": []}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:

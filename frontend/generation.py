@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import ExecutionFailed
-from common.protocol import Constraint, Logprobs, SamplingParams, Submit
+from common.protocol import Constraint, ImageInput, Logprobs, SamplingParams, Submit
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
 from frontend.replicas import Replicas
 from frontend.metrics import RequestTimer
@@ -26,6 +26,7 @@ class GenerationRequest:
     message_ends: list[int] = field(default_factory=list)
     arrival: float = 0.0
     constraint: Constraint | None = None  # structured output (frontend/structured.py)
+    images: list[ImageInput] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
     """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
     request_id = uuid.uuid4().hex
     queue = await client.submit(Submit(request_id, request.prompt_ids, request.sampling, request.message_ends,
-                                       request.arrival, request.constraint))
+                                       request.arrival, images=request.images,
+                                       constraint=request.constraint))
     detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids, model.hidden_token_ids)
     stops = StopMatcher(request.stop)
     hidden_ids = set(request.sampling.stop_token_ids)

@@ -15,6 +15,7 @@ from aiohttp import web
 from common.errors import CoreError
 from frontend import (anthropic_api, chat_page, completions_api, decisions_api, models_api, ollama_api, openai_api,
                       responses_api)
+from frontend.image_decode import ImageLimits
 from frontend.metrics import EngineSnapshots, frontend_gauges, serve_metrics
 from frontend.decision_prompts import Decider
 from frontend.model import ServedModel
@@ -35,10 +36,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--core", type=Path, required=True, help="core directory (tokenizer, template, manifest)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=2, help="threads for template rendering and tokenization")
+    parser.add_argument("--workers", type=int, default=2, help="threads for template rendering, tokenization and images")
     parser.add_argument("--capacity", type=int, help="requests admitted at once (default: engine queue + slots)")
     parser.add_argument("--body-limit", type=int, default=32 << 20, help="largest request body, in bytes")
     parser.add_argument("--api-key", help="require this bearer token (or x-api-key)")
+    limits = ImageLimits()
+    parser.add_argument("--allowed-media-domains", nargs="*", default=[],
+                        help="domains (and their subdomains) remote image URLs may name; none: data: URLs only")
+    parser.add_argument("--max-images", type=int, default=limits.max_images, help="images per request")
+    parser.add_argument("--max-image-bytes", type=int, default=limits.max_bytes, help="encoded bytes per image")
+    parser.add_argument("--max-image-pixels", type=int, default=limits.max_pixels,
+                        help="decoded pixels per image (read from the header, before decoding)")
+    parser.add_argument("--media-timeout", type=float, default=limits.fetch_timeout,
+                        help="seconds to fetch one remote image")
     return parser.parse_args(argv)
 
 
@@ -59,7 +69,9 @@ async def serve(args: argparse.Namespace) -> None:
     client = Replicas(args.engine, args.routing)
     welcome = await client.start()
     capacity = args.capacity or (welcome.queue_capacity + welcome.max_active) * len(args.engine)
-    frontend = Frontend(model, client, args.workers, capacity, args.api_key)
+    image_limits = ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels,
+                               tuple(d.lower().rstrip(".") for d in args.allowed_media_domains), args.media_timeout)
+    frontend = Frontend(model, client, args.workers, capacity, args.api_key, image_limits)
     EngineSnapshots(lambda: [replica.telemetry for replica in client.replicas])
     frontend_gauges(lambda: (frontend.capacity, frontend.in_use), lambda: (args.workers, frontend.pool_busy))
     runner = web.AppRunner(create_app(frontend, args.body_limit), handler_cancellation=True, access_log=None,

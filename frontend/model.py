@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 
 from common.errors import InvalidRequest
 from common.manifest import DECISION_FILES, Manifest, load_manifest
+from common.protocol import ImageInput
 from frontend import reasoning, tool_parsers
 from frontend.detokenizer import special_token_ids
 from frontend.templates import ChatTemplate, TemplateError
@@ -30,6 +31,7 @@ class EncodedChat(NamedTuple):
     ids: list[int]
     message_ends: list[int]  # token positions where a message ended
     opens_reasoning: bool  # the prompt leaves <think> open: the reply starts inside its reasoning
+    images: list[ImageInput] = []  # prepared images, at their placeholders (frontend/image_inputs.py)
 
 
 class ServedModel:

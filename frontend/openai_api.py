@@ -14,6 +14,7 @@ from common.errors import InvalidRequest
 from common.protocol import Constraint
 from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
+from frontend.image_inputs import content_of, encode_chat, image_part, text_part
 from frontend.logprobs import token_logprobs, unpack
 from frontend.models_api import requested_model
 from frontend.params import get_bool, get_int, get_stop
@@ -98,19 +99,30 @@ def output_constraint(body: dict, forced_call_: Constraint | None, format_name: 
 
 
 # --- chat ---------------------------------------------------------------------------------------------------------
-def message_text(content: object, where: str) -> str | None:
+def image_url_of(part: dict) -> object:
+    """Chat's {"type": "image_url", "image_url": {"url": ...}} or Responses' {"type": "input_image",
+    "image_url": ...}."""
+    url = part.get("image_url")
+    return url.get("url") if isinstance(url, dict) else url
+
+
+def message_text(content: object, where: str, images: bool = False) -> str | list[dict] | None:
+    """A message's content: text parts joined, or, where `images` are allowed and present, the parts in order
+    (frontend/image_inputs.py)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
-                    or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise InvalidRequest(f"{where}.content: part type {str(kind)[:40]!r} is not supported by this model",
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
+                parts.append(text_part(part["text"]))
+            elif kind in ("image_url", "input_image") and images:
+                parts.append(image_part(image_url_of(part)))
+            else:
+                raise InvalidRequest(f"{where}.content: part type {str(kind)[:40]!r} is not supported here",
                                      param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        return content_of(parts)
     raise InvalidRequest(f"{where}.content must be a string or a list of parts", param="messages")
 
 
@@ -153,7 +165,7 @@ def chat_messages(body: dict) -> list[dict]:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise InvalidRequest(f"{where}.role must be one of {sorted(CHAT_ROLES)}, got {str(role)[:40]!r}",
                                  param="messages")
-        content = message_text(message.get("content"), where)
+        content = message_text(message.get("content"), where, images=role == "user")
         converted = {"role": "system" if role == "developer" else role, "content": content or ""}
         if role == "assistant" and message.get("tool_calls"):
             converted["tool_calls"] = past_tool_calls(message["tool_calls"], where)
@@ -208,15 +220,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if continue_final and (messages[-1]["role"] != "assistant" or body.get("add_generation_prompt")):
         raise InvalidRequest("'continue_final_message' needs a final assistant message and "
                              "'add_generation_prompt' not true", param="continue_final_message")
-    encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, add_generation_prompt,
-                                     template_kwargs(body), continue_final)
+    encoded = await encode_chat(frontend, messages, tools, add_generation_prompt, template_kwargs(body),
+                                continue_final)
     ids = encoded.ids
     constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     params = sampling_params(frontend.model, body, len(ids),
                              requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")
     arrival = time.time()
-    requests = [GenerationRequest(ids, choice_params(params, i), stop, encoded.message_ends, arrival, constraint)
+    requests = [GenerationRequest(ids, choice_params(params, i), stop, encoded.message_ends, arrival, constraint,
+                                  encoded.images)
                 for i in range(n)]
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:

@@ -17,6 +17,7 @@ from frontend.generation import Delta, Finish, GenerationRequest, merge
 from frontend.logprobs import TokenLogprob, token_logprobs, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
+from frontend.image_inputs import encode_chat
 from frontend.openai_api import message_text, output_constraint, request_tools
 from frontend.params import get_bool, get_stop, get_str
 from frontend.replies import ReplyFormat, parse_replies
@@ -54,7 +55,7 @@ def input_messages(body: dict, reasons: bool) -> list[dict]:
             if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
                 raise InvalidRequest(f"{where}.role must be one of {sorted(ROLES)}, got {str(item.get('role'))[:40]!r}",
                                      param="input")
-            content = message_text(item.get("content"), where)
+            content = message_text(item.get("content"), where, images=item["role"] == "user")
             if content is None:
                 raise InvalidRequest(f"{where}.content is required", param="input")
             if ROLES[item["role"]] == "assistant" and _open_turn(messages) and not messages[-1]["content"]:
@@ -247,7 +248,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     stream = get_bool(body, "stream", False)
     tools, parse_tools, forced = request_tools(body, True, frontend.model)
     constraint = output_constraint(body, forced, "text.format", text_format, flat=True)
-    encoded = await frontend.on_pool(frontend.model.encode_chat, messages, tools, True, {})
+    encoded = await encode_chat(frontend, messages, tools, True, {})
     constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     max_tokens = requested_max_tokens(body, "max_output_tokens")
     params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens, logprobs=logprobs)
@@ -263,7 +264,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "metadata": metadata}
     builder = ResponseBuilder(frontend.model, base, logprobs is not None)
     generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop"), encoded.message_ends, arrival,
-                                   constraint)
+                                   constraint, encoded.images)
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
         events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse_tools else None))
         if stream:

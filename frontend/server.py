@@ -16,6 +16,7 @@ from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, Frontend
                            NotFound, Unauthorized)
 from frontend.replicas import Replicas
 from frontend.errors_render import dialect_of, error_response
+from frontend.image_decode import ImageLimits
 from frontend.model import ServedModel
 
 log = logging.getLogger("flare.frontend")
@@ -32,8 +33,9 @@ class Frontend:
     """State shared by the handlers of one frontend process."""
 
     def __init__(self, model: ServedModel, client: Replicas, workers: int, capacity: int,
-                 api_key: str | None) -> None:
+                 api_key: str | None, image_limits: ImageLimits = ImageLimits()) -> None:
         self.model = model
+        self.image_limits = image_limits
         self.client = client
         self.capacity = capacity
         self.api_key = api_key
@@ -43,7 +45,7 @@ class Frontend:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontend-worker")
 
     async def on_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        """CPU work (template rendering, tokenization) on the bounded worker pool."""
+        """CPU work (template rendering, tokenization, images) on the bounded worker pool."""
         self.pool_busy += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)

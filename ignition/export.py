@@ -18,6 +18,8 @@ from tqdm import tqdm
 from common.errors import CoreError
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, load_manifest, sha256_file
 from common.manifest import DECISION_FILES, write_manifest
+from engine.model.config import text_config
+from ignition import qwen3_vl
 from ignition.families import core_tensors, expected_shapes, normalised_config
 from ignition.gguf_source import GgufSource
 from ignition.hf_source import HfSource, token_ids
@@ -118,13 +120,16 @@ def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], fa
             dtype=dtype,
             served_names=list(options.served_names) or source.default_names,
             checkpoint=source.checkpoint,
-            context_limit=min(int(config["max_position_embeddings"]), options.context_limit or sys.maxsize),
+            context_limit=min(int(text_config(config)["max_position_embeddings"]),
+                              options.context_limit or sys.maxsize),
             eos_token_ids=_unique(eos_ids + source.generation_eos_ids + token_ids(raw.get("eos_token_id"))),
             bos_token_id=raw["bos_token_id"] if isinstance(raw.get("bos_token_id"), int) else None,
             capacities=Capacities(),
             generation=source.generation,
             files={file.name: sha256_file(file) for file in sorted(staging.iterdir())},
             created=int(time.time()),
+            vision=qwen3_vl.image_processing(source.preprocessor, config, source.preprocessor_file)
+            if family == qwen3_vl.MODEL_TYPE else None,
             quantization=",".join(sorted(kinds)) or None,
         )
     except ValueError as exc:  # the Manifest's own checks

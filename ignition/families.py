@@ -18,11 +18,12 @@ import torch
 
 from common.errors import CoreError
 from engine.model.config import DecoderConfig
+from ignition import qwen3_vl
 
 # Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama; a multimodal Gemma 3 (`gemma3`)
 # exports its text model, without the vision tower.
 FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-          "mixtral": "mixtral", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text"}
+          "mixtral": "mixtral", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text", "qwen3_vl": "qwen3_vl"}
 # A multimodal checkpoint's text-model prefixes (original and transformers 5 layouts), and its other parts.
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
@@ -122,6 +123,8 @@ def expected_shapes(family: str, config: dict[str, object]) -> dict[str, tuple[i
     hidden, head = c.hidden_size, c.head_dim
     q, kv = c.num_heads * head, c.num_kv_heads * head
     shapes = {"model.embed_tokens.weight": (c.vocab_size, hidden), "model.norm.weight": (hidden,)}
+    if family == "qwen3_vl":
+        shapes |= qwen3_vl.vision_shapes(config)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, hidden)
     norms = ["input_layernorm", "post_attention_layernorm"]
@@ -155,6 +158,7 @@ def core_tensors(family: str, config: dict[str, object],
     num_experts = DecoderConfig.from_hf(family, config).num_experts
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # layer prefix -> {(expert, part): tensor}
     for name, tensor in tensors:
+        name = qwen3_vl.core_name(name) if family == "qwen3_vl" else name
         if name.startswith(_NOT_TEXT):
             continue
         prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)

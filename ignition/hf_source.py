@@ -42,6 +42,8 @@ class HfSource:
         except msgspec.ValidationError as exc:
             raise CoreError(f"{path / 'generation_config.json'}: {exc}") from None
         self.generation_eos_ids = token_ids(generation.get("eos_token_id"))
+        self.preprocessor_file = path / "preprocessor_config.json"  # a vision checkpoint's image processor
+        self.preprocessor = _read_json(self.preprocessor_file, required=self._raw.get("model_type") == "qwen3_vl")
         self._shards = self._find_shards()
 
     @property

@@ -15,12 +15,21 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
 from ignition.export import DTYPES
+from engine.model.config import text_config
 from ignition.families import expected_shapes, family_of
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # before SPECIALS, so eos stays last
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
                  "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
                  "{% endif %}")
+# Qwen2-VL's layout of a message's parts: each image part is its placeholder between vision markers.
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% else %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}")
 _LLAMA_3_1_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
 _GEMMA_3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
@@ -60,7 +69,20 @@ PRESETS: dict[str, dict[str, object]] = {
                     "query_pre_attn_scalar": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
                     "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_parameters": _GEMMA_3_ROPE,
                     "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True},
+    # Qwen3-VL-8B-Instruct: Qwen3-8B's shape with M-RoPE (t, h, w interleaved 24/20/20) and a 27-block tower.
+    "qwen3-vl-8b": {"model_type": "qwen3_vl", "tie_word_embeddings": False, "text_config": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                  "mrope_section": [24, 20, 20], "mrope_interleaved": True}},
+        "vision_config": {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                          "out_hidden_size": 4096, "num_position_embeddings": 2304, "patch_size": 16,
+                          "spatial_merge_size": 2, "temporal_patch_size": 2, "deepstack_visual_indexes": [8, 16, 24],
+                          "hidden_act": "gelu_pytorch_tanh"}},
 }
+# The vision presets' image processor (Qwen3-VL's preprocessor_config.json).
+SYNTH_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
+                      "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
 INIT_STD = 0.02  # Hugging Face's initializer_range for Llama
 
 
@@ -74,12 +96,22 @@ class SynthSource:
         self.checkpoint = f"synthetic/{preset}" + (f"-{layers}-layers" if layers else "")
         self.default_dtype = dtype
         self.default_names = [self.checkpoint.split("/")[1]]
-        self.chat_template = CHAT_TEMPLATE
         self.generation = GenerationDefaults()
-        vocab = int(PRESETS[preset]["vocab_size"])
-        self._config = {**PRESETS[preset], "bos_token_id": vocab - len(SPECIALS), "eos_token_id": vocab - 1}
+        preset_config = PRESETS[preset]
+        vision = "vision_config" in preset_config
+        self.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
+        self.specials = (VISION_SPECIALS if vision else ()) + SPECIALS
+        self.preprocessor = SYNTH_PREPROCESSOR if vision else {}
+        self.preprocessor_file = self.path
+        vocab = int(text_config(preset_config)["vocab_size"])
+        self._config = {**preset_config, "bos_token_id": vocab - len(SPECIALS), "eos_token_id": vocab - 1}
+        if vision:  # the placeholder ids are the vision specials' (byte_level_bpe puts the specials last)
+            first = vocab - len(self.specials)
+            self._config["text_config"] = dict(preset_config["text_config"])
+            self._config.update(vision_start_token_id=first, vision_end_token_id=first + 1,
+                                image_token_id=first + 2, video_token_id=first + 2)
         if layers:
-            self._config["num_hidden_layers"] = layers
+            (self._config["text_config"] if vision else self._config)["num_hidden_layers"] = layers
         self._family = family_of(self._config, self.path)
         # Norm weights start at a scale of one, as trained ones roughly do: Gemma stores w for a scale of 1 + w.
         self._norm_fill = 0.0 if self._family == "gemma3_text" else 1.0
@@ -91,7 +123,7 @@ class SynthSource:
         return dict(self._config)
 
     def write_tokenizer(self, target: Path) -> list[int]:
-        tokenizer = byte_level_bpe(int(self._config["vocab_size"]))
+        tokenizer = byte_level_bpe(int(text_config(self._config)["vocab_size"]), self.specials)
         tokenizer.save(str(target))
         return [tokenizer.token_to_id(SPECIALS[-1])]
 
@@ -107,7 +139,7 @@ class SynthSource:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         generator = torch.Generator(device).manual_seed(self._seed)
         for name, shape in self._shapes().items():
-            if name.endswith("norm.weight"):
+            if name.endswith(".weight") and "norm" in name.split(".")[-2]:  # RMSNorm, LayerNorm (norm1, ...)
                 yield name, torch.full(shape, self._norm_fill, dtype=self._dtype)
             else:
                 weight = torch.empty(shape, dtype=self._dtype, device=device)
@@ -120,12 +152,12 @@ class SynthSource:
         return expected_shapes(self._family, config)
 
 
-def byte_level_bpe(vocab_size: int) -> Tokenizer:
+def byte_level_bpe(vocab_size: int, specials: tuple[str, ...] = SPECIALS) -> Tokenizer:
     """A byte-level BPE of exactly `vocab_size` ids: bytes, merges (printable pieces first), special tokens."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: (not ch.isalnum(), ch))
-    regular = vocab_size - len(SPECIALS)
+    regular = vocab_size - len(specials)
     if regular < len(alphabet):
-        raise CoreError(f"a byte-level vocabulary needs more than {len(alphabet) + len(SPECIALS)} ids")
+        raise CoreError(f"a byte-level vocabulary needs more than {len(alphabet) + len(specials)} ids")
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     merges: list[tuple[str, str]] = []
     pieces = list(alphabet)
@@ -142,5 +174,5 @@ def byte_level_bpe(vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
     return tokenizer

@@ -11,6 +11,8 @@ MESSAGES = [
     wire.Hello(wire.PROTOCOL_VERSION, "frontend-1"),
     wire.Submit("r1", [1, 2, 3], wire.SamplingParams(temperature=0.0, seed=7, max_tokens=5, stop_token_ids=[2]),
                 [3], 12.5),
+    wire.Submit("r2", [7, 9, 9, 8], wire.SamplingParams(), [4], 1.0,
+                images=[wire.ImageInput(bytes(range(32)), 1, [1, 2, 4], b"\0" * 16)]),
     wire.Abort(["r1", "r2"]),
     wire.Goodbye("frontend-1"),
 ]

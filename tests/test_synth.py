@@ -40,3 +40,24 @@ def test_byte_level_bpe_has_the_exact_size_and_round_trips(size: int) -> None:
     assert tokenizer.get_vocab_size() == size
     text = "Grüße, world!\n<|im_start|>user"
     assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
+
+
+def test_qwen3_vl_8b_preset_is_qwen3_vl_8b_with_its_processor() -> None:
+    """The preset's config, placeholder tokens and processor settings, and the tower's shapes (meta device: the
+    8B weights are written only on the GPU machine, `bench/gpu_vision.py`)."""
+    from ignition.families import normalised_config
+    from ignition.qwen3_vl import image_processing, vision_shapes
+    from ignition.synth import SynthSource
+
+    source = SynthSource("qwen3-vl-8b", 1, "bfloat16", 0)
+    family, config = normalised_config(source.config(), source.path, "bfloat16", source.checkpoint)
+    settings = image_processing(source.preprocessor, config, source.preprocessor_file)
+    assert family == "qwen3_vl" and config["text_config"]["num_hidden_layers"] == 1
+    assert (settings.min_pixels, settings.max_pixels, settings.factor) == (65536, 16777216, 32)
+    tokenizer = byte_level_bpe(151936, source.specials)
+    assert tokenizer.token_to_id("<|image_pad|>") == settings.image_token_id
+    assert tokenizer.token_to_id("<|vision_start|>") == settings.vision_start_token_id
+    shapes = vision_shapes(config)
+    assert shapes["visual.pos_embed.weight"] == (2304, 1152)
+    assert shapes["visual.merger.linear_fc2.weight"] == (4096, 4608)
+    assert sum(name.startswith("visual.deepstack_merger_list.") for name in shapes) == 3 * 6

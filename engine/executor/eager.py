@@ -15,9 +15,11 @@ import time
 import torch
 
 from common.protocol import Logprobs
+from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
 from engine.executor.label_scores import eager_scores
 from engine.model.decoder import CausalLM
+from engine.model.qwen3_vl import VisionLanguageLM
 from engine.sampling import apply_penalties, sample, token_logprobs
 from engine.scheduler.plan import Completion, Plan, Row
 
@@ -111,7 +113,10 @@ class EagerExecutor:
         if step.device_token_rows.numel():
             input_ids[step.device_token_rows] = self.slot_tokens[step.device_token_slots]
         self._record_prompt_tokens(plan)
-        hidden = self.model(input_ids, step.positions, self.kv_cache, step.meta)
+        positions, images = step.positions, None
+        if isinstance(self.model, VisionLanguageLM):
+            positions, images = vision_step(self.model, plan, self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache, step.meta, images)
         logits = self.model.logits(hidden[step.sample_rows])
         logits = apply_penalties(logits, step.sampling, self.output_counts[step.sample_slots],
                                  self.seen[step.sample_slots])

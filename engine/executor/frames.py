@@ -116,7 +116,7 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     if layout.kind == "decode":
         _fill(views["token"], [-1] * len(rows), 0)
         _fill(views["token_slot"], [row.slot for row in rows], trash)
-        _fill(views["position"], [row.start for row in rows], 0)
+        _fill(views["position"], [row.start + row.rope_shift for row in rows], 0)
         _fill(views["slot_mapping"], [row.page_table[row.start // page_size] * page_size + row.start % page_size
                                       for row in rows], -1)
     else:
@@ -143,7 +143,7 @@ def _pack_tokens(rows: tuple[Row, ...], views: dict[str, np.ndarray], page_size:
             views["token"][first:end] = row.tokens
             views["token_slot"][first:end] = trash
         positions = np.arange(row.start, row.start + row.length)
-        views["position"][first:end] = positions
+        views["position"][first:end] = positions + row.rope_shift
         views["slot_mapping"][first:end] = np.asarray(row.page_table)[positions // page_size] * page_size + \
             positions % page_size
         first = end

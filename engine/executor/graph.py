@@ -240,7 +240,7 @@ class GraphExecutor:
         """The smallest graph that holds the plan, or None for a step that runs eagerly."""
         rows = plan.rows
         if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets
-                           for r in rows):
+                           or r.rope_shift is None for r in rows):
             return None
         if any(row.scores for row in rows):
             index = graph_index(plan, self._vocab)

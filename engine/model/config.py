@@ -6,6 +6,9 @@ A family is a set of features here plus, at most, a module for the layers only i
 - qwen2: bias on q/k/v; optional sliding-window layers.
 - qwen3: per-head RMSNorm on q and k; optional sliding-window layers.
 - qwen3_moe, mixtral: qwen3's / llama's attention, sparse mixture-of-experts MLP.
+- qwen3_vl: qwen3's text model (under the config's text_config) with multimodal rotary positions (M-RoPE: frequency
+  i turns by the token's t, h or w position, interleaved by mrope_section), plus the vision tower
+  (engine/model/qwen3_vl.py).
 - gemma3_text: (1 + w) RMSNorm, norms before and after attention and MLP, embeddings scaled by sqrt(hidden), GeLU-tanh
   MLP, attention scale from query_pre_attn_scalar, q/k norm, interleaved sliding-window and global layers with their
   own rope bases.
@@ -84,6 +87,7 @@ class DecoderConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
     layer_moe: tuple[bool, ...] = ()
+    mrope_section: tuple[int, ...] = ()  # M-RoPE: frequencies turned by t, h and w (interleaved); () plain rope
 
     @property
     def attention_scale(self) -> float:
@@ -96,6 +100,7 @@ class DecoderConfig:
     def from_hf(cls, family: str, config: dict, where: str = "config") -> DecoderConfig:
         if family not in FAMILIES:
             raise CoreError(f"{where}: unsupported architecture {family!r} (Flare serves {', '.join(FAMILIES)})")
+        config = text_config(config)
         heads = int(config["num_attention_heads"])
         layers = int(config["num_hidden_layers"])
         hidden = int(config["hidden_size"])
@@ -116,8 +121,10 @@ class DecoderConfig:
         base.update(ropes=distinct, layer_rope=tuple(distinct.index(r) for r in ropes))
         if family == "qwen2":
             base["qkv_bias"] = True
-        if family in ("qwen3", "qwen3_moe"):
+        if family in ("qwen3", "qwen3_moe", "qwen3_vl"):
             base.update(qk_norm=True, qkv_bias=bool(config.get("attention_bias", False)))
+        if family == "qwen3_vl":
+            base["mrope_section"] = tuple(int(n) for n in (config.get("rope_parameters") or {})["mrope_section"])
         if family == "llama":
             base["qkv_bias"] = bool(config.get("attention_bias", False))
         if family == "gemma3_text":
@@ -136,6 +143,14 @@ class DecoderConfig:
         if base.get("num_experts"):
             base["num_experts_per_tok"] = int(config["num_experts_per_tok"])
         return cls(**base)
+
+
+def text_config(config: dict) -> dict:
+    """A vision-language config's text model (its `text_config`, with the top level's word-embedding tying);
+    any other config is its own."""
+    if "text_config" not in config:
+        return config
+    return {**config["text_config"], "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
 
 
 def _ropes(config: dict, types: list[str], where: str) -> list[Rope]:

@@ -9,6 +9,8 @@ which is the GPU's and the one CUDA graphs capture: nothing on it waits for the 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -19,12 +21,13 @@ from engine.model.norms import GemmaRMSNorm, rms_norm
 from engine.parallel import layers as parallel
 from engine.parallel.group import TensorParallel
 
+if TYPE_CHECKING:
+    from engine.model.qwen3_vl import ImageFeatures
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, the first half of each head against the second: x * cos + rotate_half(x) * sin, where
-    rotate_half(x) = [-x2, x1] is written as [x2, x1] * [-sin1, sin2] (the same values, bit for bit, in fewer
-    operators: a decode step runs this twice per layer)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -43,14 +46,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """`sin` carries the sign of rotate_half: [-sin, sin] over the two halves of a head (see `rotate`)."""
         c = self.c
         q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
         k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         out = self.attn(q, k, v, k_cache, v_cache, meta)
         return self.o_proj(out.flatten(1))
 
@@ -192,41 +195,60 @@ class CausalLM(nn.Module):
         return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata | KernelMetadata) -> torch.Tensor:
-        """input_ids, positions [T]; kv_cache [layers, 2, slots, KVH, D]; returns final hidden states [T, E]."""
+                meta: AttentionMetadata | KernelMetadata, images: ImageFeatures | None = None) -> torch.Tensor:
+        """input_ids, positions [T]; kv_cache [layers, 2, slots, KVH, D]; returns final hidden states [T, E].
+        `images` (a vision-language model's prompt rows, engine/model/qwen3_vl.py) replace their tokens' embeddings
+        and add to the first layers' outputs."""
         if self.kernels:
             return self._forward_kernels(input_ids, positions, kv_cache,
-                                         meta.kernel if isinstance(meta, AttentionMetadata) else meta)
+                                         meta.kernel if isinstance(meta, AttentionMetadata) else meta, images)
+        rotations = self.rotations(positions)
+        x = self.embed(input_ids)
+        if images is not None:
+            x = images.splice(x)
+        for i, layer in enumerate(self.model.layers):
+            cos, sin = rotations[layer.self_attn.rope]
+            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+            if images is not None:
+                x = images.after_layer(i, x)
+        return self.model.norm(x)
+
+    def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [T, 1, D] per distinct rope, for positions [T]."""
         dtype = self.model.embed_tokens.weight.dtype
         rotations = []
         for inv_freq in self.inv_freqs:
             freqs = positions.float()[:, None] * inv_freq[None, :]
-            cos, sin = freqs.cos(), freqs.sin()
-            rotations.append((torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :],
-                              torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]))  # signed for `rotate`
-        x = self.embed(input_ids)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_cache):  # two operators a layer fewer than [i, 0]
-            cos, sin = rotations[layer.self_attn.rope]
-            x = layer(x, cos, sin, k_cache, v_cache, meta)
-        return self.model.norm(x)
+            angles = torch.cat((freqs, freqs), dim=-1)
+            rotations.append((angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]))
+        return rotations
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: KernelMetadata) -> torch.Tensor:
+                         meta: KernelMetadata, images: ImageFeatures | None = None) -> torch.Tensor:
         from engine.kernels.rmsnorm import add_rms_norm
 
         eps = self.config.rms_norm_eps
+        tables, positions = self.rope_inputs(positions)
         x, residual = self.embed(input_ids), None
+        if images is not None:
+            x = images.splice(x)
         for i, layer in enumerate(self.model.layers):
             h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps)
             attn = layer.self_attn
-            x = attn.forward_kernels(h, positions, self.rope_tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+            x = attn.forward_kernels(h, positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
             if layer.sandwich:
                 x = add_rms_norm(x, None, layer.post_attention_layernorm.kernel_weight(), eps)[0]
             h, residual = add_rms_norm(x, residual, layer.mlp_norm().kernel_weight(), eps)
             x = layer.mlp.forward_kernels(h)
             if layer.sandwich:
                 x = add_rms_norm(x, None, layer.post_feedforward_layernorm.kernel_weight(), eps)[0]
+            if images is not None:  # the layer's output is residual + x: adding to x adds to it
+                x = images.after_layer(i, x)
         return add_rms_norm(x, residual, self.model.norm.kernel_weight(), eps)[0]
+
+    def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The kernel path's rotary: a table per distinct rope, and the row of it each token reads."""
+        return self.rope_tables, positions
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -13,6 +13,8 @@ from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.quant import (RefinedLogits, codes_of, dequantize, dequantize_all, is_quantized, quantize_linears,
                                 quantized_view)
+from engine.model.qwen3_vl import VisionLanguageLM
+from engine.model.qwen3_vl_vision import VisionConfig
 from engine.model.sharding import Shard, read_weights
 from engine.parallel.group import TensorParallel
 
@@ -37,8 +39,11 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     if shard:
         config = shard.local_config(config)
     dtype = dtype or DTYPES[manifest.dtype]
+    if manifest.vision is not None and tp:
+        raise CoreError(f"{core}: tensor parallelism is not supported for vision models")
     with torch.device("meta"):
-        model = CausalLM(config, tp)
+        model = VisionLanguageLM(config, VisionConfig.from_hf(manifest.config["vision_config"])) \
+            if manifest.vision is not None else CausalLM(config, tp)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(core, manifest):
         state.update(read_weights(file, device, shard))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.protocol import Logprobs, SamplingParams
+from common.protocol import ImageInput, Logprobs, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,10 @@ class Row:
     # A scored prefill's label queries in [start, start + length): (position, label token ids) whose logits the
     # step reads at that position's hidden state. Such a row never samples.
     scores: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    images: tuple[ImageInput, ...] = ()  # the request's images (a vision model's prompt), shared, not copied
+    # Added to the positions for the rotary (a vision model's text after images); None: the row holds image tokens,
+    # whose positions only the eager step computes (engine/executor/images.py).
+    rope_shift: int | None = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -40,7 +40,10 @@ class PrefixReuse:
         self.held_for_copies: set[int] = set()
 
     def track(self, request: Request) -> None:
-        request.history = PrefixHistory(self.identity, self.page_size, request.tokens)
+        request.history = PrefixHistory(self.identity, self.page_size)
+        for image in request.images:  # an image's content keys every prefix that reaches its first token
+            request.history.add_event(image.offset, image.identity)
+        request.history.extend(request.tokens)
 
     def free_pages(self, needed: int) -> None:
         """Evict unpinned checkpoints (least recently used leaves first) until `needed` pages are free or

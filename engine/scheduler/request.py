@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from common.protocol import Logprobs, SamplingParams
+from common.protocol import ImageInput, Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
 from common.prefix_history import PrefixHistory
 
@@ -29,6 +29,10 @@ class Request:
     max_outputs: int  # output tokens allowed (max_tokens capped by the context)
     arrival: float
     message_ends: list[int] = field(default_factory=list)
+    images: tuple[ImageInput, ...] = ()  # prompt images, in order (DESIGN.md, Images)
+    # Their placeholder tokens [first, end), atomic for chunking, and how far each moves the M-RoPE position of the
+    # text after it (common/mrope.py).
+    image_spans: tuple[tuple[int, int, int], ...] = ()
     phase: Phase = Phase.WAITING
     slot: int = -1
     generation: int = 0
@@ -67,6 +71,26 @@ class Request:
     def first_computed(self) -> int:
         """The first position whose hidden state the request reads: prefix reuse must stop before it."""
         return min(p for p, _ in self.label_queries) if self.scored else self.prefill_target - 1
+
+    def atomic_length(self, start: int, length: int) -> int:
+        """`length` tokens from `start`, moved off the inside of an image span: a chunk stops before the span, or,
+        starting at or in it, takes it to its end (over the budget if need be), so its tower call happens once."""
+        end = start + length
+        for first, last, _ in self.image_spans:
+            if first < end < last:
+                return first - start if first > start else last - start
+        return length
+
+    def rope_shift(self, start: int, end: int) -> int | None:
+        """Positions start..end as plain rope positions: each M-RoPE position of text after images is its index
+        plus what those images moved it (t = h = w then). None when the range holds image tokens."""
+        shift = 0
+        for first, last, moved in self.image_spans:
+            if first < end and start < last:
+                return None
+            if last <= start:
+                shift += moved
+        return shift
 
     @property
     def outputs(self) -> int:

@@ -114,7 +114,7 @@ class RequestScheduler:
                 break
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
-            length = min(budget, request.prefill_target - request.scheduled)
+            length = request.atomic_length(request.scheduled, min(budget, request.prefill_target - request.scheduled))
             if not self._reserve(request, request.scheduled + length, planned):
                 break
             rows.append(self._row(request, length))
@@ -258,7 +258,8 @@ class RequestScheduler:
             page_table=tuple(request.pages[: -(-end // self.page_size)]),
             sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
             prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
-            prompt_targets=targets, epoch=request.epoch,
+            prompt_targets=targets, epoch=request.epoch, images=request.images,
+            rope_shift=request.rope_shift(start, end),
             banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else (),
             scores=tuple((p, ids) for p, ids in request.label_queries if start <= p < end))
 
