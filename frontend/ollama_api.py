@@ -31,13 +31,16 @@ CONFIG_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_co
 
 @cache
 def parameter_count(model: ServedModel) -> int:
-    """Summed from the safetensors headers (8-byte length, then JSON): no weights are read."""
+    """Summed from the safetensors headers (8-byte length, then JSON): no weights are read. A quantized weight
+    (engine/model/quant.py) counts its codes, two a byte in `.q4`, not its scales and minima."""
     total = 0
     for name in model.manifest.files:
         if name.endswith(".safetensors"):
             with (model.core / name).open("rb") as handle:
                 header = json.loads(handle.read(struct.unpack("<Q", handle.read(8))[0]))
-            total += sum(math.prod(t["shape"]) for key, t in header.items() if key != "__metadata__")
+            for key, tensor in header.items():
+                if key != "__metadata__" and not key.endswith((".scale", ".min")):
+                    total += math.prod(tensor["shape"]) * (2 if key.endswith(".q4") else 1)
     return total
 
 
@@ -52,7 +55,8 @@ def details(model: ServedModel) -> dict:
     manifest = model.manifest
     return {"parent_model": "", "format": "safetensors", "family": manifest.architecture,
             "families": [manifest.architecture], "parameter_size": human_count(parameter_count(model)),
-            "quantization_level": QUANTIZATION.get(manifest.dtype, manifest.dtype.upper())}
+            "quantization_level": (manifest.quantization or "").upper() or
+            QUANTIZATION.get(manifest.dtype, manifest.dtype.upper())}
 
 
 def modified_at(model: ServedModel) -> str:

@@ -23,6 +23,7 @@ from ignition import qwen3_vl
 from ignition.families import core_tensors, expected_shapes, normalised_config
 from ignition.gguf_source import GgufSource
 from ignition.hf_source import HfSource, token_ids
+from ignition.quantize import Blocks, quantizable, quantize
 from ignition.template_marks import annotate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,7 +48,8 @@ class Source(Protocol):
     def config(self) -> dict[str, object]: ...
     def write_tokenizer(self, target: Path) -> list[int]: ...
     def tensor_count(self) -> int: ...
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Blocks]]: ...
+    def quantized_bits(self, name: str) -> int | None: ...  # the width a weight keeps by default
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class ExportOptions:
     served_names: tuple[str, ...] = ()  # empty: derived from the source
     context_limit: int | None = None  # caps max_position_embeddings
     force: bool = False  # replace an existing OUT
+    quant: str | None = None  # "q4", "q8" or "none"; None: each weight as the source holds it
 
 
 def open_source(path: Path) -> Source:
@@ -96,8 +99,8 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
         shutil.rmtree(staging, ignore_errors=True)  # left by a killed run that had our pid
         staging.mkdir()
         try:
-            eos_ids = _write_files(source, family, config, DTYPES[dtype], staging, bar)
-            manifest = _manifest(source, options, raw, family, config, dtype, eos_ids, staging)
+            eos_ids, kinds = _write_files(source, family, config, DTYPES[dtype], options.quant, staging, bar)
+            manifest = _manifest(source, options, raw, family, config, dtype, eos_ids, staging, kinds)
             write_manifest(staging, manifest)
             load_manifest(staging)  # what every process will read must decode and validate
             _replace(staging, out)
@@ -108,7 +111,7 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
 
 
 def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], family: str,
-              config: dict[str, object], dtype: str, eos_ids: list[int], staging: Path) -> Manifest:
+              config: dict[str, object], dtype: str, eos_ids: list[int], staging: Path, kinds: set[str]) -> Manifest:
     try:
         return Manifest(
             format_version=FORMAT_VERSION,
@@ -127,16 +130,20 @@ def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], fa
             created=int(time.time()),
             vision=qwen3_vl.image_processing(source.preprocessor, config, source.preprocessor_file)
             if family == qwen3_vl.MODEL_TYPE else None,
+            quantization=",".join(sorted(kinds)) or None,
         )
     except ValueError as exc:  # the Manifest's own checks
         raise CoreError(f"{source.path}: cannot make a valid manifest: {exc}") from None
 
 
-def _write_files(source: Source, family: str, config: dict[str, object], dtype: torch.dtype, staging: Path,
-                 bar: tqdm) -> list[int]:
-    """Write tokenizer, annotated template and weights into `staging`; return the tokenizer's EOS ids."""
+def _write_files(source: Source, family: str, config: dict[str, object], dtype: torch.dtype, quant: str | None,
+                 staging: Path, bar: tqdm) -> tuple[list[int], set[str]]:
+    """Write tokenizer, annotated template and weights into `staging`; return the tokenizer's EOS ids and the
+    quantized kinds written ("q4", "q8")."""
     shapes = expected_shapes(family, config)
     weights: dict[str, torch.Tensor] = {}
+    written: set[str] = set()
+    kinds: set[str] = set()
     bar.set_postfix_str("tokenizer")
     eos_ids = source.write_tokenizer(staging / TOKENIZER_NAME)
     (staging / TEMPLATE_NAME).write_text(annotate(source.chat_template), encoding="utf-8")
@@ -152,8 +159,19 @@ def _write_files(source: Source, family: str, config: dict[str, object], dtype: 
         if tuple(tensor.shape) != shapes[name]:
             raise CoreError(f"{source.path}: {name} has shape {tuple(tensor.shape)}, "
                             f"the config says {shapes[name]}")
-        weights[name] = tensor.to(dtype).contiguous()
-    missing = sorted(shapes.keys() - weights.keys())
+        bits = {"q4": 4, "q8": 8, "none": None}[quant] if quant else source.quantized_bits(name)
+        if isinstance(tensor, Blocks) and bits is None:
+            tensor = tensor.dequantize()
+        elif not isinstance(tensor, Blocks) and bits is not None and quantizable(tensor):
+            tensor = quantize(tensor, bits)
+        if isinstance(tensor, Blocks):
+            tensor = tensor.with_bits(bits)
+            weights.update(tensor.core_tensors(name))
+            kinds.add(f"q{tensor.bits}")
+        else:
+            weights[name] = tensor.to(dtype).contiguous()
+        written.add(name)
+    missing = sorted(shapes.keys() - written)
     if missing:
         raise CoreError(f"{source.path}: missing tensor {missing[0]} ({len(missing)} missing in all)")
     bar.set_postfix_str(WEIGHTS_NAME)
@@ -161,7 +179,7 @@ def _write_files(source: Source, family: str, config: dict[str, object], dtype: 
     # safetensors writes its file owner-only; a core is read by other users' server processes too.
     (staging / WEIGHTS_NAME).chmod((staging / TEMPLATE_NAME).stat().st_mode)
     bar.update()
-    return eos_ids
+    return eos_ids, kinds
 
 
 def _counted(tensors: Iterator[tuple[str, torch.Tensor]], bar: tqdm) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""A GGUF file (llama.cpp's format) as an ignition source: metadata, tokenizer and dequantized weights."""
+"""A GGUF file (llama.cpp's format) as an ignition source: metadata, tokenizer, and weights as blocks or dequantized."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
+from ignition.quantize import Blocks, gguf_blocks, unpermute_rows
 
 # GGUF architectures read, each as the Hugging Face model_type transformers gives its config.
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
@@ -86,6 +87,7 @@ class GgufSource:
         if heads is None:
             raise CoreError(f"{path}: no {architecture}.attention.head_count in the GGUF metadata")
         self._heads = (int(heads), int(kv_heads if kv_heads is not None else heads))
+        self._types: dict[str, str] = {}  # GGUF type of each tensor yielded, by name
 
     @property
     def default_names(self) -> list[str]:
@@ -140,25 +142,40 @@ class GgufSource:
     def tensor_count(self) -> int:
         return len(self._reader.tensors)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantized fp32 tensors under Hugging Face names, undoing what llama.cpp's converter did: Llama's q/k
-        rows back in Hugging Face order, Gemma's norm weights back from 1 + w to w."""
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Blocks]]:
+        """Tensors under Hugging Face names, undoing what llama.cpp's converter did: Llama's q/k rows back in
+        Hugging Face order, Gemma's norm weights back from 1 + w to w. Q4_0, Q4_1 and Q8_0 matrices come as their
+        blocks (ignition/quantize.py), every other tensor dequantized to fp32."""
         from gguf import dequantize
 
         heads, kv_heads = self._heads
         for tensor in self._reader.tensors:
             name = self._hf_name(tensor.name)
+            self._types[name] = tensor.tensor_type.name
+            unpermute = None
+            if self._arch == "llama" and name.endswith("q_proj.weight"):
+                unpermute = lambda w: _unpermute(w, heads)  # noqa: E731
+            elif self._arch == "llama" and name.endswith("k_proj.weight"):
+                unpermute = lambda w: _unpermute(w, kv_heads)  # noqa: E731
+            shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest dimension first
+            blocks = gguf_blocks(tensor.data, tensor.tensor_type.name, shape) if len(shape) == 2 else None
+            if blocks is not None:
+                yield name, unpermute_rows(blocks, unpermute) if unpermute else blocks
+                continue
             try:
                 weights = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             except Exception as exc:
                 raise CoreError(f"{self.path}: cannot dequantize {tensor.name}: {exc}") from None
-            if self._arch == "llama" and name.endswith("q_proj.weight"):
-                weights = _unpermute(weights, heads)
-            elif self._arch == "llama" and name.endswith("k_proj.weight"):
-                weights = _unpermute(weights, kv_heads)
-            elif self._arch == "gemma3" and name.endswith("norm.weight"):
+            if self._arch == "gemma3" and name.endswith("norm.weight"):
                 weights = weights - 1
-            yield name, torch.from_numpy(weights)
+            yield name, torch.from_numpy(unpermute(weights) if unpermute else weights)
+
+    def quantized_bits(self, name: str) -> int | None:
+        """The bit width a weight keeps by default (its GGUF type's): None for a float type."""
+        kind = self._types.get(name, "F32")  # a name export derived (stacked experts) stays dense
+        if kind in ("F32", "F16", "BF16", "F64"):
+            return None
+        return 4 if kind.startswith(("Q4", "IQ4", "Q3", "IQ3", "Q2", "IQ2", "IQ1")) else 8
 
     def _hf_name(self, gguf_name: str) -> str:
         base = gguf_name.removesuffix(".weight")

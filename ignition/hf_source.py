@@ -69,6 +69,9 @@ class HfSource:
         token_id = tokenizer.token_to_id(content) if isinstance(content, str) else None
         return [token_id] if token_id is not None else []
 
+    def quantized_bits(self, name: str) -> int | None:
+        return None  # dense weights stay dense unless export is asked for --quant
+
     def tensor_count(self) -> int:
         count = 0
         for shard in self._shards:

@@ -58,7 +58,12 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
     command.add_argument("source", type=Path, metavar="SOURCE", help="a .gguf file or a Hugging Face directory")
     command.add_argument("out", type=Path, metavar="OUT", help="the core directory to create")
     command.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                         help="weight dtype (default: float32 for GGUF, the checkpoint's own otherwise)")
+                         help="dtype of dense weights and activations (default: float32 for GGUF, the checkpoint's "
+                              "own otherwise); given without --quant, every weight is dense")
+    command.add_argument("--quant", choices=("q4", "q8", "none"),
+                         help="keep linear and embedding weights in 4- or 8-bit groups of 32, run by the CPU's int4 "
+                              "kernel (default: a GGUF's own precision, Q4_0/Q4_1/Q8_0 blocks exactly; none for "
+                              "a Hugging Face checkpoint or with --dtype)")
     command.add_argument("--served-name", dest="served_names", action="extend", nargs="+", default=[],
                          metavar="NAME", help="model names clients may ask for (default: derived from SOURCE)")
     command.add_argument("--context-limit", type=_positive, metavar="N",
@@ -71,11 +76,13 @@ def _export(args: argparse.Namespace) -> None:
     from ignition.export import ExportOptions, export
 
     started = time.monotonic()
+    quant = args.quant or ("none" if args.dtype else None)
     options = ExportOptions(dtype=args.dtype, served_names=tuple(args.served_names),
-                            context_limit=args.context_limit, force=args.force)
+                            context_limit=args.context_limit, force=args.force, quant=quant)
     manifest = export(args.source, args.out, options)
     size = sum(file.stat().st_size for file in args.out.iterdir())
-    print(f"ignition: wrote {args.out} ({', '.join(manifest.served_names)}; {manifest.dtype}; "
+    precision = f"{manifest.dtype}, {manifest.quantization}" if manifest.quantization else manifest.dtype
+    print(f"ignition: wrote {args.out} ({', '.join(manifest.served_names)}; {precision}; "
           f"{size / 2**20:.0f} MiB) in {time.monotonic() - started:.1f} s")
 
 

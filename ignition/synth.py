@@ -127,6 +127,9 @@ class SynthSource:
         tokenizer.save(str(target))
         return [tokenizer.token_to_id(SPECIALS[-1])]
 
+    def quantized_bits(self, name: str) -> int | None:
+        return None  # dense weights stay dense unless export is asked for --quant
+
     def tensor_count(self) -> int:
         return len(self._shapes())
 

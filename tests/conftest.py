@@ -31,6 +31,20 @@ def core_dir() -> Path:
     return core
 
 
+@pytest.fixture(scope="session")
+def fp32_core_dir(core_dir: Path) -> Path:
+    """The default model with fp32 weights (transformers' parity and tensor parallelism need one): FLARE_FP32_CORE,
+    else cores/smollm2-135m-fp32 (make core builds both), else the default core when it is itself dense."""
+    from common.manifest import load_manifest
+
+    core = Path(os.environ.get("FLARE_FP32_CORE", ROOT / "cores" / "smollm2-135m-fp32"))
+    if (core / "manifest.json").is_file():
+        return core
+    if load_manifest(core_dir).quantization is None:
+        return core_dir
+    pytest.skip(f"no fp32 core at {core} (make core builds it)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -13,7 +13,9 @@ import pytest
 
 from common.manifest import load_manifest, sha256_file, write_manifest
 from tests.conftest import Server
-from tests.test_parity import reference  # noqa: F401 (the fixture: transformers' Llama on the core's weights)
+# The fixtures: transformers' Llama on the fp32 core's weights, and a server of that core (answers are compared to
+# transformers' within 1e-4, which a quantized core's bfloat16 products do not meet).
+from tests.test_parity import reference, server  # noqa: F401
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.errors import CoreError
 from common.manifest import load_manifest
+from engine.executor.eager import kv_cache_shape
+from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model.loader import load_model
+from engine.model.quant import dequantize_all
 from ignition.export import ExportOptions, export
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,6 +275,45 @@ def test_smollm2_gguf_matches_transformers(tmp_path: Path) -> None:
                  "def f(x):\n    return x ** 2  # 12345"]:
         assert tokenizer.encode(text).ids == reference(text).input_ids, text
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    # The core keeps the Q4_1 and Q8_0 blocks; dequantized, they are transformers' own fp32 weights, bit for bit.
+    assert manifest.quantization == "q4,q8"
     expected, exported = model.state_dict(), load_file(core / "model.safetensors")
+    dequantize_all(exported)
     assert exported.keys() == expected.keys() - {"lm_head.weight"}
     assert all(torch.equal(exported[name], expected[name]) for name in exported)
+
+
+@pytest.mark.parametrize("quant", ["q8", "q4"])
+def test_quant_export_of_a_dense_gguf_loads_and_runs_close_to_the_dense_core(gguf_file: Path, tmp_path: Path,
+                                                                              quant: str) -> None:
+    dense, quantized = tmp_path / "dense", tmp_path / quant
+    assert _ignition("export", gguf_file, dense).returncode == 0
+    result = _ignition("export", gguf_file, quantized, "--quant", quant)
+    assert result.returncode == 0, result.stderr
+    assert f"float32, {quant}" in result.stdout
+    assert load_manifest(dense).quantization is None and load_manifest(quantized).quantization == quant
+    ids = torch.tensor([1, 5, 9, 30])
+    logits = []
+    for core in (dense, quantized):
+        model = load_model(core, torch.device("cpu"))[1]
+        kv = torch.zeros(kv_cache_shape(model, 1, 64))
+        meta = AttentionMetadata(torch.arange(4), torch.empty(0, dtype=torch.int64),
+                                 torch.zeros(0, 1, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
+                                 (PrefillSpan(0, 4, 4, torch.tensor([0])),), 64)
+        with torch.inference_mode():
+            logits.append(model.logits(model(ids, torch.arange(4), kv, meta)))
+    assert logits[0].shape == logits[1].shape
+    # Round to nearest in groups of 32 moves each weight by half a step: 1/510 of its group's range at 8 bits,
+    # 1/30 at 4; the tiny model's logits follow within a few times that.
+    assert (logits[0] - logits[1]).abs().max() < (0.05 if quant == "q8" else 0.6) * logits[0].abs().max()
+
+
+def test_quantized_core_refuses_tensor_parallelism(gguf_file: Path, tmp_path: Path) -> None:
+    core = tmp_path / "q8"
+    assert _ignition("export", gguf_file, core, "--quant", "q8").returncode == 0
+
+    class TwoRanks:
+        rank, world_size = 0, 2
+
+    with pytest.raises(CoreError, match="runs on one rank"):
+        load_model(core, torch.device("cpu"), tp=TwoRanks())

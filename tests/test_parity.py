@@ -1,4 +1,4 @@
-"""Greedy tokens from the running server equal Hugging Face transformers' on the same fp32 weights.
+"""Greedy tokens from a server of the fp32 core equal Hugging Face transformers' on the same weights.
 
 transformers is a test dependency only: it renders the prompt (apply_chat_template) and runs its own LlamaForCausalLM
 on the core's safetensors, so both the prompt tokens and the 48 generated tokens are checked independently.
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from common.manifest import load_manifest
+from tests.conftest import Server
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +33,18 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def reference(core_dir: Path):
+def server(fp32_core_dir: Path):
+    server = Server(fp32_core_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(fp32_core_dir: Path):
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    core_dir = fp32_core_dir
     manifest = load_manifest(core_dir)
     model = LlamaForCausalLM(LlamaConfig(**manifest.config)).eval().float()
     state = {}

@@ -275,7 +275,8 @@ def check_against_single_rank(core: Path, served: list[tuple[list[int], list[int
 
 
 @pytest.mark.slow
-def test_smollm2_over_two_ranks_equals_one_then_a_clean_stop(core_dir: Path) -> None:
+def test_smollm2_over_two_ranks_equals_one_then_a_clean_stop(fp32_core_dir: Path) -> None:
+    core_dir = fp32_core_dir
     server = Server(core_dir, "--tp", "2")
     try:
         served = chat_tokens(server, CHATS)
@@ -286,7 +287,8 @@ def test_smollm2_over_two_ranks_equals_one_then_a_clean_stop(core_dir: Path) -> 
 
 
 @pytest.mark.slow
-def test_smollm2_over_three_ranks_equals_one_then_a_rank_dies_mid_stream(core_dir: Path) -> None:
+def test_smollm2_over_three_ranks_equals_one_then_a_rank_dies_mid_stream(fp32_core_dir: Path) -> None:
+    core_dir = fp32_core_dir
     server = Server(core_dir, "--tp", "3")
     try:
         served = chat_tokens(server, CHATS)

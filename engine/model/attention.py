@@ -8,7 +8,7 @@ graph) through to the attention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
 import torch
@@ -38,6 +38,15 @@ class AttentionMetadata:
     def kernel(self) -> KernelMetadata:
         """The same step as the kernels read it; built once per step, shared by every layer."""
         return kernel_metadata(self)
+
+    @cached_property
+    def decode(self) -> SequenceBatch:
+        """The decode rows as the torch path reads them; built once per step, shared by every layer."""
+        return decode_batch(self)
+
+    @cached_property
+    def prefill(self) -> SequenceBatch:
+        return prefill_batch(self)
 
 
 @dataclass(frozen=True)
@@ -126,11 +135,64 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def gather_pages(cache: torch.Tensor, page_tables: torch.Tensor, page_size: int) -> torch.Tensor:
-    """[slots, H, D] cache and [B, P] tables -> [B, P*page_size, H, D] keys or values, in token order."""
+def page_slots(page_tables: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[B, P] page tables -> [B, P*page_size] cache slots, in token order."""
     offsets = torch.arange(page_size, device=page_tables.device)
-    slots = (page_tables.unsqueeze(-1) * page_size + offsets).flatten(1)
-    return cache[slots]
+    return (page_tables.unsqueeze(-1) * page_size + offsets).flatten(1)
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """Sequences padded to one shape, so that one SDPA call serves them all: the step rows of each sequence's
+    queries, the cache slots of its keys, and which keys each query sees (None: all of them)."""
+
+    rows: torch.Tensor  # [S, L] step row of each query; padding repeats the sequence's last row
+    valid: torch.Tensor | None  # [S, L] False for padding; None when there is none
+    slots: torch.Tensor  # [S, C] cache slot of each key; past a sequence's context, any slot (masked out)
+    mask: torch.Tensor | None  # [S, 1, L, C]
+    query_pos: torch.Tensor  # [S, L] position of each query
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer with a sliding window (keys after p - window for the query at p), built once per
+        step and window, shared by every layer with that window."""
+        if window is None:
+            return self.mask
+        if window not in self._windowed:
+            keys = torch.arange(self.slots.shape[1], device=self.slots.device)
+            near = (keys[None, None, :] > self.query_pos[:, :, None] - window)[:, None]
+            self._windowed[window] = near if self.mask is None else self.mask & near
+        return self._windowed[window]
+
+
+def decode_batch(meta: AttentionMetadata) -> SequenceBatch:
+    lens = meta.decode_context_lens
+    width = int(lens.max())
+    slots = page_slots(meta.decode_page_tables, meta.page_size)[:, :width]
+    # One sequence sees its whole gathered context; several need a mask where their lengths differ.
+    mask = None
+    if int(lens.min()) != width:
+        mask = (torch.arange(width, device=lens.device) < lens.unsqueeze(1))[:, None, None, :]
+    return SequenceBatch(meta.decode_rows[:, None], None, slots, mask, (lens - 1)[:, None])
+
+
+def prefill_batch(meta: AttentionMetadata) -> SequenceBatch:
+    spans = meta.prefills
+    device = meta.slot_mapping.device
+    length = max(span.length for span in spans)
+    width = max(span.context_len for span in spans)
+    pages = max(span.page_table.numel() for span in spans)
+    tables = torch.stack([F.pad(span.page_table, (0, pages - span.page_table.numel())) for span in spans])
+    slots = page_slots(tables, meta.page_size)[:, :width]
+    starts = torch.tensor([span.start for span in spans], device=device)[:, None]
+    lengths = torch.tensor([span.length for span in spans], device=device)[:, None]
+    contexts = torch.tensor([span.context_len for span in spans], device=device)[:, None]
+    index = torch.arange(length, device=device)[None, :]
+    valid = index < lengths
+    rows = starts + torch.minimum(index, lengths - 1)
+    query_pos = contexts - lengths + torch.minimum(index, lengths - 1)  # [S, L]
+    mask = torch.arange(width, device=device)[None, None, :] <= query_pos[:, :, None]
+    return SequenceBatch(rows, None if bool(valid.all()) else valid, slots, mask[:, None], query_pos)
 
 
 class PagedAttention(torch.nn.Module):
@@ -147,41 +209,44 @@ class PagedAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; returns [T, H, D]."""
+        """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; returns [T, H, D]. Decode rows are one batched
+        SDPA call, prefill spans another, whatever the number of sequences."""
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
-        out = torch.empty_like(q)
+        parts = []
         if meta.decode_rows.numel():
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta)
-        for span in meta.prefills:
-            rows = slice(span.start, span.start + span.length)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, span, meta.page_size)
+            parts.append((meta.decode, self._decode(q, k_cache, v_cache, meta.decode)))
+        if meta.prefills:
+            parts.append((meta.prefill, self._prefill(q, k_cache, v_cache, meta.prefill)))
+        # One part whose rows are the step's rows in order (all decodes, or one prefill): nothing to scatter.
+        if len(parts) == 1 and len(meta.prefills) <= 1 and parts[0][0].rows.numel() == q.shape[0]:
+            return parts[0][1].reshape(q.shape)
+        out = torch.empty_like(q)
+        for batch, result in parts:
+            if batch.valid is None:
+                out[batch.rows.flatten()] = result.flatten(0, 1)
+            else:
+                out[batch.rows[batch.valid]] = result[batch.valid]
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        keys = gather_pages(k_cache, meta.decode_page_tables, meta.page_size).transpose(1, 2)
-        values = gather_pages(v_cache, meta.decode_page_tables, meta.page_size).transpose(1, 2)
-        positions = torch.arange(keys.shape[2], device=q.device)
-        visible = positions < meta.decode_context_lens.unsqueeze(1)
-        if self.window is not None:
-            visible &= positions >= meta.decode_context_lens.unsqueeze(1) - self.window
-        mask = visible[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
-        return out.squeeze(2)
+                batch: SequenceBatch) -> torch.Tensor:
+        """One query per sequence: the query heads of a KV group become that group's rows, so SDPA needs no
+        GQA expansion. Returns [B, 1, H, D]."""
+        count, kv_heads = batch.rows.shape[0], self.num_kv_heads
+        queries = (q if count == q.shape[0] else q[batch.rows[:, 0]]).view(count, kv_heads, -1, q.shape[-1])
+        keys = k_cache[batch.slots].transpose(1, 2)
+        values = v_cache[batch.slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask_for(self.window),
+                                             scale=self.scale)
+        return out.reshape(count, 1, self.num_heads, q.shape[-1])
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, span: PrefillSpan,
-                 page_size: int) -> torch.Tensor:
-        keys = gather_pages(k_cache, span.page_table[None], page_size)[0, : span.context_len]
-        values = gather_pages(v_cache, span.page_table[None], page_size)[0, : span.context_len]
-        first = span.context_len - span.length
-        query_pos = torch.arange(first, span.context_len, device=q.device)
-        key_pos = torch.arange(span.context_len, device=q.device)[None, :]
-        mask = key_pos <= query_pos[:, None]
-        if self.window is not None:
-            mask &= key_pos > query_pos[:, None] - self.window
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=mask, scale=self.scale,
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 batch: SequenceBatch) -> torch.Tensor:
+        """Returns [S, L, H, D]."""
+        keys = k_cache[batch.slots].transpose(1, 2)
+        values = v_cache[batch.slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q[batch.rows].transpose(1, 2), keys, values,
+                                             attn_mask=batch.mask_for(self.window), scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return out.transpose(0, 1)
+        return out.transpose(1, 2)

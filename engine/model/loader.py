@@ -11,6 +11,8 @@ from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
+from engine.model.quant import (RefinedLogits, codes_of, dequantize, dequantize_all, is_quantized, quantize_linears,
+                                quantized_view)
 from engine.model.qwen3_vl import VisionLanguageLM
 from engine.model.qwen3_vl_vision import VisionConfig
 from engine.model.sharding import Shard, read_weights
@@ -24,9 +26,14 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 
 
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
-               verify: bool = True, tp: TensorParallel | None = None) -> tuple[Manifest, CausalLM]:
-    """On CUDA the model runs the kernel path (Triton, fused projections); elsewhere the torch reference."""
+               verify: bool = True, tp: TensorParallel | None = None,
+               dequantized: bool = False) -> tuple[Manifest, CausalLM]:
+    """On CUDA the model runs the kernel path (Triton, fused projections); elsewhere the torch reference.
+    A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
+    they are dequantized to `dtype` at load."""
     manifest = load_manifest(core, verify=verify)
+    if manifest.quantization and tp and tp.world_size > 1:
+        raise CoreError(f"{core}: a quantized core runs on one rank; export it with --quant none for --tp")
     config = DecoderConfig.from_hf(manifest.architecture, manifest.config, str(core / "manifest.json"))
     shard = Shard.of(config, tp.rank, tp.world_size) if tp else None  # with a group, only this rank's part
     if shard:
@@ -40,14 +47,25 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(core, manifest):
         state.update(read_weights(file, device, shard))
+    if is_quantized(state) and (device.type != "cpu" or dequantized):
+        dequantize_all(state)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+        tied_head = quantized_view("model.embed_tokens.weight", state)
+    head = codes_of(state, "lm_head.weight")
+    head_rows = dequantize(head[0], state["lm_head.weight.scale"], state["lm_head.weight.min"]) if head else None
+    quantize_linears(model, state, dtype)
     missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
         raise CoreError(f"{core}: weights missing from the core: {sorted(missing)[:4]}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+        if tied_head is not None:
+            model.lm_head = RefinedLogits(tied_head, model.model.embed_tokens.weight)
+        else:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    elif head_rows is not None:
+        model.lm_head = RefinedLogits(model.lm_head, head_rows.to(dtype))
     model.set_rope(device)
     if device.type == "cuda":
         model.use_kernels(manifest.context_limit)

@@ -1,0 +1,152 @@
+"""Weight-only quantized linears on the CPU: a core's 4- and 8-bit groups run by PyTorch's int4 kernel.
+
+DESIGN.md, Model and kernels. A quantized core (ignition/quantize.py writes it) holds, for a weight `P.weight` of
+shape [N, K], codes `P.weight.q4` (uint8 [N, K/2], two codes a byte, low nibble first) or `P.weight.q8` (uint8
+[N, K]), and per group of 32 inputs `P.weight.scale` and `P.weight.min` ([N, K/32]), with
+
+    w[n, k] = scale[n, k // 32] * code[n, k] + min[n, k // 32]
+
+which is exactly GGUF's Q4_0, Q4_1 and Q8_0 blocks (and any block format of up to 8 bits with one scale and
+minimum per 32 weights).
+
+`torch.ops.aten._weight_int4pack_mm_for_cpu` computes x @ w.T for w = (code - 8) * scale + zero in groups of 32,
+so a 4-bit group maps onto it with zero = min + 8 * scale. An 8-bit code is 16 * hi + lo with two 4-bit halves,
+so an 8-bit weight is two 4-bit ones side by side ([hi | lo], K doubled) against the input repeated twice:
+hi with scale 16 * scale and zero 128 * scale + min, lo with scale `scale` and zero 8 * scale. The kernel is fast
+only with bfloat16 inputs (its fp32 path is scalar), so a quantized linear rounds its input, scales and zeros to
+bfloat16 and accumulates in fp32; its output returns to the model's dtype.
+
+`quantize_linears` is the hook the loader calls: it swaps every nn.Linear whose weight the core holds quantized
+(any family, any name) for a QuantLinear, and gives every nn.Embedding its dense rows back (a lookup reads only
+the step's rows, so dense costs memory, not time).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROUP = 32
+SUFFIXES = (".q4", ".q8", ".scale", ".min")
+_int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+
+
+def codes_of(state: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, int] | None:
+    """The codes of weight `name` as int32 [N, K] and their bit width, or None if the core holds it dense."""
+    if (packed := state.get(f"{name}.q4")) is not None:
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+        return codes.to(torch.int32), 4
+    if (codes := state.get(f"{name}.q8")) is not None:
+        return codes.to(torch.int32), 8
+    return None
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight of codes [N, K] with per-group scale and minimum [N, K/32]."""
+    scale = scale.float().repeat_interleave(GROUP, dim=1)
+    return codes.float() * scale + minimum.float().repeat_interleave(GROUP, dim=1)
+
+
+class QuantLinear(nn.Module):
+    """y = x @ w.T (+ bias) with w held as int4 groups packed for the CPU kernel (two sets for an 8-bit w)."""
+
+    def __init__(self, codes: torch.Tensor, bits: int, scale: torch.Tensor, minimum: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        if self.in_features % GROUP:
+            raise ValueError(f"a quantized weight needs a multiple of {GROUP} inputs, not {self.in_features}")
+        scale, minimum = scale.float(), minimum.float()
+        if bits == 4:
+            halves = [(codes, scale, minimum + 8 * scale)]
+        elif bits == 8:
+            halves = [(codes >> 4, 16 * scale, 128 * scale + minimum), (codes & 15, scale, 8 * scale)]
+        else:
+            raise ValueError(f"{bits}-bit codes are not supported (4 or 8)")
+        self.repeats = len(halves)
+        # The kernel packs rows in sixteens: pad with zero weights, cut from the output.
+        pad = -self.out_features % 16
+        halves = [tuple(nn.functional.pad(t, (0, 0, 0, pad)) for t in half) for half in halves]
+        codes4 = torch.cat([c for c, _, _ in halves], dim=1).contiguous()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes4, 1), persistent=False)
+        # The kernel's layout: [groups, N, (scale, zero)].
+        scales_and_zeros = torch.stack([torch.cat([s for _, s, _ in halves], dim=1),
+                                        torch.cat([z for _, _, z in halves], dim=1)], dim=-1)
+        self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().bfloat16(),
+                             persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Few operators on purpose: a decode step calls this seven times a layer.
+        rows = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)
+        if self.repeats > 1:
+            rows = rows.repeat(1, self.repeats)
+        out = _int4_mm(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
+        if out.shape[-1] != self.out_features:
+            out = out[:, :self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+def is_quantized(state: dict[str, torch.Tensor]) -> bool:
+    return any(name.endswith((".q4", ".q8")) for name in state)
+
+
+def quantize_linears(model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Replace the linears whose weights `state` holds quantized by QuantLinears and put the dense weight of every
+    quantized embedding into `state`; the quantized entries leave `state`, so what is left loads as usual."""
+    for path, module in list(model.named_modules()):
+        weight = f"{path}.weight"
+        found = codes_of(state, weight)
+        if found is None:
+            continue
+        codes, bits = found
+        scale, minimum = state[f"{weight}.scale"], state[f"{weight}.min"]
+        if isinstance(module, nn.Embedding):
+            state[weight] = dequantize(codes, scale, minimum).to(dtype)
+        elif isinstance(module, nn.Linear):
+            bias = state.pop(f"{path}.bias", None)
+            parent, _, leaf = path.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf,
+                    QuantLinear(codes, bits, scale, minimum, None if bias is None else bias.to(dtype)))
+        else:
+            raise TypeError(f"{path}: a quantized weight for a {type(module).__name__}")
+    for name in [n for n in state if n.endswith(SUFFIXES)]:
+        del state[name]
+
+
+def quantized_view(weight: str, state: dict[str, torch.Tensor]) -> QuantLinear | None:
+    """A QuantLinear over weight `weight` of `state` (an embedding's, for a tied output layer), if quantized."""
+    found = codes_of(state, weight)
+    if found is None:
+        return None
+    return QuantLinear(found[0], found[1], state[f"{weight}.scale"], state[f"{weight}.min"])
+
+
+def dequantize_all(state: dict[str, torch.Tensor]) -> None:
+    """Replace every quantized weight of `state` by its fp32 values (for a GPU, or as the fp32 reference)."""
+    for name in [n.removesuffix(".scale") for n in state if n.endswith(".scale")]:
+        codes, _ = codes_of(state, name)
+        state[name] = dequantize(codes, state[f"{name}.scale"], state[f"{name}.min"])
+    for name in [n for n in state if n.endswith(SUFFIXES)]:
+        del state[name]
+
+
+class RefinedLogits(nn.Module):
+    """The output layer of a quantized core. The int4 kernel returns bfloat16, whose steps near SmolLM2's top logits
+    (16 to 32) are 0.125 wide, so the leading candidates would often tie; so the REFINED largest logits of each row
+    are recomputed in fp32 from the dense rows (the embedding's when tied), the rest keep the kernel's values."""
+
+    REFINED = 64
+
+    def __init__(self, quantized: QuantLinear, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.rows = [rows]  # a list: the tied embedding's weight, not registered twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.quantized(x)
+        top = logits.topk(min(self.REFINED, logits.shape[-1]), dim=-1).indices  # [T, R]
+        exact = torch.bmm(self.rows[0][top], x.to(self.rows[0].dtype).unsqueeze(-1)).squeeze(-1)
+        return logits.scatter(-1, top, exact.to(logits.dtype))
