@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 from datetime import datetime
 from pathlib import Path
@@ -18,8 +17,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from frontend.templates import ChatTemplate, Rendered, TemplateError
 from ignition.template_marks import annotate, has_marks
 
-SHARED = Path(os.environ.get("FLARE_SHARED_DIR", Path(__file__).resolve().parents[1].parent / "shared"))
-CORPUS = SHARED / "data" / "chat_templates"
+# A copy of ../shared/data/chat_templates (its README says where each template comes from and under which licence),
+# kept in the repository so that the corpus tests run wherever the repository is cloned.
+CORPUS = Path(__file__).resolve().parent / "data" / "chat_templates"
 needs_corpus = pytest.mark.skipif(not (CORPUS / "cases.json").is_file(), reason=f"no chat template corpus at {CORPUS}")
 
 SMOLLM2 = (

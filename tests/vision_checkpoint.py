@@ -3,7 +3,6 @@ processor (`Qwen2VLImageProcessorPil`), tokenizer and Qwen2-VL chat template; `i
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
            "<|video_pad|>"]
-SHARED = Path(os.environ.get("FLARE_SHARED_DIR", Path(__file__).resolve().parents[1].parent / "shared"))
-TEMPLATE = SHARED / "data" / "chat_templates" / "differential" / "qwen2_vl.jinja"
+TEMPLATE = Path(__file__).resolve().parent / "data" / "chat_templates" / "differential" / "qwen2_vl.jinja"
 TEXTS = ["hello world, what is in the picture? a cat, a dog; red green blue. Describe both images."] * 20
 MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # 4 to 64 image tokens: small prompts, every resize path
 
