@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch CPU threads (default: OMP_NUM_THREADS, else the cores this process may use)")
     parser.add_argument("--speculative", choices=MODES, default="auto",
                         help="draft proposals verified in one wider step: ngram (copies from the prompt and output), "
-                             "draft (the --draft model), off; auto (default): draft with --draft, else ngram")
+                             "draft (the --draft model), off; auto (default): off on a GPU (verify steps are not yet "
+                             "captured), else draft with --draft, else ngram")
     parser.add_argument("--draft", type=Path, help="a smaller core with the same tokenizer that proposes drafts")
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:

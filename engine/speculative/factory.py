@@ -16,8 +16,12 @@ MODES = ("auto", "ngram", "draft", "off")
 DRAFT_KV_FRACTION = 0.25  # of the target's KV budget, for the draft model's pages
 
 
-def default_mode(draft: Path | None) -> str:
-    """What measured best (docs/speculative.md, Evidence): the draft model when one is given, else copy proposals."""
+def default_mode(draft: Path | None, device: torch.device) -> str:
+    """What measured best (docs/speculative.md, Evidence): on the CPU the draft model when one is given, else copy
+    proposals. On a GPU, off until verify steps run in captured graphs: an eager verify step costs several graph
+    decode steps there, which acceptance rarely repays."""
+    if device.type == "cuda":
+        return "off"
     return "draft" if draft is not None else "ngram"
 
 
@@ -33,7 +37,7 @@ def target_share(budget: int, mode: str, draft: Path | None) -> int:
 def make_proposer(mode: str, draft: Path | None, target: Manifest, device: torch.device, page_size: int,
                   kv_budget: int) -> Proposer | None:
     if mode == "auto":
-        mode = default_mode(draft)
+        mode = default_mode(draft, device)
     if mode == "off":
         return None
     if mode == "ngram":
