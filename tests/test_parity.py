@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from common.manifest import load_manifest
-from tests.conftest import Server
 
 pytestmark = pytest.mark.slow
 
@@ -30,13 +29,6 @@ CONVERSATIONS = [
     [{"role": "user", "content": "Count from one to ten in words, separated by commas."}],
     [{"role": "user", "content": "Translate 'good morning' into German and Spanish. Ünïcödé ✓"}],
 ]
-
-
-@pytest.fixture(scope="module")
-def server(fp32_core_dir: Path):
-    server = Server(fp32_core_dir)
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +71,9 @@ def server_greedy(client: openai.OpenAI, model: str, messages: list[dict]) -> tu
     return extra["prompt_token_ids"], response.choices[0].model_extra["token_ids"]
 
 
-def test_greedy_matches_transformers_one_at_a_time_then_concurrently(server, reference) -> None:
+def test_greedy_matches_transformers_one_at_a_time_then_concurrently(fp32_server, reference) -> None:
     model, tokenizer = reference
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{fp32_server.base_url}/v1", api_key="none")
     name = client.models.list().data[0].id
     expected = []
     for messages in CONVERSATIONS:
@@ -96,9 +88,9 @@ def test_greedy_matches_transformers_one_at_a_time_then_concurrently(server, ref
         assert got == want, messages
 
 
-def test_a_second_turn_reuses_the_first_turns_prefix_without_changing_its_output(server, reference) -> None:
+def test_a_second_turn_reuses_the_first_turns_prefix_without_changing_its_output(fp32_server, reference) -> None:
     model, tokenizer = reference
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{fp32_server.base_url}/v1", api_key="none")
     name = client.models.list().data[0].id
     first = [{"role": "user", "content": "Name a colour of the rainbow."}]
     reply = client.chat.completions.create(model=name, messages=first, temperature=0, max_tokens=6)

@@ -40,8 +40,9 @@ def per_replica(metrics: dict[str, float], name: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def replicated(core_dir: Path):
-    server = Server(core_dir, "--replicas", "2", "--frontends", "2")
+def replicated(fp32_core_dir: Path):
+    """The fp32 core, so that greedy tokens compare across batches (conftest.fp32_server)."""
+    server = Server(fp32_core_dir, "--replicas", "2", "--frontends", "2")
     yield server
     server.stop()
 
@@ -52,7 +53,7 @@ def complete(base_url: str, prompt: str) -> tuple[str, int]:
     return reply.choices[0].text, reply.usage.prompt_tokens_details.cached_tokens
 
 
-def test_shared_prefixes_stay_on_one_replica_and_load_spreads(replicated: Server, server: Server) -> None:
+def test_shared_prefixes_stay_on_one_replica_and_load_spreads(replicated: Server, fp32_server: Server) -> None:
     prompts = {g: [system_prompt(g) + f"Question {q}: name a colour." for q in range(FOLLOWERS + 1)]
                for g in range(GROUPS)}
     for group in range(GROUPS):  # one request per group first; its blocks get announced to both frontends
@@ -72,7 +73,7 @@ def test_shared_prefixes_stay_on_one_replica_and_load_spreads(replicated: Server
     assert max(admitted) <= 3 * (FOLLOWERS + 1), admitted
     # Greedy outputs are the single-engine server's.
     for (group, prompt), (text, _) in list(zip(followers, results))[::3]:
-        assert text == complete(server.base_url, prompt)[0]
+        assert text == complete(fp32_server.base_url, prompt)[0]
 
 
 def connected(health: dict) -> bool:

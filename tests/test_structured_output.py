@@ -137,8 +137,10 @@ def test_extension_regex_choice_and_grammar_through_completions(oai) -> None:
     assert stopped.text == "one" and stopped.finish_reason == "stop"
 
 
-def test_mixed_batch_free_requests_get_the_tokens_they_get_alone(oai, server) -> None:
+def test_mixed_batch_free_requests_get_the_tokens_they_get_alone(fp32_server) -> None:
+    """On the fp32 core, whose greedy tokens do not depend on the batch (conftest.fp32_server)."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    oai = openai.OpenAI(base_url=f"{fp32_server.base_url}/v1", api_key="unused", max_retries=0)
 
     def free(prompt: str) -> list[int]:
         response = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
@@ -148,7 +150,7 @@ def test_mixed_batch_free_requests_get_the_tokens_they_get_alone(oai, server) ->
     alone = [free(p) for p in prompts]
 
     async def mixed() -> list[list[int]]:
-        client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        client = openai.AsyncOpenAI(base_url=f"{fp32_server.base_url}/v1", api_key="unused", max_retries=0)
         constrained = [client.chat.completions.create(
             model=MODEL, messages=ask(what), max_tokens=40, temperature=t,
             response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})

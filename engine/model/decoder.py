@@ -18,6 +18,7 @@ from engine.model.attention import AttentionMetadata, KernelMetadata, PagedAtten
 from engine.model.config import DecoderConfig
 from engine.model.moe import SparseMoE
 from engine.model.norms import GemmaRMSNorm, rms_norm
+from engine.model.quant import QuantLinear
 from engine.parallel import layers as parallel
 from engine.parallel.group import TensorParallel
 
@@ -28,6 +29,18 @@ if TYPE_CHECKING:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def signed_sine(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == x.roll(D/2, -1) * signed_sine(sin), bit for bit
+    (a negation is exact), in two operators where rotate_half takes four."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, D] with (cos, signed_sine(sin)) of its positions."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class Attention(nn.Module):
@@ -43,32 +56,36 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(c.gemma_norms, c.head_dim, c.rms_norm_eps)
             self.k_norm = rms_norm(c.gemma_norms, c.head_dim, c.rms_norm_eps)
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.attention_scale, c.layer_window[layer])
+        self.qkv: nn.Module | None = None  # fuse()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`sin` is signed (signed_sine): q and k are rotated together, as one [T, H + KVH, D] tensor."""
         c = self.c
-        q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        heads, width = c.num_heads + c.num_kv_heads, (c.num_heads + c.num_kv_heads) * c.head_dim
+        if self.qkv is not None:
+            qkv = self.qkv(x)
+            qk, v = qkv[:, :width].view(-1, heads, c.head_dim), qkv[:, width:]
+        else:
+            qk, v = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1).view(-1, heads, c.head_dim), self.v_proj(x)
         if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = self.attn(q, k, v, k_cache, v_cache, meta)
+            qk = torch.cat((self.q_norm(qk[:, :c.num_heads]), self.k_norm(qk[:, c.num_heads:])), dim=1)
+        qk = rotate(qk, cos, sin)
+        out = self.attn(qk[:, :c.num_heads], qk[:, c.num_heads:], v.view(-1, c.num_kv_heads, c.head_dim), k_cache,
+                        v_cache, meta)
         return self.o_proj(out.flatten(1))
 
     def fuse(self) -> None:
-        """One [q; k; v] weight, with the three projections left as views of it (the weight names stay)."""
-        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.c.qkv_bias \
-            else None
+        """One [q; k; v] product, the three projections left as views of it (the weight names stay); kept
+        separate where the parts cannot share one product (engine/model/quant.py fuse_linears)."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
         from engine.kernels.rotary import rope_and_store
 
         c = self.c
-        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         norms = {}
         if c.qk_norm:  # the kernel normalises each q and k head before rotating, rounding as the family does
             norms = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, norm_eps=c.rms_norm_eps,
@@ -86,36 +103,51 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = parallel.row_linear(c.intermediate_size, c.hidden_size, False, tp)
         self.gelu = c.hidden_act == "gelu_tanh"
+        self.gate_up: nn.Module | None = None  # fuse()
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return nn.functional.gelu(gate, approximate="tanh") if self.gelu else nn.functional.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
     def fuse(self) -> None:
-        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
         from engine.kernels.activation import silu_and_mul
 
-        gate_up = nn.functional.linear(x, self.gate_up_weight)
+        gate_up = self.gate_up(x)
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(silu_and_mul(gate_up))
 
 
-def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
-    """Concatenate the weights along the output dimension and re-point each layer at its slice, so the fused
-    weight costs no extra memory and one matrix product replaces several."""
+def fuse_linears(*linears: nn.Module) -> nn.Module | None:
+    """One layer computing the given layers' outputs side by side, or None where they cannot share one product.
+    Dense layers: the weights concatenated along the output dimension, each layer re-pointed at its slice, so the
+    fused weight costs no extra memory. Quantized layers: QuantLinear.concat."""
+    if all(isinstance(linear, QuantLinear) for linear in linears):
+        return QuantLinear.concat(*linears)
+    if not all(type(linear) is nn.Linear for linear in linears):
+        return None
     fused = torch.cat([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    with torch.device("meta"):
+        layer = nn.Linear(fused.shape[1], fused.shape[0], bias=biases[0] is not None)
+    layer.weight = nn.Parameter(fused, requires_grad=False)
+    if layer.bias is not None:
+        layer.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
     first = 0
     for linear in linears:
         rows = linear.weight.shape[0]
         linear.weight = nn.Parameter(fused[first:first + rows], requires_grad=False)
         first += rows
-    return fused
+    return layer
 
 
 class DecoderLayer(nn.Module):
@@ -174,14 +206,19 @@ class CausalLM(nn.Module):
     def inv_freqs(self) -> list[torch.Tensor]:
         return [getattr(self, f"inv_freq{i}") for i in range(len(self.config.ropes))]
 
-    def use_kernels(self, max_positions: int) -> None:
-        """Switch to the kernel path (the GPU's; the CPU runs it only under TRITON_INTERPRET, in tests)."""
-        from engine.kernels.rotary import rope_table
-
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one product each: always on the kernel path; on the CPU for a quantized core, where
+        it saves operators a layer (a dense CPU model keeps transformers' separate products, its parity reference)."""
         for layer in self.model.layers:
             layer.self_attn.fuse()
             if isinstance(layer.mlp, MLP):
                 layer.mlp.fuse()
+
+    def use_kernels(self, max_positions: int) -> None:
+        """Switch to the kernel path (the GPU's; the CPU runs it only under TRITON_INTERPRET, in tests)."""
+        from engine.kernels.rotary import rope_table
+
+        self.fuse_projections()
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.fold()
@@ -214,13 +251,13 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def rotations(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(cos, sin) [T, 1, D] per distinct rope, for positions [T]."""
+        """(cos, signed sin) [T, 1, D] per distinct rope, for positions [T] (rotate)."""
         dtype = self.model.embed_tokens.weight.dtype
         rotations = []
         for inv_freq in self.inv_freqs:
             freqs = positions.float()[:, None] * inv_freq[None, :]
             angles = torch.cat((freqs, freqs), dim=-1)
-            rotations.append((angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]))
+            rotations.append((angles.cos().to(dtype)[:, None, :], signed_sine(angles.sin().to(dtype))[:, None, :]))
         return rotations
 
     def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,

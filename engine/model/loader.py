@@ -47,8 +47,10 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(core, manifest):
         state.update(read_weights(file, device, shard))
-    if is_quantized(state) and (device.type != "cpu" or dequantized):
+    quantized = is_quantized(state)
+    if quantized and (device.type != "cpu" or dequantized):
         dequantize_all(state)
+        quantized = False
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         tied_head = quantized_view("model.embed_tokens.weight", state)
@@ -69,4 +71,6 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     model.set_rope(device)
     if device.type == "cuda":
         model.use_kernels(manifest.context_limit)
+    elif quantized:
+        model.fuse_projections()
     return manifest, model.eval()

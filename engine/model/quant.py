@@ -76,6 +76,27 @@ class QuantLinear(nn.Module):
                              persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    @classmethod
+    def concat(cls, *parts: QuantLinear) -> QuantLinear | None:
+        """One layer computing the parts' outputs side by side (fused q/k/v and gate/up: one kernel call and one
+        rounding of the input instead of several), or None where they cannot share one call: other inputs, other
+        code widths, or padding rows inside. Packed rows concatenate as they are: the kernel's layout is row-major
+        in outputs."""
+        first = parts[0]
+        if any(p.in_features != first.in_features or p.repeats != first.repeats or p.packed.shape[0] != p.out_features
+               for p in parts) or len({p.bias is None for p in parts}) > 1:
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = first.in_features, sum(p.out_features for p in parts)
+        fused.repeats = first.repeats
+        fused.register_buffer("packed", torch.cat([p.packed for p in parts]), persistent=False)
+        fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], dim=1),
+                              persistent=False)
+        fused.bias = None if first.bias is None else nn.Parameter(torch.cat([p.bias for p in parts]),
+                                                                  requires_grad=False)
+        return fused
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Few operators on purpose: a decode step calls this seven times a layer.
         rows = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)

@@ -18,7 +18,7 @@ import torch
 
 from common.protocol import ImageInput
 from engine.model.config import DecoderConfig
-from engine.model.decoder import CausalLM
+from engine.model.decoder import CausalLM, signed_sine
 from engine.model.qwen3_vl_vision import VisionConfig, VisionTower
 
 
@@ -69,7 +69,7 @@ class VisionLanguageLM(CausalLM):
         dtype = self.model.embed_tokens.weight.dtype
         angles = self.mrope_angles(positions)
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
-        return [(angles.cos().to(dtype), angles.sin().to(dtype))] * len(self.config.ropes)
+        return [(angles.cos().to(dtype), signed_sine(angles.sin().to(dtype)))] * len(self.config.ropes)
 
     def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Plain positions read the model's table (a graph's steps); M-RoPE positions [3, T] a table of one row
