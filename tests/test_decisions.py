@@ -15,7 +15,7 @@ from common.manifest import load_manifest, sha256_file, write_manifest
 from tests.conftest import Server
 # The fixtures: transformers' Llama on the fp32 core's weights, and a server of that core (answers are compared to
 # transformers' within 1e-4, which a quantized core's bfloat16 products do not meet).
-from tests.test_parity import reference, server  # noqa: F401
+from tests.test_parity import reference  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +46,12 @@ def pipeline(reference):  # noqa: F811
 
     model, tokenizer = reference
     return DecisionPipeline(model=model, tokenizer=tokenizer, decision_config=DecisionConfig())
+
+
+@pytest.fixture(scope="module")
+def server(fp32_server: Server) -> Server:
+    """The session's server of the fp32 core (tests/conftest.py)."""
+    return fp32_server
 
 
 def post(server: Server, path: str, body: dict) -> httpx.Response:

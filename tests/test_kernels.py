@@ -138,6 +138,38 @@ def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_mixed_eager_step_computes_what_its_graph_computes(dtype: torch.dtype) -> None:
+    """Decode rows beside prefill spans: the eager step's metadata (AttentionMetadata.kernel) and a captured extend
+    graph's (every row a sequence, in row order, padding tokens and blocks after) give the same bits."""
+    from engine.model.attention import AttentionMetadata, ExtendBatch, KernelMetadata, PrefillSpan, kernel_attention
+
+    heads, kv_heads, head_dim, page = SHAPES[0]
+    g = torch.Generator().manual_seed(5)
+    rows = [(1, 90), (6, 110), (1, 33), (9, 0)] if not GPU else [(1, 900), (300, 1100), (1, 3300), (64, 0)]
+    contexts = [n + cached for n, cached in rows]
+    tables = random_pages(contexts, page, g).long()
+    k_cache, v_cache = random_cache((int(tables.max()) + 1) * page, kv_heads, head_dim, dtype, g)
+    starts = torch.tensor([0] + [n for n, _ in rows][:-1]).cumsum(0).tolist()
+    tokens = sum(n for n, _ in rows)
+    q = torch.randn(tokens + 5, heads, head_dim, generator=g).to(dtype).to(DEVICE)  # a graph's padded rows
+    decode = [i for i, (n, _) in enumerate(rows) if n == 1]
+    as_long = lambda values: torch.tensor(values, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    eager = AttentionMetadata(
+        as_long(list(range(tokens))), as_long([starts[i] for i in decode]), tables[decode].to(DEVICE),
+        as_long([contexts[i] for i in decode]),
+        tuple(PrefillSpan(starts[i], n, contexts[i], tables[i].to(DEVICE)) for i, (n, _) in enumerate(rows)
+              if n > 1), page)
+    as_int = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    block_seq, block_first = extend_blocks([n for n, _ in rows])
+    graph = KernelMetadata(as_long(list(range(tokens + 5))), page, extend=ExtendBatch(
+        tables.to(DEVICE), as_int(list(range(len(rows)))), as_int(starts), as_int([n for n, _ in rows]),
+        as_int(contexts), as_int(block_seq + [-1] * 3), as_int(block_first + [0] * 3)))
+    scale = head_dim**-0.5
+    assert torch.equal(kernel_attention(q[:tokens], k_cache, v_cache, eager.kernel, scale),
+                       kernel_attention(q, k_cache, v_cache, graph, scale)[:tokens])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm_style", [None, "llama", "gemma"])
 def test_rope_and_store_matches_reference(dtype: torch.dtype, norm_style: str | None) -> None:
     heads, kv_heads, head_dim = (32, 8, 128) if GPU else (4, 2, 32)

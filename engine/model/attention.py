@@ -87,26 +87,33 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
-    """Decode rows go to the split-KV kernel, prefill spans to the extend kernel; nothing here waits for the
-    device (span sizes are host integers)."""
+    """A step of decode rows only goes to the split-KV decode kernel; a step with prefill spans goes whole to the
+    extend kernel, its decode rows as one-token sequences, as a captured extend graph runs it (the extend kernel's
+    key splits follow the step's live blocks, so leaving the decode rows out would split the spans' keys
+    differently from the graph). Nothing here waits for the device (span sizes are host integers)."""
     from engine.kernels.extend_attention import extend_blocks
 
     device = meta.slot_mapping.device
-    decode = extend = None
     count = meta.decode_rows.numel()
-    if count:
+    if not meta.prefills:
         decode = DecodeBatch(meta.decode_page_tables, torch.arange(count, device=device), meta.decode_context_lens,
-                             meta.decode_rows)
-    if meta.prefills:
-        width = max(span.page_table.numel() for span in meta.prefills)
-        tables = torch.stack([F.pad(span.page_table, (0, width - span.page_table.numel())) for span in meta.prefills])
-        lengths = [span.length for span in meta.prefills]
-        block_seq, block_first = extend_blocks(lengths)
-        ints = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
-        extend = ExtendBatch(tables, ints(list(range(len(lengths)))), ints([span.start for span in meta.prefills]),
-                             ints(lengths), ints([span.context_len for span in meta.prefills]), ints(block_seq),
-                             ints(block_first))
-    return KernelMetadata(meta.slot_mapping, meta.page_size, decode, extend)
+                             meta.decode_rows) if count else None
+        return KernelMetadata(meta.slot_mapping, meta.page_size, decode)
+    width = max([span.page_table.numel() for span in meta.prefills] + [meta.decode_page_tables.shape[1]])
+    tables = torch.cat([torch.stack([F.pad(span.page_table, (0, width - span.page_table.numel()))
+                                     for span in meta.prefills]),
+                        F.pad(meta.decode_page_tables, (0, width - meta.decode_page_tables.shape[1]))])
+    lengths = [span.length for span in meta.prefills]
+    block_seq, block_first = extend_blocks(lengths + [1] * count)
+    ints = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+    decode_ints = lambda values: values.to(torch.int32)  # noqa: E731  (device tensors of the decode rows)
+    extend = ExtendBatch(
+        tables, ints(list(range(len(lengths) + count))),
+        torch.cat([ints([span.start for span in meta.prefills]), decode_ints(meta.decode_rows)]),
+        torch.cat([ints(lengths), ints([1] * count)]),
+        torch.cat([ints([span.context_len for span in meta.prefills]), decode_ints(meta.decode_context_lens)]),
+        ints(block_seq), ints(block_first))
+    return KernelMetadata(meta.slot_mapping, meta.page_size, extend=extend)
 
 
 def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
