@@ -198,6 +198,9 @@ def chat(args: argparse.Namespace) -> int:
         print("flare chat: error: give a core or --base-url, not both", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("FLARE_API_KEY")
+    # Ctrl-C stops a reply even when this process was started with SIGINT ignored (as a shell without job
+    # control starts background commands, and what they start inherits): Python then installs no handler of its own.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         import readline  # noqa: F401  (input() gains line editing and a history of this session's lines)
     except ImportError:

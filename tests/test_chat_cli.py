@@ -68,7 +68,7 @@ def test_chat_with_a_core(core_dir: Path, tmp_path: Path) -> None:
         child.expect_exact(PROMPT)
         child.sendline("Write a very long story about a dragon who learns to fly over the sea.")
         child.expect_exact("over the sea.\r\n")  # the terminal's echo of the line
-        child.expect(r"\w{3,}\W+\w+\W+\w+")  # the reply is streaming (a few words in, well past the prompt's echo)
+        child.expect(r"\w{3,}")  # the reply has begun
         child.sendintr()
         child.expect_exact("[stopped]")
         child.expect_exact(PROMPT)
