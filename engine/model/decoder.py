@@ -77,7 +77,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One [q; k; v] product, the three projections left as views of it (the weight names stay); kept
-        separate where the parts cannot share one product (engine/model/quant.py fuse_linears)."""
+        separate where the parts cannot share one product (fuse_linears)."""
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
