@@ -1,6 +1,6 @@
 """GPU evidence for the model families of issue 12, printed as tables. Run on the device machine:
 
-    python -m bench.gpu_families [--out FILE] [--only tokens moe]
+    python -m bench.gpu_families [--out FILE] [--only tokens moe gemm] [--dtype float32]
 
 Models have the shapes of `ignition synth` presets (engine/model/config.py reads the preset's config as it would an
 exported core's) and random bf16 weights made on the GPU, so nothing large travels or touches the disk:
@@ -9,11 +9,16 @@ exported core's) and random bf16 weights made on the GPU, so nothing large trave
 - moe: the Qwen3-30B-A3B architecture (all 48 layers unless --moe-layers): decode step time at batch 1 to 256, eager
   and graph, and at batch 1 the bytes a step must read (attention, router, the 8 active experts of each layer, the LM
   head, the KV cache) as a share of the device's copy bandwidth.
+- gemm: whether a cuBLAS product's rows depend on how many rows it has. A graph runs a step padded to its capacity
+  (engine/executor/graph.py), the eager executor at the step's own size, so where cuBLAS picks another algorithm for
+  the padded size the two differ in the last bits, which is why `tokens` can differ in bfloat16 without a fault in
+  either executor.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import sys
 import time
@@ -24,6 +29,7 @@ import torch
 from bench.gpu_evidence import BATCHES, CONTEXT, LINES, copy_bandwidth, make, say, step_times
 from bench.gpu_steps import generate, replay
 from common.manifest import Capacities, Manifest
+from engine.executor.graph import decode_capacities, extend_capacities
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.scheduler.scheduler import RequestScheduler
@@ -144,10 +150,40 @@ def moe(bandwidth: float, layers: int | None) -> None:
     say()
 
 
+GEMM_SHAPES = {"llama-3.1-8b qkv": (4096, 6144), "llama-3.1-8b o": (4096, 4096), "llama-3.1-8b gate_up": (4096, 28672),
+               "llama-3.1-8b down": (14336, 4096), "llama-3.1-8b lm_head": (4096, 128256),
+               "qwen3-30b-a3b qkv": (2048, 5120), "qwen3-30b-a3b o": (4096, 2048)}
+GEMM_ROWS = (1, 3, 17, 33, 60, 200, 250, 300, 500, 520)  # a step holds at most a chunk + a row per slot
+
+
+def gemm_invariance(dtype: str) -> None:
+    """Rows of F.linear(x[:m]) that differ bitwise from the same rows of F.linear(x) padded to a graph capacity."""
+    caps = extend_capacities(CAPACITIES.prefill_chunk_size, 8)
+    torch.manual_seed(0)
+    say(f"## cuBLAS rows against padding ({dtype}): rows of m that differ when the product has the capacity's rows")
+    say("| weight (in, out) | " + " | ".join(f"{m} in {padded(m, caps)}" for m in GEMM_ROWS) + " |")
+    say("| --- |" + " --- |" * len(GEMM_ROWS))
+    for name, (k, n) in GEMM_SHAPES.items():
+        weight = torch.randn(n, k, device="cuda", dtype=getattr(torch, dtype)) * k ** -0.5
+        cells = []
+        for m in GEMM_ROWS:
+            x = torch.randn(padded(m, caps), k, device="cuda", dtype=weight.dtype)
+            differ = (torch.nn.functional.linear(x, weight)[:m] != torch.nn.functional.linear(x[:m], weight))
+            cells.append(str(int(differ.any(dim=1).sum())))
+        say(f"| {name} ({k}, {n}) | " + " | ".join(cells) + " |")
+    say()
+
+
+def padded(m: int, caps: list[int]) -> int:
+    """The rows a graph step of m tokens runs: the smallest decode capacity for m <= 8, else the extend one."""
+    return decode_capacities(8)[bisect.bisect_left(decode_capacities(8), m)] if m <= 8 else \
+        caps[bisect.bisect_left(caps, m)]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=argparse.FileType("w"))
-    parser.add_argument("--only", nargs="*", default=["tokens", "moe"], choices=("tokens", "moe"))
+    parser.add_argument("--only", nargs="*", default=["tokens", "moe"], choices=("tokens", "moe", "gemm"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="weights of the token comparison (float32: GEMM algorithms that differ with a step's "
                              "padded size no longer flip near-tied tokens)")
@@ -157,7 +193,8 @@ def main() -> int:
     say(f"# GPU evidence, model families: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bandwidth = copy_bandwidth()
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
-    sections = {"tokens": lambda: tokens(args.dtype), "moe": lambda: moe(bandwidth, args.moe_layers)}
+    sections = {"tokens": lambda: tokens(args.dtype), "moe": lambda: moe(bandwidth, args.moe_layers),
+                "gemm": lambda: gemm_invariance(args.dtype)}
     for name in args.only:
         try:
             sections[name]()
