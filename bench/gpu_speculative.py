@@ -27,7 +27,7 @@ from engine.scheduler.plan import Plan, Row
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 
-CONTEXT, PAGE, MAX_ACTIVE = 1024, 64, 64
+CONTEXT, PAGE, MAX_ACTIVE = 1024, 64, 256  # decode graphs up to 256 rows: verify steps of B x W <= 256
 WIDTHS, BATCHES = (1, 2, 4, 8), (1, 16, 64)
 
 
@@ -43,7 +43,7 @@ def verify_plan(batch: int, width: int, context: int) -> Plan:
 def width_sweep(target: Path) -> None:
     say("## Verify-step time against width (ms per step, two steps in flight)\n")
     _, model = load_model(target, torch.device("cuda"))
-    pages = MAX_ACTIVE * -(-(CONTEXT + 8) // PAGE)
+    pages = max(BATCHES) * -(-(CONTEXT + 8) // PAGE)
     graphs = GraphExecutor(model, pages, PAGE, MAX_ACTIVE, torch.device("cuda"), CONTEXT + 64, 512)
     eager = EagerExecutor(model, 1, PAGE, MAX_ACTIVE, torch.device("cuda"))
     eager.kv_cache = graphs.kv_cache
@@ -52,7 +52,7 @@ def width_sweep(target: Path) -> None:
     for batch in BATCHES:
         cells = [time_steps(graphs, decode_plan(batch, CONTEXT, PAGE), 20),
                  time_steps(eager, decode_plan(batch, CONTEXT, PAGE), 10)]
-        # Verify rows run in graphs where the executor has them, else through its eager step.
+        # Verify rows run in the decode graphs while B x W fits the largest, else through the eager step.
         cells += [time_steps(graphs, verify_plan(batch, w, CONTEXT), 10) for w in WIDTHS[1:]]
         say(f"| {batch} | " + " | ".join(f"{1000 * c:.2f}" for c in cells) + " |")
     eager.close()
@@ -82,7 +82,8 @@ def ceiling(target: Path, tokens: int = 256) -> None:
     say("## Ceiling: batch 1, replaying the target's greedy continuation (100% acceptance)\n")
     _, model = load_model(target, torch.device("cuda"))
     pages = 4 * -(-(CONTEXT + tokens + 8) // PAGE)
-    executor = GraphExecutor(model, pages, PAGE, 4, torch.device("cuda"), CONTEXT + tokens + 64, 512)
+    # Eight slots: decode graphs of up to 8 rows hold a verify row of depth 7.
+    executor = GraphExecutor(model, pages, PAGE, 8, torch.device("cuda"), CONTEXT + tokens + 64, 512)
     prompt = [[(i * 7919) % 1000 + 10 for i in range(256)]]
     plain, _ = generate(executor, RequestScheduler(4, 8, pages, PAGE, 512), prompt, tokens)
     say("| depth | output tok/s | steps | same tokens |")

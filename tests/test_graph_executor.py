@@ -19,9 +19,10 @@ if not GPU:
 pytest.importorskip("triton")
 
 from common.protocol import SamplingParams  # noqa: E402
-from engine.executor.frames import PageTableMirror, host_views, make_layout, pack  # noqa: E402
+from engine.executor.frames import (PageTableMirror, host_views, make_layout, pack, verify_results,  # noqa: E402
+                                    verify_rows, verify_spans)
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
-from engine.executor.graph_step import StaticBuffers, model_step, sample_step  # noqa: E402
+from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
 from engine.executor.label_scores import assemble, graph_index  # noqa: E402
 from engine.scheduler.plan import Completion, Plan, Row  # noqa: E402
 from tests.engine_harness import Harness, run_split, tiny_model  # noqa: E402
@@ -82,13 +83,15 @@ class FrameExecutor:
 
     def submit(self, plan: Plan) -> None:
         self.fence += 1
-        if all(r.tokens is None for r in plan.rows):
-            layout = self.decode[min(b for b in self.decode if b >= len(plan.rows))]
+        verify = any(r.draft for r in plan.rows)  # as GraphExecutor: one-token rows in a decode graph
+        rows = verify_rows(plan.rows) if verify else plan.rows
+        if all(r.tokens is None for r in plan.rows) or verify:
+            layout = self.decode[min(b for b in self.decode if b >= len(rows))]
         else:
             layout = self.extend[min(t for t in self.extend if t >= plan.num_tokens)]
-        self.layouts_used.add((layout.kind, layout.tokens))
+        self.layouts_used.add(("verify" if verify else layout.kind, layout.tokens))
         self.frame[:] = 12345  # stale words from earlier steps must not matter
-        words = pack(plan, layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
+        words = pack(Plan(rows), layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
                      self.trash)
         self.buffers.frame[:words] = torch.from_numpy(self.frame[:words])
         model_step(self.model, self.kv_cache, self.buffers, layout, self.page_size)
@@ -97,13 +100,20 @@ class FrameExecutor:
             masks = torch.from_numpy(np.frombuffer(plan.masks, np.int32).reshape(len(plan.rows), -1).copy())
             self.buffers.masks[:len(plan.rows)] = masks
         sample_step(self.buffers, layout, greedy, masked=bool(plan.masks))
-        tokens = self.buffers.sampled[:len(plan.rows)].tolist()
-        sampled = [(r.slot, r.generation, t) for r, t in zip(plan.rows, tokens) if r.sample]
+        samples = self.buffers.sampled[:len(rows)].tolist()
+        accepted = []
+        if verify:
+            spans, width = verify_spans(plan.rows)
+            verdicts = accept_drafts(self.buffers, layout, torch.from_numpy(spans), width).numpy()
+            tokens, accepted = verify_results(plan.rows, samples, verdicts)
+        else:
+            tokens = [t for r, t in zip(plan.rows, samples) if r.sample]
+        sampled = [r for r in plan.rows if r.sample]
         found, index = graph_index(plan, self.model.config.vocab_size)  # GraphExecutor's label gather
         scores = assemble(found, self.buffers.logits.view(-1)[torch.tensor(index, dtype=torch.int64)].tolist())
-        self.done.append((plan, Completion(self.fence, tuple(s for s, _, _ in sampled),
-                                           tuple(g for _, g, _ in sampled), tuple(t for _, _, t in sampled), 0.0,
-                                           scores=scores)))
+        self.done.append((plan, Completion(self.fence, tuple(r.slot for r in sampled),
+                                           tuple(r.generation for r in sampled), tuple(tokens), 0.0,
+                                           scores=scores, accepted=tuple(accepted))))
         os.write(self._write, b"x")
 
     def poll(self) -> list:
@@ -135,6 +145,32 @@ def test_frame_steps_produce_the_eager_executors_tokens() -> None:
     harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
     assert run_requests(harness) == expected
     assert {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (tests/test_speculative.py)")
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_k=50, seed=11)])
+def test_frame_verify_steps_keep_plain_decodings_tokens(sampling: dict) -> None:
+    """Verify rounds as the GraphExecutor runs them (one-token rows in a decode frame, drafts accepted after
+    sampling) give plain decoding's tokens, with drafts that are partly wrong."""
+    from tests.test_speculative import ReplayProposer
+
+    def run(proposer: object) -> tuple[list[list[int]], set]:
+        model = tiny_model()
+        model.use_kernels(CONTEXT)
+        harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, proposer=proposer)
+        harness.executor.close()
+        # Decode frames up to 32 rows: two requests verifying up to 8 positions each
+        harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, 32)
+        requests = [harness.add(p, max_tokens=10, **sampling) for p in prompts]
+        harness.run()
+        harness.close()
+        return [r.tokens[r.prompt_len:] for r in requests], executor.layouts_used
+
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    plain, _ = run(None)
+    speculative, layouts = run(ReplayProposer({tuple(p): o for p, o in zip(prompts, plain)}, 0.3))
+    assert speculative == plain
+    assert any(kind == "verify" for kind, _ in layouts)
 
 
 def masked_run(harness: Harness, vocab: int) -> tuple[list[int], list[int]]:

@@ -9,7 +9,7 @@ capacity reads the fields whichever model graph wrote the logits. Padding rows p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -113,8 +113,8 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     _fill(views["top_p"], [p.top_p for p in params], 1.0)
     _fill(views["top_k"], [p.top_k for p in params], 0)
     _fill(views["min_p"], [p.min_p for p in params], 0.0)
-    if layout.kind == "decode":
-        _fill(views["token"], [-1] * len(rows), 0)
+    if layout.kind == "decode":  # a row's input is the slot's last sampled token, unless the host gives it
+        _fill(views["token"], [row.tokens[0] if row.tokens else -1 for row in rows], 0)
         _fill(views["token_slot"], [row.slot for row in rows], trash)
         _fill(views["position"], [row.start + row.rope_shift for row in rows], 0)
         _fill(views["slot_mapping"], [row.page_table[row.start // page_size] * page_size + row.start % page_size
@@ -151,3 +151,46 @@ def _pack_tokens(rows: tuple[Row, ...], views: dict[str, np.ndarray], page_size:
     views["token_slot"][first:] = trash
     views["position"][first:] = 0
     views["slot_mapping"][first:] = -1
+
+
+def verify_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
+    """A verify plan's rows as a decode graph runs them: each verify row (docs/speculative.md) becomes a one-token
+    row per position, with its host token, attending over the positions before it as a decode row does (a step
+    stores every row's keys before any row attends). Those rows sample into no slot: the step's acceptance
+    (graph_step.accept_drafts) writes the slot's next input token."""
+    out: list[Row] = []
+    for row in rows:
+        if not row.draft:
+            out.append(row)
+            continue
+        out.extend(replace(row, start=row.start + i, length=1, tokens=(token,), sample=False,
+                           output_index=row.output_index + i, history=None, draft=())
+                   for i, token in enumerate(row.tokens))
+    return tuple(out)
+
+
+def verify_spans(rows: tuple[Row, ...]) -> tuple[np.ndarray, int]:
+    """int64 [3, R]: each verify row's first one-token row in `verify_rows`, its width and its slot; and the
+    widest row's width."""
+    spans, first = [], 0
+    for row in rows:
+        if row.draft:
+            spans.append((first, row.length, row.slot))
+        first += row.length if row.draft else 1
+    return np.asarray(spans, dtype=np.int64).T.reshape(3, -1), max(width for _, width, _ in spans)
+
+
+def verify_results(rows: tuple[Row, ...], samples: list[int], verdicts: np.ndarray) -> tuple[list[int], list[int]]:
+    """Per sampled row of the plan: its token and its accepted drafts, from the one-token rows' samples and the
+    verify rows' verdicts (int64 [2, R]: accepted drafts, then the token after them)."""
+    tokens, accepted, first, verified = [], [], 0, 0
+    for row in rows:
+        if row.draft:
+            tokens.append(int(verdicts[1, verified]))
+            accepted.append(int(verdicts[0, verified]))
+            verified += 1
+        elif row.sample:
+            tokens.append(samples[first])
+            accepted.append(0)
+        first += row.length if row.draft else 1
+    return tokens, accepted

@@ -11,7 +11,11 @@ then 256-token steps, up to the prefill chunk plus a decode row per slot), so pr
 too; one sampling graph per sequence capacity, greedy and random, each with and without grammar masks (a
 constrained step uploads its packed masks beside its frame and launches the masked variant). Scored prefills
 (decisions) run in the extend graphs: the logits of a row's last token are in the logits buffer, and one gather by
-flat index, uploaded with the step, reads their labels' (engine/executor/label_scores.py). Steps that ask for
+flat index, uploaded with the step, reads their labels' (engine/executor/label_scores.py). Verify steps
+(speculative decoding) run in the decode graphs: each position of a verify row is a one-token row with its token
+from the host (frames.verify_rows), so a batch of B rows of width W runs in the decode graph of capacity B x W; after
+the sampling graph, a few eager ops on the model stream accept the drafts and write each slot's next input token
+(graph_step.accept_drafts), and the verdicts come back with the tokens. Steps that ask for
 penalties, logprobs or prompt logprobs, label logits anywhere but at a row's last token, and plans no graph holds,
 run eagerly on the model stream through EagerExecutor's step (the reference semantics), synchronously: these are the
 exceptions, not the hot path.
@@ -26,14 +30,15 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from engine.executor.eager import EagerExecutor, kv_cache_shape
-from engine.executor.frames import Layout, PageTableMirror, host_views, make_layout, pack
-from engine.executor.graph_step import StaticBuffers, model_step, sample_step
+from engine.executor.frames import (Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
+                                    verify_rows, verify_spans)
+from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
 from engine.executor.inputs import has_penalty
 from engine.executor.label_scores import Query, assemble, graph_index
 from engine.model.decoder import CausalLM
@@ -65,6 +70,8 @@ class _Launched:
     frame: int
     kind: str  # the graph's: "decode" or "extend"
     labels: tuple[Query, ...] = ()  # the label queries whose logits the step gathered
+    seqs: int = 0  # sequence rows the step sampled (a verify row counts one per position)
+    verified: int = 0  # verify rows whose verdicts the step copied back
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,13 @@ class GraphExecutor:
         self._label_index = torch.zeros(self._max_labels, dtype=torch.int64, device=device)
         self._label_dev = [torch.zeros(self._max_labels, device=device) for _ in range(MAX_IN_FLIGHT)]
         self._label_host = [torch.zeros(self._max_labels).pin_memory() for _ in range(MAX_IN_FLIGHT)]
+        # Verify steps: each verify row's (first row, width, slot) in, its (accepted drafts, token) out, per frame.
+        self._spans_host = [torch.zeros(3 * max_active, dtype=torch.int64).pin_memory() for _ in range(MAX_IN_FLIGHT)]
+        self._spans = torch.zeros(3 * max_active, dtype=torch.int64, device=device)
+        self._verdicts_dev = [torch.zeros(2 * max_active, dtype=torch.int64, device=device)
+                              for _ in range(MAX_IN_FLIGHT)]
+        self._verdicts_host = [torch.zeros(2 * max_active, dtype=torch.int64).pin_memory()
+                               for _ in range(MAX_IN_FLIGHT)]
         mask_shape = tuple(self._buffers.masks.shape)
         self._masks_host = [torch.zeros(mask_shape, dtype=torch.int32).pin_memory() for _ in range(MAX_IN_FLIGHT)]
         self._model_stream = torch.cuda.Stream(device)
@@ -230,7 +244,8 @@ class GraphExecutor:
             graph.reset()
         self._graphs.clear()
         self._exec.clear()
-        del self.kv_cache, self._buffers, self._out_dev, self._label_index, self._label_dev
+        del self.kv_cache, self._buffers, self._out_dev, self._label_index, self._label_dev, self._spans, \
+            self._verdicts_dev
         torch.cuda.empty_cache()
         os.close(self.wake_fd)
         os.close(self._wake_write)
@@ -239,9 +254,14 @@ class GraphExecutor:
     def _layout_for(self, plan: Plan) -> Layout | None:
         """The smallest graph that holds the plan, or None for a step that runs eagerly."""
         rows = plan.rows
-        if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets or r.draft
+        if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets
                            or r.rope_shift is None for r in rows):
             return None
+        if any(row.draft for row in rows):  # one-token rows in a decode graph, when nothing else needs a span
+            if plan.masks or any(row.scores or (row.length > 1 and not row.draft) for row in rows):
+                return None
+            i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
+            return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
         if any(row.scores for row in rows):
             index = graph_index(plan, self._vocab)
             if index is None or len(index[1]) > self._max_labels:
@@ -255,7 +275,9 @@ class GraphExecutor:
     def _launch(self, fence: int, plan: Plan, layout: Layout) -> None:
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
-        words = pack(plan, layout, self._host_np[k], self._views[k][layout], self._mirror, self.page_size,
+        verify = any(row.draft for row in plan.rows)
+        packed = replace(plan, rows=verify_rows(plan.rows)) if verify else plan
+        words = pack(packed, layout, self._host_np[k], self._views[k][layout], self._mirror, self.page_size,
                      self.trash)
         greedy = all(row.sampling.temperature == 0 for row in plan.rows if row.sample)
         rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
@@ -268,6 +290,7 @@ class GraphExecutor:
         rt.graphLaunch(self._exec[layout], model)
         rt.graphLaunch(self._exec[(seqs, greedy, bool(plan.masks))], model)
         labels = self._gather_labels(plan, k) if any(row.scores for row in plan.rows) else ()
+        verified = self._accept(plan, k, layout) if verify else 0
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)
         rt.eventRecord(self._end[k], model)
@@ -276,9 +299,24 @@ class GraphExecutor:
         if labels:
             count = sum(len(query.token_ids) for query in labels)
             rt.memcpyAsync(self._label_host[k].data_ptr(), self._label_dev[k].data_ptr(), count * 4, D2H, copy)
+        if verified:
+            rt.memcpyAsync(self._verdicts_host[k].data_ptr(), self._verdicts_dev[k].data_ptr(), verified * 16, D2H,
+                           copy)
         rt.eventRecord(self._done[k], copy)
-        self._pending.append(_Launched(fence, plan, k, layout.kind, labels))
+        self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified))
         self._watch.put((fence, self._done[k]))
+
+    def _accept(self, plan: Plan, k: int, layout: Layout) -> int:
+        """On the model stream, after sampling: the verify rows' verdicts into frame k's buffer; their count."""
+        spans, width = verify_spans(plan.rows)
+        count = spans.shape[1]
+        self._spans_host[k].numpy()[:3 * count] = spans.reshape(-1)
+        self._rt.memcpyAsync(self._spans.data_ptr(), self._spans_host[k].data_ptr(), 3 * count * 8, H2D,
+                             self._model_stream.cuda_stream)
+        with torch.cuda.stream(self._model_stream):
+            verdicts = accept_drafts(self._buffers, layout, self._spans[:3 * count].view(3, count), width)
+            self._verdicts_dev[k][:2 * count].copy_(verdicts.view(-1))
+        return count
 
     def _gather_labels(self, plan: Plan, k: int) -> tuple[Query, ...]:
         """On the model stream, after the model graph: the queried labels' logits into frame k's label buffer."""
@@ -296,15 +334,22 @@ class GraphExecutor:
         if self._failure is not None:
             return Completion(step.fence, (), (), (), 0.0, error=f"execution failed: {self._failure}")
         k = step.frame
-        tokens = self._out_host[k].numpy()[:len(step.plan.rows)].tolist()
-        sampled = [(row.slot, row.generation, token) for row, token in zip(step.plan.rows, tokens) if row.sample]
+        rows = step.plan.rows
+        samples = self._out_host[k].numpy()[:step.seqs].tolist()
+        accepted: list[int] = []
+        if step.verified:
+            verdicts = self._verdicts_host[k].numpy()[:2 * step.verified].reshape(2, -1)
+            tokens, accepted = verify_results(rows, samples, verdicts)
+        else:
+            tokens = [token for row, token in zip(rows, samples) if row.sample]
+        sampled = [row for row in rows if row.sample]
         start = self._rt.eventElapsedTime(self._origin, self._start[k])
         end = self._rt.eventElapsedTime(self._origin, self._end[k])
         self.spans.append((start, end, len(step.plan.rows), step.kind))
         count = sum(len(query.token_ids) for query in step.labels)
         scores = assemble(list(step.labels), self._label_host[k].numpy()[:count].tolist()) if count else ()
-        return Completion(step.fence, tuple(s for s, _, _ in sampled), tuple(g for _, g, _ in sampled),
-                          tuple(t for _, _, t in sampled), (end - start) / 1000, scores=scores)
+        return Completion(step.fence, tuple(row.slot for row in sampled), tuple(row.generation for row in sampled),
+                          tuple(tokens), (end - start) / 1000, scores=scores, accepted=tuple(accepted))
 
     def _run_eager(self, fence: int, plan: Plan) -> Completion:
         """The eager executor's step (page copies included) on the model stream; its tokens reaching the host end

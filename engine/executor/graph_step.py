@@ -14,6 +14,7 @@ from engine.kernels.page_table import apply_patches
 from engine.model.attention import DecodeBatch, ExtendBatch, KernelMetadata
 from engine.model.decoder import CausalLM
 from engine.sampling import SamplingTensors, apply_token_mask, sample
+from engine.speculative.verify import accept
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,16 @@ def sample_step(buffers: StaticBuffers, layout: Layout, greedy: bool, masked: bo
             all_greedy=False, any_penalty=False))
     buffers.sampled[:layout.seqs] = tokens
     buffers.slot_tokens[views["sample_slot"].long()] = tokens
+
+
+@torch.inference_mode()
+def accept_drafts(buffers: StaticBuffers, layout: Layout, spans: torch.Tensor, max_width: int) -> torch.Tensor:
+    """After a verify step's sampling (rows from frames.verify_rows): each verify row's accepted drafts and the
+    token after them (int64 [2, R]), that token written as its slot's next input. `spans`: frames.verify_spans."""
+    first, width, slot = spans
+    columns = torch.arange(max_width, device=spans.device)
+    index = first[:, None] + torch.minimum(columns[None, :], width[:, None] - 1)
+    drafts = device_views(buffers.frame, layout)["token"][index[:, 1:]].long()  # position i's token is draft i
+    accepted, final = accept(buffers.sampled[index], drafts, width)
+    buffers.slot_tokens[slot] = final
+    return torch.stack([accepted, final])
