@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml
 	  if [ -n "$$major" ]; then $(BIN)/pip install -q -e ".[ignition,test,cuda$$major]"; \
 	  else echo "make: a GPU is present but this torch has no CUDA: flare will serve on the CPU"; fi; fi
 	$(MAKE) --no-print-directory pillow-simd stock-pillow
+	@# Flare's AVX2 int4/int8 kernel (engine/model/cpu_quant.cpp), compiled once into torch's extension cache here
+	@# so that tests and servers load it ready; where it cannot build, quantized cores run PyTorch's kernel.
+	$(BIN)/python -m engine.model.cpu_quant
 	touch $@
 
 # Frontends decode images with Pillow-SIMD, which shares the `PIL` package with Pillow: it goes in after everything

@@ -24,7 +24,8 @@ from engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpa
 from engine.model.loader import load_model
 from engine.threads import set_threads
 
-MATMULS = ("aten::_weight_int4pack_mm_for_cpu", "aten::mm", "aten::addmm", "aten::bmm")
+MATMULS = ("aten::_weight_int4pack_mm_for_cpu", "flare_cpu::quant_mm", "flare_cpu::dequantize", "aten::mm", "aten::addmm",
+           "aten::bmm")
 PAGE = 64
 
 

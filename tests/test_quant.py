@@ -1,5 +1,6 @@
-"""Quantized cores (engine/model/quant.py, ignition/quantize.py): GGUF blocks read exactly, the int4 kernel's
-products against fp32 ones, and the default quantized core against the same core dequantized to fp32."""
+"""Quantized cores (engine/model/quant.py, ignition/quantize.py): GGUF blocks read exactly, both CPU kernels'
+products (Flare's AVX2 one, engine/model/cpu_quant.cpp, and PyTorch's int4 one) against exact ones, and the default
+quantized core against the same core dequantized to fp32."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from gguf import GGMLQuantizationType, dequantize as gguf_dequantize, quantize a
 
 from engine.executor.eager import kv_cache_shape
 from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model import cpu_quant, quant
 from engine.model.loader import load_model
-from engine.model.quant import QuantLinear, codes_of, dequantize
+from engine.model.quant import QuantLinear, codes_of, dequantize, pack_codes
 from ignition.quantize import Blocks, gguf_blocks, quantize
 
-# The kernel rounds inputs, scales and zeros to bfloat16 (8 significant bits) and accumulates in fp32, so a product
+# PyTorch's kernel rounds inputs, scales and zeros to bfloat16 (8 significant bits) and accumulates in fp32, so a product
 # of K terms differs from fp32's by about 2**-9 of the sum of |x| |w|: relative to that sum, allow 2**-7.
 PRODUCT_TOLERANCE = 2**-7
 # Logits of the quantized core against its fp32 dequantization, teacher-forced along the fp32 greedy path: the
@@ -32,6 +34,71 @@ def product_error(layer: QuantLinear, weight: torch.Tensor, x: torch.Tensor) -> 
     return float(((layer(x).double() - exact).abs() / scale).max())
 
 
+@pytest.fixture(params=["flare", "torch"])
+def kernel(request, monkeypatch) -> str:
+    """Runs a test with each kernel QuantLinear may pick: Flare's (skipped where it cannot run) and PyTorch's."""
+    if request.param == "flare" and cpu_quant.quant_mm() is None:
+        pytest.skip("Flare's AVX2 kernel does not run here")
+    if request.param == "torch":
+        monkeypatch.setattr(quant.cpu_quant, "quant_mm", lambda: None)
+    return request.param
+
+
+def flare_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far Flare's kernel may be from x @ weight.T: each input is rounded to a 16-bit integer step of its group
+    of 32 (at most 2^-16 of the group's largest |x|), and fp32 sums of K terms add a few units of 2^-24 of the sum
+    of |x| |w| (2^-20 allows K up to 16 * 32 groups' worth of them)."""
+    largest = x.abs().view(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1).double()
+    return 2**-16 * largest @ weight.abs().double().T + 2**-20 * x.abs().double() @ weight.abs().double().T
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows, inputs, outputs", [(1, 96, 7), (3, 160, 33), (16, 544, 65), (300, 288, 31)])
+def test_flare_kernel_equals_the_exact_product(bits: int, rows: int, inputs: int, outputs: int) -> None:
+    """quant_mm at every row count (decode, verify, prefill sizes; K not a multiple of 256, N odd), the fp32 GEMM
+    route QuantLinear takes from GEMM_ROWS rows on, and dequantize, against float64 products of the same weights."""
+    if cpu_quant.quant_mm() is None:
+        pytest.skip("Flare's AVX2 kernel does not run here")
+    torch.manual_seed(rows + inputs)
+    codes = torch.randint(0, 2**bits, (outputs, inputs), dtype=torch.int32)
+    scale, minimum = torch.rand(outputs, inputs // 32) / 8, -torch.rand(outputs, inputs // 32)
+    weight = dequantize(codes, scale, minimum)
+    x = torch.randn(rows, inputs) * torch.rand(rows, 1) * 10
+    exact = x.double() @ weight.double().T
+    packed = pack_codes(codes, bits)
+    # One rounding (a fused multiply-add) against dequantize's two: equal within a unit of the terms' last place.
+    terms = codes.double() * scale.double().repeat_interleave(32, dim=1), minimum.double().repeat_interleave(32, 1)
+    dense = torch.ops.flare_cpu.dequantize(packed, scale, minimum, bits).double()
+    assert ((dense - terms[0] - terms[1]).abs() <= 2**-23 * (terms[0].abs() + terms[1].abs())).all()
+    direct = torch.ops.flare_cpu.quant_mm(x, packed, scale, minimum, bits).double()
+    assert ((direct - exact).abs() <= flare_bound(x, weight)).all()
+    layer = QuantLinear(codes, bits, scale, minimum)
+    assert layer.bits == bits
+    assert ((layer(x).double() - exact).abs() <= flare_bound(x, weight)).all()
+
+
+def test_fused_layers_equal_their_parts(kernel: str) -> None:
+    """Fused q/k/v and gate/up layers (QuantLinear.concat); PyTorch's kernel packs rows in blocks, so it fuses only
+    parts of whole blocks (48 rows beside others once gave wrong outputs)."""
+    torch.manual_seed(3)
+
+    def layers(*sizes: int) -> list[QuantLinear]:
+        return [QuantLinear(b.codes.to(torch.int32), 4, b.scale, b.minimum)
+                for b in (quantize(torch.randn(n, 64), 4) for n in sizes)]
+
+    parts = layers(48, 16, 32)
+    if kernel == "torch":
+        assert QuantLinear.concat(*parts) is None
+        parts = layers(64, 128, 64)
+    fused = QuantLinear.concat(*parts)
+    x = torch.randn(5, 64)
+    apart = torch.cat([layer(x) for layer in parts], dim=1)
+    if kernel == "flare":  # a column's sums do not depend on its neighbours
+        assert torch.equal(fused(x), apart)
+    else:  # PyTorch's kernel blocks its sums by the layer's width
+        torch.testing.assert_close(fused(x), apart, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_gguf_blocks_are_read_exactly(kind: str) -> None:
     weight = np.random.default_rng(0).normal(size=(48, 96)).astype(np.float32)
@@ -42,7 +109,7 @@ def test_gguf_blocks_are_read_exactly(kind: str) -> None:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_core_tensors_round_trip_and_the_kernel_agrees_with_fp32(bits: int) -> None:
+def test_core_tensors_round_trip_and_the_kernel_agrees_with_fp32(bits: int, kernel: str) -> None:
     torch.manual_seed(bits)
     weight = torch.randn(84, 160)  # rows not a multiple of the kernel's 16: padded
     blocks = quantize(weight, bits)

@@ -9,12 +9,19 @@ shape [N, K], codes `P.weight.q4` (uint8 [N, K/2], two codes a byte, low nibble 
 which is exactly GGUF's Q4_0, Q4_1 and Q8_0 blocks (and any block format of up to 8 bits with one scale and
 minimum per 32 weights).
 
-`torch.ops.aten._weight_int4pack_mm_for_cpu` computes x @ w.T for w = (code - 8) * scale + zero in groups of 32,
-so a 4-bit group maps onto it with zero = min + 8 * scale. An 8-bit code is 16 * hi + lo with two 4-bit halves,
-so an 8-bit weight is two 4-bit ones side by side ([hi | lo], K doubled) against the input repeated twice:
-hi with scale 16 * scale and zero 128 * scale + min, lo with scale `scale` and zero 8 * scale. The kernel is fast
-only with bfloat16 inputs (its fp32 path is scalar), so a quantized linear rounds its input, scales and zeros to
-bfloat16 and accumulates in fp32; its output returns to the model's dtype.
+Two kernels run them. Where the CPU has AVX2/FMA, Flare's own (cpu_quant.cpp, built by cpu_quant.py): the codes
+are repacked once at load time (`pack_codes`), a product of up to GEMM_ROWS - 1 rows (decode, speculative verify)
+reads them as they are, with the fp32 input rounded to 16-bit integers per group of 32 (at most 2^-16 of the
+group's largest |x|), and a larger one (prefill chunks) dequantizes the weight to fp32 in tiles for PyTorch's fp32
+GEMM, which wins from 32 rows on (measured: bench/README.md, "On an AVX2-only machine").
+
+Otherwise PyTorch's `torch.ops.aten._weight_int4pack_mm_for_cpu`, which computes x @ w.T for
+w = (code - 8) * scale + zero in groups of 32, so a 4-bit group maps onto it with zero = min + 8 * scale. An 8-bit
+code is 16 * hi + lo with two 4-bit halves, so an 8-bit weight is two 4-bit ones side by side ([hi | lo], K
+doubled) against the input repeated twice: hi with scale 16 * scale and zero 128 * scale + min, lo with scale
+`scale` and zero 8 * scale. That kernel is fast only with bfloat16 inputs (its fp32 path is scalar), so a
+quantized linear rounds its input, scales and zeros to bfloat16 and accumulates in fp32; its output returns to the
+model's dtype.
 
 `quantize_linears` is the hook the loader calls: it swaps every nn.Linear whose weight the core holds quantized
 (any family, any name) for a QuantLinear, and gives every nn.Embedding its dense rows back (a lookup reads only
@@ -26,9 +33,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model import cpu_quant
+
 GROUP = 32
 SUFFIXES = (".q4", ".q8", ".scale", ".min")
+# Rows from which dequantizing to fp32 and PyTorch's GEMM beat Flare's kernel (measured crossover: 32 rows).
+GEMM_ROWS = 32
+# Weights dequantized at a time for such a product (16 MiB of fp32: an output layer's 28M weights go in tiles).
+GEMM_TILE = 1 << 22
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+# Rows a part of a fused layer must come in for PyTorch's kernel (see QuantLinear.concat).
+TORCH_ROW_BLOCK = 64
 
 
 def codes_of(state: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, int] | None:
@@ -47,8 +62,19 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
     return codes.float() * scale + minimum.float().repeat_interleave(GROUP, dim=1)
 
 
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, K] as the bytes Flare's kernel reads (cpu_quant.cpp): 4-bit codes k and 16 + k of each group share
+    byte k of the group's 16; 8-bit codes stay in order."""
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous()
+    n, k = codes.shape
+    halves = codes.to(torch.uint8).view(n, k // (2 * 16), 2, 16)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 class QuantLinear(nn.Module):
-    """y = x @ w.T (+ bias) with w held as int4 groups packed for the CPU kernel (two sets for an 8-bit w)."""
+    """y = x @ w.T (+ bias) with w held as 4- or 8-bit groups: packed for Flare's AVX2 kernel where it runs
+    (`bits` set), else as int4 groups for PyTorch's kernel (two sets for an 8-bit w; `bits` None)."""
 
     def __init__(self, codes: torch.Tensor, bits: int, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:
@@ -57,12 +83,19 @@ class QuantLinear(nn.Module):
         if self.in_features % GROUP:
             raise ValueError(f"a quantized weight needs a multiple of {GROUP} inputs, not {self.in_features}")
         scale, minimum = scale.float(), minimum.float()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if bits not in (4, 8):
+            raise ValueError(f"{bits}-bit codes are not supported (4 or 8)")
+        self.bits = bits if cpu_quant.quant_mm() is not None else None
+        if self.bits is not None:
+            self.register_buffer("codes", pack_codes(codes, bits), persistent=False)
+            self.register_buffer("scales", scale.contiguous(), persistent=False)
+            self.register_buffer("mins", minimum.contiguous(), persistent=False)
+            return
         if bits == 4:
             halves = [(codes, scale, minimum + 8 * scale)]
-        elif bits == 8:
-            halves = [(codes >> 4, 16 * scale, 128 * scale + minimum), (codes & 15, scale, 8 * scale)]
         else:
-            raise ValueError(f"{bits}-bit codes are not supported (4 or 8)")
+            halves = [(codes >> 4, 16 * scale, 128 * scale + minimum), (codes & 15, scale, 8 * scale)]
         self.repeats = len(halves)
         # The kernel packs rows in sixteens: pad with zero weights, cut from the output.
         pad = -self.out_features % 16
@@ -74,40 +107,60 @@ class QuantLinear(nn.Module):
                                         torch.cat([z for _, _, z in halves], dim=1)], dim=-1)
         self.register_buffer("scales_and_zeros", scales_and_zeros.transpose(0, 1).contiguous().bfloat16(),
                              persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
     def concat(cls, *parts: QuantLinear) -> QuantLinear | None:
-        """One layer computing the parts' outputs side by side (fused q/k/v and gate/up: one kernel call and one
-        rounding of the input instead of several), or None where they cannot share one call: other inputs, other
-        code widths, or padding rows inside. Packed rows concatenate as they are: the kernel's layout is row-major
-        in outputs."""
+        """One layer computing the parts' outputs side by side (fused q/k/v and gate/up: one kernel call instead of
+        several), or None where they cannot share one call: other inputs, other code widths, or (PyTorch's kernel)
+        a part whose rows are not a whole number of the kernel's row blocks. Both layouts are row-major in outputs,
+        so packed rows concatenate as they are, PyTorch's only by whole blocks (32 rows on an AVX2 machine: a part
+        of 48 rows beside others gave wrong outputs; 64 covers the block sizes of its other CPU paths too)."""
         first = parts[0]
-        if any(p.in_features != first.in_features or p.repeats != first.repeats or p.packed.shape[0] != p.out_features
-               for p in parts) or len({p.bias is None for p in parts}) > 1:
+        if any(p.in_features != first.in_features or p.bits != first.bits for p in parts) or \
+                len({p.bias is None for p in parts}) > 1:
+            return None
+        names = ("codes", "scales", "mins") if first.bits is not None else ("packed", "scales_and_zeros")
+        if first.bits is None and any(p.repeats != first.repeats or p.out_features % TORCH_ROW_BLOCK
+                                      for p in parts):
             return None
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         fused.in_features, fused.out_features = first.in_features, sum(p.out_features for p in parts)
-        fused.repeats = first.repeats
-        fused.register_buffer("packed", torch.cat([p.packed for p in parts]), persistent=False)
-        fused.register_buffer("scales_and_zeros", torch.cat([p.scales_and_zeros for p in parts], dim=1),
-                              persistent=False)
+        fused.bits = first.bits
+        if first.bits is None:
+            fused.repeats = first.repeats
+        for name in names:
+            # The kernel's scales_and_zeros are [groups, N, 2]: outputs on dim 1.
+            dim = 1 if name == "scales_and_zeros" else 0
+            fused.register_buffer(name, torch.cat([getattr(p, name) for p in parts], dim=dim), persistent=False)
         fused.bias = None if first.bias is None else nn.Parameter(torch.cat([p.bias for p in parts]),
                                                                   requires_grad=False)
         return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Few operators on purpose: a decode step calls this seven times a layer.
-        rows = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).to(torch.bfloat16)
-        if self.repeats > 1:
-            rows = rows.repeat(1, self.repeats)
-        out = _int4_mm(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
-        if out.shape[-1] != self.out_features:
-            out = out[:, :self.out_features]
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self.bits is not None:
+            out = self._flare(rows.float().contiguous()).to(x.dtype)
+        else:
+            rows = rows.to(torch.bfloat16)
+            if self.repeats > 1:
+                rows = rows.repeat(1, self.repeats)
+            out = _int4_mm(rows, self.packed, GROUP, self.scales_and_zeros).to(x.dtype)
+            if out.shape[-1] != self.out_features:
+                out = out[:, :self.out_features]
         if self.bias is not None:
             out = out + self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+    def _flare(self, rows: torch.Tensor) -> torch.Tensor:
+        if rows.shape[0] < GEMM_ROWS:
+            return torch.ops.flare_cpu.quant_mm(rows, self.codes, self.scales, self.mins, self.bits)
+        step = max(1, GEMM_TILE // self.in_features)
+        parts = [nn.functional.linear(rows, torch.ops.flare_cpu.dequantize(
+                     self.codes[n:n + step], self.scales[n:n + step], self.mins[n:n + step], self.bits))
+                 for n in range(0, self.out_features, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
 
 def is_quantized(state: dict[str, torch.Tensor]) -> bool:
@@ -155,9 +208,11 @@ def dequantize_all(state: dict[str, torch.Tensor]) -> None:
 
 
 class RefinedLogits(nn.Module):
-    """The output layer of a quantized core. The int4 kernel returns bfloat16, whose steps near SmolLM2's top logits
-    (16 to 32) are 0.125 wide, so the leading candidates would often tie; so the REFINED largest logits of each row
-    are recomputed in fp32 from the dense rows (the embedding's when tied), the rest keep the kernel's values."""
+    """The output layer of a quantized core. PyTorch's int4 kernel returns bfloat16, whose steps near SmolLM2's top
+    logits (16 to 32) are 0.125 wide, so the leading candidates would often tie; so the REFINED largest logits of
+    each row are recomputed in fp32 from the dense rows (the embedding's when tied), the rest keep the kernel's
+    values. Flare's kernel returns fp32 logits whose only rounding is its 16-bit inputs, so refining moves them
+    far less."""
 
     REFINED = 64
 
