@@ -83,4 +83,5 @@ run: install core
 	$(BIN)/flare run $(CORE)
 
 test: install core browser
-	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q
+	@# The slowest tests are listed at the end, to keep the suite within its time (CI: 2 cores, a fresh clone).
+	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q --durations=25

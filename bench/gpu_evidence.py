@@ -13,6 +13,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,6 +36,21 @@ LINES: list[str] = []
 def say(line: str = "") -> None:
     print(line, flush=True)
     LINES.append(line)
+
+
+def run_sections(sections: dict[str, Callable[[], None]], names: list[str], out: Path | None) -> None:
+    """The named sections in turn (a broken one prints its traceback and must not hide the others' tables), the
+    elapsed time, then every line printed so far into `out`."""
+    started = time.monotonic()
+    for name in names:
+        try:
+            sections[name]()
+        except Exception:
+            say(f"{name} failed:\n```\n{traceback.format_exc()}```")
+        torch.cuda.empty_cache()
+    say(f"({time.monotonic() - started:.0f} s)")
+    if out:
+        out.write_text("\n".join(LINES) + "\n")
 
 
 def core(cores: Path, name: str) -> Path:
@@ -185,21 +201,12 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--only", nargs="*", default=["correctness", "decode", "smollm"])
     args = parser.parse_args()
-    started = time.monotonic()
     say(f"# GPU evidence: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bandwidth = copy_bandwidth()
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
     sections = {"correctness": lambda: correctness(args.cores), "decode": lambda: decode_sweep(args.cores, bandwidth),
                 "smollm": lambda: smollm(args.cores)}
-    for name in args.only:
-        try:
-            sections[name]()
-        except Exception:  # one broken section must not hide the others' tables
-            say(f"{name} failed:\n```\n{traceback.format_exc()}```")
-        torch.cuda.empty_cache()
-    say(f"({time.monotonic() - started:.0f} s)")
-    if args.out:
-        args.out.write_text("\n".join(LINES) + "\n")
+    run_sections(sections, args.only, args.out)
     return 0
 
 

@@ -21,12 +21,11 @@ import argparse
 import bisect
 import hashlib
 import sys
-import time
-import traceback
+from pathlib import Path
 
 import torch
 
-from bench.gpu_evidence import BATCHES, CONTEXT, LINES, copy_bandwidth, make, say, step_times
+from bench.gpu_evidence import BATCHES, CONTEXT, copy_bandwidth, make, run_sections, say, step_times
 from bench.gpu_steps import generate, replay
 from common.manifest import Capacities, Manifest
 from engine.executor.graph import decode_capacities, extend_capacities
@@ -182,28 +181,19 @@ def padded(m: int, caps: list[int]) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=argparse.FileType("w"))
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--only", nargs="*", default=["tokens", "moe"], choices=("tokens", "moe", "gemm"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="weights of the token comparison (float32: GEMM algorithms that differ with a step's "
                              "padded size no longer flip near-tied tokens)")
     parser.add_argument("--moe-layers", type=int, help="decoder layers of the Qwen3-30B-A3B sweep (default: 48)")
     args = parser.parse_args()
-    started = time.monotonic()
     say(f"# GPU evidence, model families: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     bandwidth = copy_bandwidth()
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
     sections = {"tokens": lambda: tokens(args.dtype), "moe": lambda: moe(bandwidth, args.moe_layers),
                 "gemm": lambda: gemm_invariance(args.dtype)}
-    for name in args.only:
-        try:
-            sections[name]()
-        except Exception:  # one broken section must not hide the others' tables
-            say(f"{name} failed:\n```\n{traceback.format_exc()}```")
-        torch.cuda.empty_cache()
-    say(f"({time.monotonic() - started:.0f} s)")
-    if args.out:
-        args.out.write("\n".join(LINES) + "\n")
+    run_sections(sections, args.only, args.out)
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from bench.gpu_evidence import run_sections, say
 from engine.kernels.decode_attention import decode_attention, decode_attention_reference, num_splits
 from engine.kernels.extend_attention import (BLOCK_M, extend_attention, extend_attention_reference, extend_blocks,
                                              tile_config)
@@ -39,12 +40,6 @@ CONTEXTS = [1024, 4096, 16384, 32768]
 DECODE_CONTEXTS = [4096, 32768]
 TILE_CONTEXT = 16384
 DEVICE = "cuda"
-LINES: list[str] = []
-
-
-def say(line: str = "") -> None:
-    print(line, flush=True)
-    LINES.append(line)
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 3, repeats: int = 20) -> float:
@@ -233,11 +228,8 @@ def main() -> int:
     say(f"# Kernels on {torch.cuda.get_device_name()}")
     sections = {"moe": bench_moe, "extend": bench_extend, "decode": bench_decode, "tiles": bench_tiles,
                 "moe-configs": bench_moe_configs}
-    for name in args.only or list(sections):
-        sections[name]()
-        say()
-    if args.out:
-        args.out.write_text("\n".join(LINES) + "\n")
+    run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
+                 args.out)
     return 0
 
 

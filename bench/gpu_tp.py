@@ -14,7 +14,6 @@ import argparse
 import hashlib
 import os
 import pickle
-import statistics
 import sys
 import tempfile
 import time

@@ -9,6 +9,7 @@ computed: they find the state's pages in the prefix cache and compute only their
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable
@@ -21,8 +22,8 @@ from common.errors import ExecutionFailed, InvalidRequest
 from common.protocol import LabelQuery, SamplingParams, Submit
 from frontend.decision_prompts import Decider, Prompt
 from frontend.decision_questions import DecisionInvalid, Question, validate
-from frontend.engine_client import EngineClient
 from frontend.models_api import resolve
+from frontend.replicas import Replicas
 from frontend.server import Frontend, frontend_of, read_json
 
 DECIDER_KEY = web.AppKey("decider", Decider)
@@ -37,30 +38,19 @@ class Scored:
     cached_tokens: int
 
 
-async def score(client: EngineClient, decider: Decider, prompt: Prompt) -> Scored:
+async def score(client: Replicas, decider: Decider, prompt: Prompt) -> Scored:
     """One scored prefill; leaving early (a failure elsewhere, a gone client) aborts it in the engine."""
-    request_id = uuid.uuid4().hex
     queries = [LabelQuery(position, decider.label_ids(tuple(q.labels)))
                for position, q in zip(prompt.positions, prompt.questions)]
-    queue = await client.submit(Submit(request_id, prompt.ids, SamplingParams(temperature=0.0, max_tokens=1),
-                                       arrival=time.time(), label_queries=queries))
-    finished = False
-    try:
-        while True:
-            update = await queue.get()
-            if update.error is not None:
-                finished = True
-                raise update.error
+    submit = Submit(uuid.uuid4().hex, prompt.ids, SamplingParams(temperature=0.0, max_tokens=1), arrival=time.time(),
+                    label_queries=queries)
+    async with contextlib.aclosing(client.updates(submit)) as updates:
+        async for update in updates:
             if update.finish_reason is not None:
-                finished = True
                 if update.finish_reason != "stop" or update.label_logits is None:
                     raise ExecutionFailed(f"the scored prefill ended: {update.finish_reason}")
                 return Scored(update.label_logits, update.prompt_tokens, update.cached_tokens)
-    finally:
-        if finished:
-            client.release(request_id)
-        else:
-            client.abort(request_id)
+    raise ExecutionFailed("the scored prefill ended without a result")
 
 
 async def all_or_nothing(jobs: list[Awaitable[T]]) -> list[T]:

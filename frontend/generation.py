@@ -51,22 +51,15 @@ class Finish:
 async def generate(client: Replicas, model: ServedModel, request: GenerationRequest
                    ) -> AsyncIterator[Delta | Finish]:
     """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
-    request_id = uuid.uuid4().hex
-    queue = await client.submit(Submit(request_id, request.prompt_ids, request.sampling, request.message_ends,
-                                       request.arrival, images=request.images,
-                                       constraint=request.constraint))
+    submit = Submit(uuid.uuid4().hex, request.prompt_ids, request.sampling, request.message_ends, request.arrival,
+                    images=request.images, constraint=request.constraint)
     detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids, model.hidden_token_ids)
     stops = StopMatcher(request.stop)
     hidden_ids = set(request.sampling.stop_token_ids)
     generated = 0
-    finished = False
     timer = RequestTimer()
-    try:
-        while True:
-            update = await queue.get()
-            if update.error is not None:
-                finished = True
-                raise update.error
+    async with contextlib.aclosing(client.updates(submit)) as updates:
+        async for update in updates:
             text, kept = _consume(update.token_ids, hidden_ids, detokenizer, stops, update.finish_reason is not None)
             if kept < len(update.token_ids):  # a stop string ended inside a speculative burst: the rest never was
                 update = replace(update, token_ids=update.token_ids[:kept],
@@ -74,14 +67,13 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
             generated += len(update.token_ids)
             timer.delivered(len(update.token_ids))
             delta = Delta(text, update.token_ids, update.logprobs, update.prompt_logprobs)
-            if stops.matched is not None:
-                finished = True
-                client.abort(request_id)
+            if stops.matched is not None:  # leaving the updates aborts the request in the engine
+                timer.finished()
                 yield delta
                 yield Finish("stop", stops.matched, update.prompt_tokens, generated, update.cached_tokens)
                 return
             if update.finish_reason is not None:
-                finished = True
+                timer.finished()
                 if update.finish_reason not in ("stop", "length"):
                     raise ExecutionFailed(f"generation ended: {update.finish_reason}")
                 text += stops.flush()
@@ -93,12 +85,6 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
                 return
             if text or update.token_ids:
                 yield delta
-    finally:
-        if finished:
-            timer.finished()
-            client.release(request_id)
-        else:
-            client.abort(request_id)
 
 
 def _consume(token_ids: list[int], hidden_ids: set[int], detokenizer: IncrementalDetokenizer,

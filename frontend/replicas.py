@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -130,6 +131,25 @@ class Replicas:
             replica.routed += 1
             self._owner[submit.request_id] = replica
             return queue
+
+    async def updates(self, submit: wire.Submit) -> AsyncIterator[Update]:
+        """Submit, then yield the request's updates up to its last (one with a finish reason); an update carrying
+        an error raises it. Closing the iterator early (wrap it in contextlib.aclosing: a client gone, a stop string
+        matched, a failure elsewhere) aborts the request in its engine; a finished one is only forgotten."""
+        queue = await self.submit(submit)
+        finished = False
+        try:
+            while True:
+                update = await queue.get()
+                if update.error is not None:
+                    finished = True
+                    raise update.error
+                finished = update.finish_reason is not None
+                yield update
+                if finished:
+                    return
+        finally:
+            (self.release if finished else self.abort)(submit.request_id)
 
     def abort(self, request_id: str) -> None:
         if (replica := self._owner.pop(request_id, None)) is not None:

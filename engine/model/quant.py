@@ -1,4 +1,4 @@
-"""Weight-only quantized linears on the CPU: a core's 4- and 8-bit groups run by PyTorch's int4 kernel.
+"""Weight-only quantized linears on the CPU: a core's 4- and 8-bit groups run by Flare's AVX2 kernel or PyTorch's.
 
 DESIGN.md, Model and kernels. A quantized core (ignition/quantize.py writes it) holds, for a weight `P.weight` of
 shape [N, K], codes `P.weight.q4` (uint8 [N, K/2], two codes a byte, low nibble first) or `P.weight.q8` (uint8

@@ -219,7 +219,8 @@ class RequestScheduler:
                    tokens=(request.tokens[-1],) + draft, page_table=tuple(request.pages[: -(-end // self.page_size)]),
                    sample=True, output_index=start + 1 - request.prompt_len, sampling=request.sampling,
                    seed=request.seed, prompt_len=request.prompt_len, epoch=request.epoch, draft=draft,
-                   proposer=self.speculation.proposer.name, rope_shift=request.rope_shift(start, end))
+                   proposer=self.speculation.proposer.name, rope_shift=request.rope_shift(start, end),
+                   images=request.images)  # a vision model's eager step places text after images by them
 
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""

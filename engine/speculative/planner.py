@@ -6,9 +6,9 @@ second than a plain decode step: expected tokens (engine/speculative/acceptance.
 that step shape (engine/scheduler/policy.py GraphCostModel: ("decode", batch) and ("verify", batch, W)). A small
 time budget, PROBE_FRACTION of measured step time, funds rounds one width deeper than the best, so estimates that
 look worse are revisited and do not freeze. Requests that ask for penalties, logprobs, an unmet min_tokens, or a
-grammar (its mask per position would need the matcher advanced through the drafts), requests with images (verify
-rows do not yet carry the M-RoPE shift of text after images), or that opted out (SamplingParams.speculative),
-always decode plainly.
+grammar (its mask per position would need the matcher advanced through the drafts), or that opted out
+(SamplingParams.speculative), always decode plainly. Requests with images draft too: a verify row carries the
+request's rope shift and images, so its text positions are those of a plain decode row (engine/executor/images.py).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def eligible(request: Request) -> bool:
     params = request.sampling
     return (params.speculative and params.logprobs is None and params.presence_penalty == 0
             and params.frequency_penalty == 0 and params.repetition_penalty == 1
-            and request.outputs >= params.min_tokens and request.grammar is None and not request.images)
+            and request.outputs >= params.min_tokens and request.grammar is None)
 
 
 @dataclass(frozen=True)
