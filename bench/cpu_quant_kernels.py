@@ -5,7 +5,7 @@
 DESIGN.md, Model and kernels; bench/README.md, "On an AVX2-only machine". SmolLM2-135M's shapes (M rows x K
 inputs -> N outputs) with random 4-bit weights, weights hot in cache (the same product repeated), the median of
 `--repeats` timings. Columns: `flare_cpu::quant_mm` alone; QuantLinear with Flare's kernel (what a quantized core
-runs: from 32 rows on it dequantizes to fp32 and runs PyTorch's GEMM); `_weight_int4pack_mm_for_cpu` on a bfloat16
+runs, the same kernel at every row count); `_weight_int4pack_mm_for_cpu` on a bfloat16
 input (PyTorch's kernel alone); QuantLinear with PyTorch's kernel (with its bfloat16 conversions); dense fp32
 `linear`.
 """

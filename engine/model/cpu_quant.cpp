@@ -1,7 +1,8 @@
 // Flare's weight-only 4- and 8-bit matrix product for AVX2 CPUs: y = x @ w.T with x fp32 [M, K] and w held as
 // groups of 32 weights, w = scale * code + min (GGUF's Q4_0, Q4_1 and Q8_0 blocks).
 // DESIGN.md, Model and kernels; engine/model/cpu_quant.py builds and loads this file, engine/model/quant.py packs
-// the weights (pack_codes) and calls torch.ops.flare_cpu.quant_mm and .dequantize.
+// the weights (pack_codes) and calls torch.ops.flare_cpu.quant_mm, for every row count: a row's product is the
+// same bits however many rows share the call (so a prompt scores alike whether its prefix was cached or not).
 //
 // Why its own kernel: without AVX-512, PyTorch's _weight_int4pack_mm_for_cpu needs bfloat16 inputs and runs at
 // about 2 GB/s of weights (bench/README.md, "On an AVX2-only machine").
@@ -170,27 +171,6 @@ void quant_mm_kernel(const float* x, int64_t M, int64_t K, const uint8_t* codes,
   });
 }
 
-// w[n, k] = scale * code + min in fp32: the weights of large-M products, which fp32 GEMM runs faster than
-// quant_mm once the dequantization is shared by enough rows (engine/model/quant.py measures the crossover).
-template <int BITS>
-void dequantize_kernel(const uint8_t* codes, const float* scales, const float* mins, int64_t N, int64_t K,
-                       float* w) {
-  const int64_t G = K / GROUP;
-  at::parallel_for(0, N * G, std::max<int64_t>(1, MIN_WORK_PER_THREAD / GROUP / 4), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      __m256i c[2];
-      Codes<BITS>::unpack(codes + i * Codes<BITS>::BYTES, c);
-      const __m256 s = _mm256_set1_ps(scales[i]), m = _mm256_set1_ps(mins[i]);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i lanes[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(c[h])),
-                                  _mm256_cvtepi16_epi32(_mm256_extracti128_si256(c[h], 1))};
-        for (int j = 0; j < 2; ++j)
-          _mm256_storeu_ps(w + i * GROUP + 16 * h + 8 * j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes[j]), s, m));
-      }
-    }
-  });
-}
-
 void check_weights(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t K,
                    int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "flare_cpu: 4- or 8-bit codes, not ", bits);
@@ -218,23 +198,12 @@ at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return out;
 }
 
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t bits) {
-  const int64_t N = codes.size(0), K = codes.size(1) * 8 / bits;
-  check_weights(codes, scales, mins, K, bits);
-  at::Tensor w = at::empty({N, K}, scales.options());
-  auto kernel = bits == 4 ? dequantize_kernel<4> : dequantize_kernel<8>;
-  kernel(codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), mins.data_ptr<float>(), N, K, w.data_ptr<float>());
-  return w;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(flare_cpu, m) {
   m.def("quant_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
-  m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) {
   m.impl("quant_mm", &quant_mm);
-  m.impl("dequantize", &dequantize);
 }

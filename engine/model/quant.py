@@ -10,10 +10,12 @@ which is exactly GGUF's Q4_0, Q4_1 and Q8_0 blocks (and any block format of up t
 minimum per 32 weights).
 
 Two kernels run them. Where the CPU has AVX2/FMA, Flare's own (cpu_quant.cpp, built by cpu_quant.py): the codes
-are repacked once at load time (`pack_codes`), a product of up to GEMM_ROWS - 1 rows (decode, speculative verify)
-reads them as they are, with the fp32 input rounded to 16-bit integers per group of 32 (at most 2^-16 of the
-group's largest |x|), and a larger one (prefill chunks) dequantizes the weight to fp32 in tiles for PyTorch's fp32
-GEMM, which wins from 32 rows on (measured: bench/README.md, "On an AVX2-only machine").
+are repacked once at load time (`pack_codes`) and every product reads them as they are, with the fp32 input rounded
+to 16-bit integers per group of 32 (at most 2^-16 of the group's largest |x|). It runs prefill chunks too, although
+dequantizing to fp32 for PyTorch's GEMM is faster from 32 rows on (15 against 22 ms at 512 x 576 -> 1536, two
+threads): a row's product must not depend on the rows beside it, or a prompt's last position would score
+differently with its prefix cached than without (the input rounding turns the GEMM's other summation order into
+differences of 1e-3 in logprobs). bench/README.md, "On an AVX2-only machine", has the measurements.
 
 Otherwise PyTorch's `torch.ops.aten._weight_int4pack_mm_for_cpu`, which computes x @ w.T for
 w = (code - 8) * scale + zero in groups of 32, so a 4-bit group maps onto it with zero = min + 8 * scale. An 8-bit
@@ -37,10 +39,6 @@ from engine.model import cpu_quant
 
 GROUP = 32
 SUFFIXES = (".q4", ".q8", ".scale", ".min")
-# Rows from which dequantizing to fp32 and PyTorch's GEMM beat Flare's kernel (measured crossover: 32 rows).
-GEMM_ROWS = 32
-# Weights dequantized at a time for such a product (16 MiB of fp32: an output layer's 28M weights go in tiles).
-GEMM_TILE = 1 << 22
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 # Rows a part of a fused layer must come in for PyTorch's kernel (see QuantLinear.concat).
 TORCH_ROW_BLOCK = 64
@@ -141,7 +139,8 @@ class QuantLinear(nn.Module):
         # Few operators on purpose: a decode step calls this seven times a layer.
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.bits is not None:
-            out = self._flare(rows.float().contiguous()).to(x.dtype)
+            out = torch.ops.flare_cpu.quant_mm(rows.float().contiguous(), self.codes, self.scales, self.mins,
+                                               self.bits).to(x.dtype)
         else:
             rows = rows.to(torch.bfloat16)
             if self.repeats > 1:
@@ -152,16 +151,6 @@ class QuantLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
-
-    def _flare(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.shape[0] < GEMM_ROWS:
-            return torch.ops.flare_cpu.quant_mm(rows, self.codes, self.scales, self.mins, self.bits)
-        step = max(1, GEMM_TILE // self.in_features)
-        parts = [nn.functional.linear(rows, torch.ops.flare_cpu.dequantize(
-                     self.codes[n:n + step], self.scales[n:n + step], self.mins[n:n + step], self.bits))
-                 for n in range(0, self.out_features, step)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
 
 def is_quantized(state: dict[str, torch.Tensor]) -> bool:
     return any(name.endswith((".q4", ".q8")) for name in state)
