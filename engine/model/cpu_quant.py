@@ -56,6 +56,11 @@ def quant_mm() -> Callable[..., torch.Tensor] | None:
     return torch.ops.flare_cpu.quant_mm
 
 
+def rms_norm() -> Callable[..., torch.Tensor] | None:
+    """torch.ops.flare_cpu.rms_norm(x, weight, eps): fp32 RMSNorm in one call, where the kernels build here."""
+    return torch.ops.flare_cpu.rms_norm if quant_mm() is not None else None
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     print("flare_cpu.quant_mm:", "ready" if quant_mm() is not None else "unavailable (PyTorch's int4 kernel)")

@@ -9,8 +9,10 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
+from engine.model import cpu_quant
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
+from engine.model.norms import RMSNorm
 from engine.model.quant import (RefinedLogits, codes_of, dequantize, dequantize_all, is_quantized, quantize_linears,
                                 quantized_view)
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -73,4 +75,8 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
         model.use_kernels(manifest.context_limit)
     elif quantized:
         model.fuse_projections()
+        if (norm := cpu_quant.rms_norm()) is not None:
+            for module in model.modules():
+                if type(module) is RMSNorm:  # Gemma's (1 + w) norms keep their own forward
+                    module.op = norm
     return manifest, model.eval()

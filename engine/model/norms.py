@@ -3,11 +3,17 @@ rounded once) compute it: the two round differently in bfloat16, and each family
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 
 class RMSNorm(nn.Module):
+    # A one-call fp32 RMSNorm for quantized CPU cores (engine/model/cpu_quant.py; the loader sets it): aten's is
+    # five operators there. Dense cores keep aten's, bit for bit transformers' (their parity reference).
+    op: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -19,6 +25,8 @@ class RMSNorm(nn.Module):
         return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op is not None:
+            return self.op(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One operator for the steps below, bit for bit the same in fp32 (a decode step runs two a layer).
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
