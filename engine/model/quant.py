@@ -152,6 +152,7 @@ class QuantLinear(nn.Module):
             out = out + self.bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
+
 def is_quantized(state: dict[str, torch.Tensor]) -> bool:
     return any(name.endswith((".q4", ".q8")) for name in state)
 
