@@ -151,6 +151,7 @@ def moe(bandwidth: float, layers: int | None) -> None:
 
 GEMM_SHAPES = {"llama-3.1-8b qkv": (4096, 6144), "llama-3.1-8b o": (4096, 4096), "llama-3.1-8b gate_up": (4096, 28672),
                "llama-3.1-8b down": (14336, 4096), "llama-3.1-8b lm_head": (4096, 128256),
+               "qwen3-8b gate_up": (4096, 24576), "qwen3-8b down": (12288, 4096),
                "qwen3-30b-a3b qkv": (2048, 5120), "qwen3-30b-a3b o": (4096, 2048)}
 GEMM_ROWS = (1, 3, 17, 33, 60, 200, 250, 300, 500, 520)  # a step holds at most a chunk + a row per slot
 

@@ -83,7 +83,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).reshape(x.shape[0], 3, self.heads, -1).unbind(1)  # (n, heads, head_dim) each
         q = (q * cos + rotate_half(q) * sin).to(x.dtype)
         k = (k * cos + rotate_half(k) * sin).to(x.dtype)
-        outputs = [F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1))
+        # A batch dimension of one: SDPA's flash and memory-efficient kernels take only 4-D inputs, and its 3-D
+        # fallback (the math kernel, in float32) made attention 90% of the tower's time on an H200.
+        outputs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))[0]
                    for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         return self.proj(torch.cat(outputs, dim=1).transpose(0, 1).reshape(x.shape))
 
