@@ -31,7 +31,7 @@ from bench.gpu_evidence import run_sections, say
 from engine.kernels.decode_attention import decode_attention, decode_attention_reference, num_splits
 from engine.kernels.extend_attention import (BLOCK_M, extend_attention, extend_attention_reference, extend_blocks,
                                              tile_config)
-from engine.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_reference, route
+from engine.kernels.fused_moe import MoeConfig, RowsConfig, fused_moe, fused_moe_reference, route
 from engine.model.attention import multiprocessors
 
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # H, I, E, K
@@ -70,7 +70,7 @@ def bench_moe() -> None:
     for name, (hidden, inter, experts, top_k) in MOE_SHAPES.items():
         w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g) * hidden**-0.5
         w2 = torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16, generator=g) * inter**-0.5
-        for tokens in (1, 16, 256):
+        for tokens in (1, 4, 16, 256):
             x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
             weights, ids = route(torch.randn(tokens, experts, device=DEVICE, generator=g), top_k, renormalize=True)
             fused = time_ms(lambda: fused_moe(x, w13, w2, weights, ids))
@@ -164,13 +164,13 @@ def bench_tiles() -> None:
 
 
 def bench_moe_configs() -> None:
-    say("## Fused MoE block configurations, Qwen3-30B-A3B experts, ms (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, "
-        "stages)")
+    say("## Fused MoE block configurations, Qwen3-30B-A3B experts, ms: grouped (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, "
+        "warps, stages) and rows (BLOCK_N, BLOCK_K, warps, stages)")
     hidden, inter, experts, top_k = MOE_SHAPES["qwen3-30b-a3b"]
     g = torch.Generator(device=DEVICE).manual_seed(4)
     w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g) * hidden**-0.5
     w2 = torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16, generator=g) * inter**-0.5
-    batches = (1, 16, 256)
+    batches = (1, 2, 4, 8, 16, 256)
     inputs = []
     for tokens in batches:
         x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
@@ -183,7 +183,10 @@ def bench_moe_configs() -> None:
     for config in [MoeConfig(16, 16, 128, 1, 4, 3), MoeConfig(16, 16, 256, 1, 4, 3),
                    MoeConfig(16, 32, 64, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 3), MoeConfig(16, 64, 128, 1, 4, 3),
                    MoeConfig(16, 128, 128, 1, 4, 3), MoeConfig(32, 64, 64, 4, 4, 3), MoeConfig(64, 64, 64, 8, 4, 3),
-                   MoeConfig(64, 128, 64, 8, 8, 3), MoeConfig(128, 128, 64, 8, 8, 3)]:
+                   MoeConfig(64, 128, 64, 8, 8, 3), MoeConfig(128, 128, 64, 8, 8, 3),
+                   RowsConfig(8, 256, 4, 3), RowsConfig(16, 128, 4, 3), RowsConfig(16, 256, 4, 3),
+                   RowsConfig(16, 512, 8, 3), RowsConfig(32, 128, 4, 3), RowsConfig(32, 256, 8, 3),
+                   RowsConfig(64, 128, 8, 3), RowsConfig(8, 512, 4, 4)]:
         cells = []
         for x, w, i, ref in inputs:
             try:

@@ -18,8 +18,8 @@ from engine.kernels.decode_attention import (decode_attention, decode_attention_
                                              num_splits)
 from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
                                              extend_blocks)
-from engine.kernels.fused_moe import (align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
-                                      fused_moe_reference, route)
+from engine.kernels.fused_moe import (ROWS_MAX_PAIRS, MoeConfig, RowsConfig, align_in_one_program,  # noqa: E402
+                                      align_with_torch, fused_moe, fused_moe_reference, route)
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
@@ -248,19 +248,37 @@ def test_apply_patches_matches_reference() -> None:
 MOE_SHAPE = (2048, 768, 128, 8) if GPU else (64, 32, 8, 2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 16, 256])
-def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int) -> None:
-    hidden, inter, experts, top_k = MOE_SHAPE
+def moe_inputs(shape: tuple[int, int, int, int], tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """x, w13, w2 and a routing in which some experts get no token at all."""
+    hidden, inter, experts, top_k = shape
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
     w13 = (torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype).to(DEVICE)
     w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
     logits = torch.randn(tokens, experts, generator=g)
-    logits[:, : experts // 2] -= 4  # some experts get no token at all
-    weights, ids = route(logits.to(DEVICE), top_k, renormalize=True)
-    out = fused_moe(x, w13, w2, weights, ids)
+    logits[:, : experts // 2] -= 4
+    return (x, w13, w2, *route(logits.to(DEVICE), top_k, renormalize=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 16, 256])
+@pytest.mark.parametrize("path", ["chosen", "grouped", "rows"])
+def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, path: str) -> None:
+    """Either path at any batch (moe_config picks rows for a few pairs, the grouped GEMM for more)."""
+    x, w13, w2, weights, ids = moe_inputs(MOE_SHAPE, tokens, dtype)
+    config = {"chosen": None, "grouped": MoeConfig(16, 64, 64, 1, 4, 2), "rows": RowsConfig(16, 32, 4, 2)}[path]
+    out = fused_moe(x, w13, w2, weights, ids, config)
     assert out.shape == x.shape and out.dtype == x.dtype
+    assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_rows_path_masks_ragged_shapes(dtype: torch.dtype) -> None:
+    """Hidden and intermediate sizes that are no multiple of the rows path's blocks (80 = 2.5 slices of 32, 24
+    columns in blocks of 16), at the largest pair count that takes the rows path."""
+    shape = (80, 24, 8, 2)
+    x, w13, w2, weights, ids = moe_inputs(shape, ROWS_MAX_PAIRS // shape[3], dtype)
+    out = fused_moe(x, w13, w2, weights, ids, RowsConfig(16, 32, 4, 2))
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
 
 

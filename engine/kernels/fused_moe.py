@@ -8,6 +8,12 @@ the device with no host sync and buffers sized by T alone, so a graph captured a
 The first GEMM multiplies each block by its expert's w13 and applies SiLU(gate) * up; the second multiplies by w2
 and the pair's routing weight; the K rows of a token are then summed. Rounding follows the reference: each product
 rounds to the activations' dtype where the torch expression rounds it.
+
+A decode step of a token or a few has about one pair per active expert, so each 16-row tile of the grouped GEMM
+holds one live row and a few dozen programs stream all the experts' weights (about 0.5 TB/s on an H200). Up to
+ROWS_MAX_PAIRS pairs take the rows path instead: no sort, one program per (pair, a few output columns), each a dot
+of the pair's activations with its expert's weight rows, so hundreds of programs share the stream. The rounding
+steps are the same.
 """
 
 from __future__ import annotations
@@ -32,9 +38,23 @@ class MoeConfig:
     num_stages: int
 
 
-def moe_config(pairs: int, num_experts: int) -> MoeConfig:
-    """Small blocks when experts see a token or two (decode: the weights' bandwidth is all), larger ones when each
-    expert gets many rows (prefill: the tensor cores)."""
+@dataclass(frozen=True)
+class RowsConfig:
+    """The rows path: BLOCK_N output columns of one pair per program, its inputs in BLOCK_K slices."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the rows path runs: decode batches of up to 4 tokens at top-8
+
+
+def moe_config(pairs: int, num_experts: int) -> MoeConfig | RowsConfig:
+    """The rows path for a few pairs; for more, small blocks when experts see a token or two (decode: the weights'
+    bandwidth is all), larger ones when each expert gets many rows (prefill: the tensor cores)."""
+    if pairs <= ROWS_MAX_PAIRS:
+        return RowsConfig(16, 256, 4, 3)
     if pairs <= num_experts:
         return MoeConfig(16, 64, 128, 1, 4, 3)
     if pairs <= 8 * num_experts:
@@ -210,7 +230,7 @@ def _down(h_ptr, w_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_p
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | RowsConfig | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K] int32 -> [T, H]."""
     tokens, hidden = x.shape
     experts, inter = w2.shape[0], w2.shape[2]
@@ -221,6 +241,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if pairs == 0:
         return torch.zeros_like(x)
     c = config or moe_config(pairs, experts)
+    if isinstance(c, RowsConfig):
+        return fused_moe_rows(x, w13, w2, topk_weights, topk_ids, c)
     sorted_pairs, block_expert, total = align_by_expert(topk_ids, experts, c.block_m)
     blocks_m = block_expert.numel()
     precision = dot_precision(x.dtype)
@@ -235,6 +257,73 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         h, w2, y, weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden, h.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
+    return y.view(tokens, top_k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn, stride_ht,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt + k
+    gate_ptrs = w_ptr + expert * stride_we + (n % inter)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        kmask = (k < hidden - start)[None, :]
+        a = tl.load(x_ptrs, mask=k < hidden - start, other=0.0).to(tl.float32)[None, :]
+        acc_gate += tl.load(gate_ptrs, mask=kmask, other=0.0).to(tl.float32) * a
+        acc_up += tl.load(up_ptrs, mask=kmask, other=0.0).to(tl.float32) * a
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dtype = h_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    h = (silu * tl.sum(acc_up, 1).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_ht + n, h, mask=n < inter)
+
+
+@triton.jit
+def _down_rows(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_ht, stride_we, stride_wn, stride_yt,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    h_ptrs = h_ptr + pair.to(tl.int64) * stride_ht + k
+    w_ptrs = w_ptr + expert * stride_we + (n % hidden)[:, None] * stride_wn + k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, inter, BLOCK_K):
+        kmask = k < inter - start
+        a = tl.load(h_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(w_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32) * a
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
+    y = (tl.sum(acc, 1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)).to(dtype)
+    tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n < hidden)
+
+
+def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, c: RowsConfig) -> torch.Tensor:
+    """fused_moe's rows path: pair p = t*K + k reads token t and expert topk_ids[t, k] directly."""
+    tokens, hidden = x.shape
+    inter, top_k = w2.shape[2], topk_ids.shape[1]
+    pairs = tokens * top_k
+    ids = topk_ids.to(torch.int32).contiguous()
+    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    _gate_up_rows[(pairs, triton.cdiv(inter, c.block_n))](
+        x, w13, h, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    _down_rows[(pairs, triton.cdiv(hidden, c.block_n))](
+        h, w2, y, topk_weights.float().contiguous(), ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1),
+        y.stride(0), BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return y.view(tokens, top_k, hidden).sum(dim=1)
 
 
