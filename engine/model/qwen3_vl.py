@@ -5,9 +5,10 @@ embeddings and whose deepstack features add to the first layers' outputs at thos
 On a GPU the text model runs the kernel path (Triton attention, fused norms and projections), and so does the tower
 (its attention one Triton launch over every image), which the GraphExecutor replays from graphs at patch capacities
 (engine/executor/vision_graphs.py). A step holding image tokens runs its text model eagerly (GraphExecutor falls back
-for it: it carries the tower's features and deepstack additions at its image rows), its rotary table made of each token's own (t, h, w) angles, one row per token. Every other step, the
-decode steps included, is text after the images, where t = h = w: plain rope at the position plus the images' shift
-(Row.rope_shift), so it replays the same captured graphs as a text model's.
+for it: it carries the tower's features and deepstack additions at its image rows), its rotary table made of each
+token's own (t, h, w) angles, one row per token. Every other step, the decode steps included, is text after the
+images, where t = h = w: plain rope at the position plus the images' shift (Row.rope_shift), so it replays the same
+captured graphs as a text model's.
 """
 
 from __future__ import annotations
