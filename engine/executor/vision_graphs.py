@@ -8,12 +8,13 @@ is the grid's), the rotary cos/sin of each patch's (row, col), and each row's se
 are padding, each its own one-row segment, so real rows never see them; their features are sliced off.
 
 A call takes the smallest capacity that holds its patches; images beyond the largest capacity are split into
-several replays, image by image (images never attend to each other, so splitting changes nothing); an image larger
-than the largest capacity alone runs the same body eagerly (still Triton attention), since a graph for it would
-hold its scratch memory for the process's life. Capacities are powers of two from 1,024 patches (a 512x512 image)
+several replays, image by image (images never attend to each other, so splitting changes only rounding); an image
+larger than the largest capacity alone runs the same body eagerly (still Triton attention), since a graph for it
+would hold its scratch memory for the process's life. Capacities are powers of two from 1,024 patches (a 512x512 image)
 to the patches of a full prefill chunk of image tokens, at most MAX_PATCHES: the graphs share one memory pool (they
-never run at once), sized by the largest, about 25 KB of scratch per patch for Qwen3-VL-8B's tower in bf16
-(`memory_bytes` reports what the capture took).
+never run at once), sized by the largest: an estimated 25-30 KB of scratch per patch for Qwen3-VL-8B's tower in
+bf16 (the MLP's 4,304-wide activations, the rotary's float32 temporaries), about 0.5 GB at 16,384 patches, plus
+0.23 GB of static inputs and outputs; `memory_bytes` reports what the capture took.
 
 Nothing here is CUDA-specific but the capture: on the CPU (tests) a "replay" runs the captured function eagerly.
 """
@@ -97,7 +98,9 @@ class VisionGraphs:
             self._deepstack[layer, :tokens] = stack
 
     def _capture(self, pool: tuple[int, int], stream: torch.cuda.Stream) -> None:
-        """Largest first, into `pool`: each capture reuses the scratch memory the larger ones left."""
+        """Largest first, into `pool`: each capture reuses the scratch memory the larger ones left. The caching
+        allocator's free blocks are released around it, so memory_bytes counts the pool, not the warm-up runs."""
+        torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         for capacity in reversed(self.capacities):
             self._bounds[:2 * capacity].copy_(segment_bounds([], capacity).view(-1))  # every row padding
@@ -108,6 +111,7 @@ class VisionGraphs:
                 self._body(capacity)
             self._graphs[capacity] = graph
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         self.memory_bytes = torch.cuda.memory_reserved() - reserved
 
     def __call__(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]
