@@ -4,10 +4,12 @@
 
 The core is made here with `ignition synth --preset qwen3-vl-8b` (random bf16 weights of Qwen3-VL-8B's architecture;
 --layers shortens only the text model). Measured: the vision tower's time for 1, 4 and 16 prepared 1024x1024 JPEGs
-(CUDA events, median of 5), and, through `flare run` and the openai client, time to first token of a one-image chat
-against a text chat of the same prompt length. Image steps run eagerly, the steps after them in graphs
-(engine/model/qwen3_vl.py); greedy tokens graph vs eager, and kernel path vs torch path, are
-`pytest -m gpu tests/test_qwen3_vl_kernels.py`.
+(CUDA events, median of 5) three ways: eagerly with torch's SDPA per image, eagerly with the Triton segment attention
+(engine/kernels/segment_attention.py), and replayed from the graphs the GraphExecutor captures
+(engine/executor/vision_graphs.py, at every capacity up to MAX_PATCHES); and, through `flare run` and the openai
+client, time to first token of a one-image chat against a text chat of the same prompt length. Image steps run their
+text model eagerly, the steps after them in graphs (engine/model/qwen3_vl.py); greedy tokens graph vs eager, and
+kernel path vs torch path, are `pytest -m gpu tests/test_qwen3_vl_kernels.py tests/test_vision_graphs.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import openai
 import torch
 
 from common.protocol import ImageInput
+from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.loader import load_model
+from engine.model.qwen3_vl import Tower, VisionLanguageLM
 from frontend.image_decode import ImageLimits
 from frontend.image_prepare import prepare
 from ignition.main import main as ignition
@@ -45,25 +49,39 @@ def jpegs(count: int) -> list[bytes]:
     return [encode(picture(SIDE, SIDE, seed=i), "JPEG", quality=90) for i in range(count)]
 
 
+def encode_ms(model: VisionLanguageLM, images: list[ImageInput], kernels: bool, tower: Tower | None) -> float:
+    """Median of 5 timed calls after one warm-up, the tower on its SDPA path or its kernel path."""
+    model.visual.kernels = kernels
+    times = []
+    with torch.inference_mode():
+        for _ in range(6):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model.encode_images(images, tower)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    return statistics.median(times[1:])
+
+
 def tower_times(core_dir: Path) -> None:
     manifest, model = load_model(core_dir, torch.device("cuda"))
-    print(f"| images of {SIDE}x{SIDE} | tokens | tower ms (median of 5) | ms per image |")
-    print("| ---: | ---: | ---: | ---: |")
+    capacities = vision_capacities(1 << 20, model.visual.config.merge_size)
+    graphs = VisionGraphs(model.visual, capacities, torch.device("cuda"))
+    print(f"Vision graphs at {capacities} patches: captured in {graphs.capture_seconds:.1f} s, "
+          f"{graphs.memory_bytes / 2**20:.0f} MiB of pool\n")
+    print(f"| images of {SIDE}x{SIDE} | tokens | SDPA eager ms | Triton eager ms | graphs ms | graphs ms per image |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for count in (1, 4, 16):
         prepared = [prepare(data, manifest.vision, ImageLimits(), "bench") for data in jpegs(count)]
         images = [ImageInput(p.identity, 0, list(p.grid), p.patches.tobytes()) for p in prepared]
-        times = []
-        with torch.inference_mode():
-            for _ in range(6):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                model.encode_images(images)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-        median = statistics.median(times[1:])  # the first call warms the kernels up
-        print(f"| {count} | {sum(p.tokens for p in prepared)} | {median:.1f} | {median / count:.1f} |")
-    del model
+        sdpa = encode_ms(model, images, False, None)
+        triton = encode_ms(model, images, True, None)
+        replayed = encode_ms(model, images, True, graphs)
+        print(f"| {count} | {sum(p.tokens for p in prepared)} | {sdpa:.1f} | {triton:.1f} | {replayed:.1f} | "
+              f"{replayed / count:.1f} |")
+    graphs.close()
+    del model, graphs
     torch.cuda.empty_cache()
 
 

@@ -167,7 +167,8 @@ def test_frame_steps_after_images_give_the_eager_executors_tokens() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_graph_executor_gives_the_eager_executors_tokens_for_image_prompts() -> None:
-    """Image steps run eagerly inside the GraphExecutor; the text steps after them replay graphs."""
+    """Image steps run their text model eagerly inside the GraphExecutor and their tower from its vision graphs (one,
+    at 1,024 patches; the eager executor runs the same tower eagerly); the text steps after them replay graphs."""
     from engine.executor.graph import GraphExecutor
 
     expected = generated(lambda model: EagerExecutor(model, 64, PAGE, 4, DEVICE))

@@ -19,7 +19,7 @@ from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
 from engine.executor.label_scores import eager_scores
 from engine.model.decoder import CausalLM
-from engine.model.qwen3_vl import VisionLanguageLM
+from engine.model.qwen3_vl import Tower, VisionLanguageLM
 from engine.sampling import apply_penalties, sample, token_logprobs
 from engine.scheduler.plan import Completion, Plan, Row
 from engine.speculative.verify import accept
@@ -52,6 +52,8 @@ class EagerExecutor:
         # Penalty state per slot: output token counts, and every token seen (prompt and output).
         self.output_counts = torch.zeros(max_active, vocab, dtype=torch.int32, device=device)
         self.seen = torch.zeros(max_active, vocab, dtype=torch.bool, device=device)
+        # A vision model's tower: its own module, or (set by the GraphExecutor) its captured graphs.
+        self.vision_tower: Tower | None = None
         self._fence = 0
         self._in_flight = 0
         self._work: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
@@ -116,7 +118,7 @@ class EagerExecutor:
         self._record_prompt_tokens(plan)
         positions, images = step.positions, None
         if isinstance(self.model, VisionLanguageLM):
-            positions, images = vision_step(self.model, plan, self.device)
+            positions, images = vision_step(self.model, plan, self.device, self.vision_tower)
         hidden = self.model(input_ids, positions, self.kv_cache, step.meta, images)
         logits = self.model.logits(hidden[step.sample_rows])
         logits = apply_penalties(logits, step.sampling, self.output_counts[step.sample_slots],

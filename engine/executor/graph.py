@@ -18,7 +18,8 @@ the sampling graph, a few eager ops on the model stream accept the drafts and wr
 (graph_step.accept_drafts), and the verdicts come back with the tokens. Steps that ask for
 penalties, logprobs or prompt logprobs, label logits anywhere but at a row's last token, and plans no graph holds,
 run eagerly on the model stream through EagerExecutor's step (the reference semantics), synchronously: these are the
-exceptions, not the hot path.
+exceptions, not the hot path. So do a vision model's steps holding image tokens, but their vision tower replays its
+own graphs, captured here at patch capacities (engine/executor/vision_graphs.py).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from engine.executor.frames import (Layout, PageTableMirror, host_views, make_la
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
 from engine.executor.inputs import has_penalty
 from engine.executor.label_scores import Query, assemble, graph_index
+from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.decoder import CausalLM
+from engine.model.qwen3_vl import VisionLanguageLM
 from engine.scheduler.plan import Completion, Plan
 
 log = logging.getLogger("flare.engine")
@@ -137,10 +140,19 @@ class GraphExecutor:
         self._eager = EagerExecutor(model, 1, page_size, max_active, device)
         self._eager.kv_cache = self.kv_cache
         self._eager.slot_tokens = self._buffers.slot_tokens[:max_active]
+        # One memory pool for every graph: they never run at once, so they share their scratch memory.
+        self._pool = torch.cuda.graph_pool_handle()
+        self._vision: VisionGraphs | None = None
+        if isinstance(model, VisionLanguageLM):  # its tower's graphs first: their scratch is the largest
+            capacities = vision_capacities(self._extend_caps[-1], model.visual.config.merge_size)
+            self._vision = VisionGraphs(model.visual, capacities, device, self._pool, self._model_stream)
+            self._eager.vision_tower = self._vision
+            log.info("vision tower: %d graphs at %s patches, %.0f MiB", self._vision.graph_count, capacities,
+                     self._vision.memory_bytes / 2**20)
         self._graphs: dict[object, torch.cuda.CUDAGraph] = {}
         self._capture(layouts)
         self._exec = {key: graph.raw_cuda_graph_exec() for key, graph in self._graphs.items()}
-        self.graph_count = len(self._graphs)
+        self.graph_count = len(self._graphs) + (self._vision.graph_count if self._vision else 0)
         self.capture_seconds = time.monotonic() - started
         #: Each graph step on the GPU: (start ms, end ms) since the executor started, rows, graph kind. For
         #: telemetry and benchmarks: the gaps between steps are where the GPU waited for the host.
@@ -158,8 +170,8 @@ class GraphExecutor:
 
     # --- capture ------------------------------------------------------------------------------------------------
     def _capture(self, layouts: list[Layout]) -> None:
-        """Largest first, all in one memory pool: graphs never run at once, so they share their scratch memory."""
-        pool = torch.cuda.graph_pool_handle()
+        """Largest first, all in the executor's memory pool."""
+        pool = self._pool
         stream = self._model_stream
         samplers = {layout.seqs: layout for layout in layouts}
         steps = [(layout, lambda layout=layout: model_step(self.model, self.kv_cache, self._buffers, layout,
@@ -243,6 +255,8 @@ class GraphExecutor:
         for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()
+        if self._vision is not None:
+            self._vision.close()
         self._exec.clear()
         del self.kv_cache, self._buffers, self._out_dev, self._label_index, self._label_dev, self._spans, \
             self._verdicts_dev

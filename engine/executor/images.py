@@ -8,13 +8,14 @@ import torch
 
 from common.mrope import mrope_delta, mrope_rows
 from common.protocol import ImageInput
-from engine.model.qwen3_vl import ImageFeatures, VisionLanguageLM
+from engine.model.qwen3_vl import ImageFeatures, Tower, VisionLanguageLM
 from engine.scheduler.plan import Plan
 
 
-def vision_step(model: VisionLanguageLM, plan: Plan, device: torch.device
+def vision_step(model: VisionLanguageLM, plan: Plan, device: torch.device, tower: Tower | None = None
                 ) -> tuple[torch.Tensor, ImageFeatures | None]:
-    """(positions [3, T], the image rows' features or None)."""
+    """(positions [3, T], the image rows' features or None); `tower` runs the vision tower (the model's own by
+    default)."""
     merge = model.visual.config.merge_size
     positions: list[np.ndarray] = []
     wanted: list[tuple[ImageInput, int, int, int]] = []  # image, its first step row, its token range [lo, hi)
@@ -35,7 +36,7 @@ def vision_step(model: VisionLanguageLM, plan: Plan, device: torch.device
     position_tensor = torch.from_numpy(np.concatenate(positions, axis=1).astype(np.int64)).to(device)
     if not wanted:
         return position_tensor, None
-    encoded = model.encode_images([image for image, *_ in wanted])
+    encoded = model.encode_images([image for image, *_ in wanted], tower)
     rows = torch.cat([torch.arange(row, row + hi - lo) for _, row, lo, hi in wanted]).to(device)
     embeds = torch.cat([features[lo:hi] for (features, _), (_, _, lo, hi) in zip(encoded, wanted)])
     layers = len(encoded[0][1])

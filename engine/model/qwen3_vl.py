@@ -2,15 +2,18 @@
 positions, plus the vision tower (engine/model/qwen3_vl_vision.py) whose features replace the image tokens'
 embeddings and whose deepstack features add to the first layers' outputs at those tokens.
 
-On a GPU the text model runs the kernel path (Triton attention, fused norms and projections). A step holding image
-tokens runs eagerly (GraphExecutor falls back for it: it varies in size and carries the tower's output, which runs in
-plain torch), its rotary table made of each token's own (t, h, w) angles, one row per token. Every other step, the
-decode steps included, is text after the images, where t = h = w: plain rope at the position plus the images' shift
-(Row.rope_shift), so it replays the same captured graphs as a text model's.
+On a GPU the text model runs the kernel path (Triton attention, fused norms and projections), and so does the tower
+(its attention one Triton launch over every image), which the GraphExecutor replays from graphs at patch capacities
+(engine/executor/vision_graphs.py). A step holding image tokens runs its text model eagerly (GraphExecutor falls back
+for it: it carries the tower's features and deepstack additions at its image rows), its rotary table made of each
+token's own (t, h, w) angles, one row per token. Every other step, the decode steps included, is text after the
+images, where t = h = w: plain rope at the position plus the images' shift (Row.rope_shift), so it replays the same
+captured graphs as a text model's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +23,8 @@ from common.protocol import ImageInput
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM, signed_sine
 from engine.model.qwen3_vl_vision import VisionConfig, VisionTower
+
+Tower = Callable[[torch.Tensor, list[tuple[int, int, int]]], tuple[torch.Tensor, list[torch.Tensor]]]
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,10 @@ class VisionLanguageLM(CausalLM):
         if hasattr(self, "visual"):  # CausalLM's constructor sets the text rope before the tower exists
             self.visual.set_rope(device)
 
+    def use_kernels(self, max_positions: int) -> None:
+        super().use_kernels(max_positions)
+        self.visual.use_kernels()
+
     def mrope_angles(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [3, T] (t, h, w) -> angles [T, D/2]: frequency i turns by h where i % 3 == 1 and by w where
         i % 3 == 2, within 3 × mrope_section of each, by t elsewhere (transformers' interleaved M-RoPE)."""
@@ -80,12 +89,15 @@ class VisionLanguageLM(CausalLM):
         table = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
         return [table] * len(self.config.ropes), torch.arange(table.shape[0], device=table.device)
 
-    def encode_images(self, images: list[ImageInput]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-        """Each image's features [tokens, E] and its deepstack features, from one tower call over all of them."""
+    def encode_images(self, images: list[ImageInput], tower: Tower | None = None
+                      ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """Each image's features [tokens, E] and its deepstack features, from one tower call over all of them:
+        `tower` (patches, grids) -> (features, deepstack), the model's own by default, or its captured graphs."""
         device, dtype = self.visual.pos_embed.weight.device, self.visual.pos_embed.weight.dtype
         patches = torch.from_numpy(np.concatenate([np.frombuffer(image.patches, np.float32) for image in images]))
         grids = [tuple(image.grid) for image in images]
-        features, deepstack = self.visual(patches.reshape(-1, self.visual.patch_dim).to(device, dtype), grids)
+        tower = tower or self.visual
+        features, deepstack = tower(patches.reshape(-1, self.visual.patch_dim).to(device, dtype), grids)
         sizes = [t * h * w // self.visual.config.merge_size ** 2 for t, h, w in grids]
         per_layer = [layer.split(sizes) for layer in deepstack]
         return [(embeds, tuple(layer[i] for layer in per_layer)) for i, embeds in enumerate(features.split(sizes))]

@@ -6,7 +6,14 @@ out as (channel, frame, row, col)); the learned square position table resampled 
 image's grid; 2-D rotary (half of the rotated dims by row, half by column); full bidirectional attention within
 each image (Qwen3-VL's config has no windows: a config that asks for window attention is refused); LayerNorm and
 tanh-GELU MLP blocks; a patch merger that folds merge × merge neighbours into one token, and one more merger per
-deepstack layer (normalising after the fold). Eager torch: images vary in size, so nothing here is captured.
+deepstack layer (normalising after the fold).
+
+A call is two halves: `inputs` computes what depends on the images' grids (the resampled position table, rotary
+cos/sin, each patch's image as a segment of rows), eagerly, optionally padded to a row capacity; `body` is the rest
+(patch embedding, blocks, mergers), whose shapes depend only on the row count, so the GPU captures it in graphs at
+patch capacities (engine/executor/vision_graphs.py). Attention runs per image through torch's SDPA (the CPU's path,
+bitwise what transformers computes) or, after `use_kernels` (the GPU's path), as one Triton launch over every image
+(engine/kernels/segment_attention.py).
 """
 
 from __future__ import annotations
@@ -51,6 +58,18 @@ class VisionConfig:
                    rope_theta=float((vision.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
 
 
+@dataclass(frozen=True)
+class TowerInputs:
+    """What a tower call's rows (patches) need from the images' grids, computed eagerly: rows past the images are
+    padding (zero positions, no rotation) that attends only to itself."""
+
+    positions: torch.Tensor  # [rows, hidden] in the tower's dtype: the learned table resampled to each grid
+    cos: torch.Tensor  # [rows, 1, head_dim] float32
+    sin: torch.Tensor  # [rows, 1, head_dim] float32
+    lengths: tuple[int, ...]  # rows per image, then the padding rows as one more segment (SDPA's path)
+    bounds: torch.Tensor | None  # int32 [2, rows]: each row's segment (segment_bounds), on the kernel path only
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -79,14 +98,18 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: TowerInputs) -> torch.Tensor:
         q, k, v = self.qkv(x).reshape(x.shape[0], 3, self.heads, -1).unbind(1)  # (n, heads, head_dim) each
-        q = (q * cos + rotate_half(q) * sin).to(x.dtype)
-        k = (k * cos + rotate_half(k) * sin).to(x.dtype)
+        q = (q * rows.cos + rotate_half(q) * rows.sin).to(x.dtype)
+        k = (k * rows.cos + rotate_half(k) * rows.sin).to(x.dtype)
+        if rows.bounds is not None:
+            from engine.kernels.segment_attention import segment_attention
+
+            return self.proj(segment_attention(q, k, v, rows.bounds).reshape(x.shape))
         # A batch dimension of one: SDPA's flash and memory-efficient kernels take only 4-D inputs, and its 3-D
         # fallback (the math kernel, in float32) made attention 90% of the tower's time on an H200.
         outputs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))[0]
-                   for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+                   for qi, ki, vi in zip(*(t.split(rows.lengths) for t in (q, k, v)))]
         return self.proj(torch.cat(outputs, dim=1).transpose(0, 1).reshape(x.shape))
 
 
@@ -98,8 +121,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = Mlp(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x: torch.Tensor, rows: TowerInputs) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rows)
         return x + self.mlp(self.norm2(x))
 
 
@@ -147,6 +170,11 @@ class VisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, norm_after_fold=True)
                                                    for _ in config.deepstack_layers)
         self.set_rope()
+        self.kernels = False
+
+    def use_kernels(self) -> None:
+        """Attention in one Triton launch over every image (the GPU's path; the CPU runs it only in tests)."""
+        self.kernels = True
 
     def set_rope(self, device: torch.device | None = None) -> None:
         """The rotary frequencies (not weights: a model built on the meta device sets them again on its own)."""
@@ -164,26 +192,48 @@ class VisionTower(nn.Module):
         rows, cols = grid_coordinates(grid, self.config.merge_size)
         return resampled[rows.to(device), cols.to(device)]
 
-    def rotary(self, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin (n, 1, head_dim): rows turn the first quarter of the frequencies, columns the second."""
+    def rotary(self, grids: list[tuple[int, int, int]], padding: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (n, 1, head_dim): rows turn the first quarter of the frequencies, columns the second;
+        `padding` more rows at (0, 0), which turn nothing."""
         coordinates = [grid_coordinates(grid, self.config.merge_size) for grid in grids]
-        rows = torch.cat([r for r, _ in coordinates]).to(self.inv_freq.device)
-        cols = torch.cat([c for _, c in coordinates]).to(self.inv_freq.device)
+        zeros = torch.zeros(padding, dtype=torch.int64)
+        rows = torch.cat([r for r, _ in coordinates] + [zeros]).to(self.inv_freq.device)
+        cols = torch.cat([c for _, c in coordinates] + [zeros]).to(self.inv_freq.device)
         angles = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1)
         angles = torch.cat([angles, angles], dim=-1)[:, None, :]
         return angles.cos(), angles.sin()
+
+    def inputs(self, grids: list[tuple[int, int, int]], rows: int | None = None) -> TowerInputs:
+        """The grids' rows, padded to `rows` (a graph's capacity) when given."""
+        lengths = [t * h * w for t, h, w in grids]
+        total = sum(lengths)
+        padding = (total if rows is None else rows) - total
+        if padding < 0:
+            raise ValueError(f"{total} patches do not fit in {rows} rows")
+        dtype = self.patch_embed.proj.weight.dtype
+        positions = torch.cat([self.positions(grid) for grid in grids]).to(dtype)
+        positions = F.pad(positions, (0, 0, 0, padding))
+        cos, sin = self.rotary(grids, padding)
+        bounds = None
+        if self.kernels:  # imported here: triton is the kernel path's, and the CPU's engine runs without it
+            from engine.kernels.segment_attention import segment_bounds
+
+            bounds = segment_bounds(lengths, total + padding, positions.device)
+        return TowerInputs(positions, cos, sin, tuple(lengths) + ((padding,) if padding else ()), bounds)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """patches (sum of t*h*w, patch_dim) for `grids` in order -> (features (tokens, out_hidden), deepstack
         features: one such tensor per deepstack layer)."""
-        x = self.patch_embed(patches)
-        x = x + torch.cat([self.positions(grid) for grid in grids]).to(x.dtype)
-        cos, sin = self.rotary(grids)
-        lengths = [t * h * w for t, h, w in grids]
+        return self.body(patches, self.inputs(grids))
+
+    def body(self, patches: torch.Tensor, rows: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What a graph captures: shapes follow the row count alone. A padded call's features past the images'
+        tokens are padding's."""
+        x = self.patch_embed(patches) + rows.positions
         deepstack = []
         for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, lengths)
+            x = block(x, rows)
             if index in self.config.deepstack_layers:
                 deepstack.append(self.deepstack_merger_list[self.config.deepstack_layers.index(index)](x))
         return self.merger(x), deepstack
