@@ -80,7 +80,7 @@ class VisionGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.memory_bytes = 0
         if device.type == "cuda":
-            self._capture(pool or torch.cuda.graph_pool_handle(), stream or torch.cuda.current_stream(device))
+            self._capture(pool or torch.cuda.graph_pool_handle(), stream or torch.cuda.Stream(device))
         self.graph_count = len(self._graphs)
         self.capture_seconds = time.monotonic() - started
 

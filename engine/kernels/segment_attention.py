@@ -9,7 +9,7 @@ head) fills the GPU without splits.
 Each row names its segment as [start, end) (`bounds`, int32 [2, rows]), so the grid depends only on the row count:
 a captured graph at a patch capacity replays for any set of images, the host writing their bounds. Rows are in
 segment order, so a program's keys lie in [first row's start, last row's end); key tiles that every row of the
-program sees whole run without a mask, only the tiles at segment edges are masked. A row whose segment is itself
+program sees whole load without a mask, only the tiles at segment edges are masked. A row whose segment is itself
 alone (padding) reads one key tile. Head dims that are not a power of two (72 in Qwen3-VL) are padded to the next
 one and masked.
 """
@@ -38,10 +38,11 @@ def _segment_keys(q, acc, m, l, k_ptr, v_ptr, begin, stop, key_end, row_start, r
         else:
             kv_mask = dmask[None, :]
         k = tl.load(k_ptr + pos.to(tl.int64)[:, None] * stride_kt + k_offset + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        if MASKED:
-            visible = (pos[None, :] >= row_start[:, None]) & (pos[None, :] < row_end[:, None])
-            s = tl.where(visible, s, float("-inf"))
+        # The select runs on every tile, masked or not: without it the compiler may fuse the scaling into the
+        # exponent's subtraction (one rounding fewer) on unmasked tiles only, and a row's bits would depend on
+        # whether its neighbours in the program (padding, in a graph) made the tile a masked one.
+        visible = (pos[None, :] >= row_start[:, None]) & (pos[None, :] < row_end[:, None])
+        s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays empty
         alpha = tl.exp2(m - m_safe)
