@@ -100,3 +100,48 @@ def test_a_request_whose_drafts_pass_the_drafts_context_proposes_nothing() -> No
     assert draft.propose([(request, 4)], live) == [()]
     assert draft.pages.free_count == PAGES
     assert len(draft.propose([(request, 3)], live)[0]) == 3
+
+
+def gpu_speculate(draft: object, max_active: int = 32) -> tuple[list[list[int]], dict]:
+    """Greedy outputs of the GraphExecutor (decode graphs up to 32 rows: verify steps of up to 4 x 8 rows)."""
+    from engine.executor.graph import GraphExecutor
+
+    model = tiny_model().to("cuda")
+    model.use_kernels(CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, max_active, CHUNK, proposer=draft)
+    harness.executor.close()
+    harness.executor = GraphExecutor(model, PAGES, PAGE_SIZE, max_active, torch.device("cuda"), CONTEXT, CHUNK)
+    requests = [harness.add(p, temperature=0.0, max_tokens=24) for p in PROMPTS]
+    harness.run()
+    harness.close()
+    return [r.tokens for r in requests], harness.scheduler.counters
+
+
+def gpu_draft(seed: int, graphs: bool, max_active: int = 32) -> DraftProposer:
+    from engine.speculative.draft_steps import DraftGraphs
+
+    model = tiny_model(seed).to("cuda")
+    model.use_kernels(CONTEXT)
+    draft = DraftProposer(model, PAGES, PAGE_SIZE, torch.device("cuda"), CONTEXT)
+    if graphs:
+        draft.use_steps(DraftGraphs, max_active, CHUNK)
+    return draft
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("draft_seed", [0, 3])
+def test_draft_graphs_propose_the_eager_drafts_and_keep_greedy_output(draft_seed: int) -> None:
+    twin = Twin(gpu_draft(draft_seed, graphs=False), gpu_draft(draft_seed, graphs=True))
+    assert gpu_speculate(twin)[0] == gpu_speculate(None)[0]
+    assert any(max(depths) > 1 for depths in twin.rounds)
+    twin.frames.propose([], set())
+    assert twin.frames.pages.free_count == PAGES
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_the_target_as_its_own_graph_draft_is_always_accepted() -> None:
+    outputs, counters = gpu_speculate(gpu_draft(0, graphs=True))
+    assert outputs == gpu_speculate(None)[0]
+    assert counters["spec_accepted_tokens_draft"] == counters["spec_drafted_tokens_draft"] > 0
