@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size))
         executor = TensorParallelExecutor(executor, channel)
     try:
-        proposer = make_proposer(args.speculative, args.draft, manifest, device, caps.page_size, budget)
+        proposer = make_proposer(args.speculative, args.draft, manifest, device, caps.page_size, budget,
+                                 max_active, step_tokens, graphs=not args.eager)
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,

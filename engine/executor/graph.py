@@ -32,6 +32,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -64,6 +65,28 @@ def extend_capacities(prefill_chunk: int, max_active: int) -> list[int]:
     """Token capacities of the extend graphs: a prefill chunk plus one decode row per live slot fits the last."""
     top = -(-(prefill_chunk + max_active) // 64) * 64
     return [t for t in range(64, top + 1, 64) if t <= 512 or t % 256 == 0 or t == top]
+
+
+def capture_graphs(steps: list[tuple[object, Callable[[], None]]], frame: torch.Tensor, page_size: int, trash: int,
+                   stream: torch.cuda.Stream, pool: tuple[int, int]) -> dict[object, torch.cuda.CUDAGraph]:
+    """One graph per (key, step function): a model step's key is its Layout, a sampling step's a tuple whose first
+    item is its sequence capacity. Largest first, all in `pool`: graphs that never run at once share their scratch
+    memory. Each runs once outside the capture first (kernels compile, cuBLAS sets up its shape)."""
+    graphs: dict[object, torch.cuda.CUDAGraph] = {}
+    scratch = np.zeros(frame.numel(), dtype=np.int32)
+    for key, run in sorted(steps, key=lambda step: -(step[0].tokens if isinstance(step[0], Layout) else step[0][0])):
+        if isinstance(key, Layout):  # every row padding, no patches: a valid step that writes nowhere
+            words = pack(Plan(()), key, scratch, host_views(scratch, key), PageTableMirror(1, 1), page_size, trash)
+            frame[:words].copy_(torch.from_numpy(scratch[:words]))
+        with torch.cuda.stream(stream):
+            run()
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            run()
+        graph.instantiate()
+        graphs[key] = graph
+    torch.cuda.synchronize()
+    return graphs
 
 
 @dataclass(frozen=True)
@@ -170,30 +193,14 @@ class GraphExecutor:
 
     # --- capture ------------------------------------------------------------------------------------------------
     def _capture(self, layouts: list[Layout]) -> None:
-        """Largest first, all in the executor's memory pool."""
-        pool = self._pool
-        stream = self._model_stream
         samplers = {layout.seqs: layout for layout in layouts}
         steps = [(layout, lambda layout=layout: model_step(self.model, self.kv_cache, self._buffers, layout,
                                                            self.page_size)) for layout in layouts]
         steps += [((seqs, greedy, masked), lambda layout=layout, greedy=greedy, masked=masked:
                    sample_step(self._buffers, layout, greedy, masked))
                   for seqs, layout in samplers.items() for greedy in (True, False) for masked in (False, True)]
-        steps.sort(key=lambda step: -(step[0].tokens if isinstance(step[0], Layout) else step[0][0]))
-        scratch = np.zeros(self._buffers.frame.numel(), dtype=np.int32)
-        for key, run in steps:
-            if isinstance(key, Layout):  # every row padding, no patches: a valid step that writes nowhere
-                words = pack(Plan(()), key, scratch, host_views(scratch, key), PageTableMirror(1, 1),
-                             self.page_size, self.trash)
-                self._buffers.frame[:words].copy_(torch.from_numpy(scratch[:words]))
-            with torch.cuda.stream(stream):
-                run()  # compiles the kernels and sets up cuBLAS for this shape outside the capture
-            graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                run()
-            graph.instantiate()
-            self._graphs[key] = graph
-        torch.cuda.synchronize()
+        self._graphs.update(capture_graphs(steps, self._buffers.frame, self.page_size, self.trash,
+                                           self._model_stream, self._pool))
 
     # --- the protocol -------------------------------------------------------------------------------------------
     def can_submit(self) -> bool:

@@ -3,13 +3,17 @@ its own; it proposes up to D tokens greedily, one batched forward per position (
 
 Per request slot it remembers which tokens its KV holds. Before proposing it feeds what it has not seen (the whole
 prompt the first time, then the tokens committed since its last proposal, which start where its own drafts stopped
-being accepted), so its KV always agrees with the request's committed tokens. Its steps are eager (plain torch on
-the CPU; the same model code on a GPU), run by the scheduler's thread when a verify round is planned.
+being accepted), so its KV always agrees with the request's committed tokens. It runs on the scheduler's thread
+when a verify round is planned: on the CPU eagerly, one batched forward per position with the host reading each
+position's argmax; on a GPU through `steps` (engine/speculative/draft_steps.py: captured graphs chained on the
+device, one host sync per round).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +24,11 @@ from engine.executor.inputs import build_inputs
 from engine.model.decoder import CausalLM
 from engine.scheduler.plan import Plan, Row
 from engine.scheduler.request import Request
+
+if TYPE_CHECKING:  # draft_steps needs the Triton kernels, which a CPU install may lack
+    from engine.speculative.draft_steps import DraftSteps
+
+log = logging.getLogger("flare.engine")
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -43,14 +52,26 @@ class _Lane:
 class DraftProposer:
     name = "draft"
 
-    def __init__(self, model: CausalLM, num_pages: int, page_size: int, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, num_pages: int, page_size: int, device: torch.device,
+                 context_limit: int | None = None) -> None:
+        """`context_limit`: the draft's own (its rotary tables end there on the kernel path); a request whose
+        drafts would reach past it proposes nothing."""
         self.model = model
         self.page_size = page_size
         self.device = device
+        self.context_limit = context_limit
         self.pages = PageAllocator(num_pages)
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=dtype, device=device)
         self._slots: dict[int, _SlotState] = {}
+        self.steps: DraftSteps | None = None  # set by use_steps
+
+    def use_steps(self, steps: type[DraftSteps], max_active: int, prefill_chunk: int) -> None:
+        """Run rounds as step frames (DraftSteps eagerly, DraftGraphs as captured graphs) on this proposer's KV."""
+        if self.context_limit is None:
+            raise ValueError("step frames need the draft's context limit (their page tables' width)")
+        self.steps = steps(self.model, self.kv_cache, self.page_size, max_active, self.context_limit,
+                           prefill_chunk, self.device)
 
     def available(self, request: Request, depth: int) -> int:
         return depth
@@ -62,18 +83,43 @@ class DraftProposer:
         for request, depth in batch:
             state = self._state(request)
             # Without pages for its drafts a request proposes nothing this round (it decodes plainly).
-            if self._reserve(state, len(request.tokens) + depth - 1):
+            end = len(request.tokens) + depth - 1  # positions the round's KV reaches
+            if (self.context_limit is None or end <= self.context_limit) and self._reserve(state, end):
                 # Re-feed at least the last token: its logits give the first draft.
                 common = min(_common_prefix(state.known, request.tokens), len(request.tokens) - 1)
                 del state.known[common:]
                 lanes.append(_Lane(request, depth, state, request.tokens[common:]))
+        if self.steps is None:
+            self._propose_eagerly(lanes)
+        elif lanes:
+            self._propose_in_frames(lanes)
+        drafts = {lane.request: tuple(lane.drafts) for lane in lanes}
+        return [drafts.get(request, ()) for request, _ in batch]
+
+    def _propose_eagerly(self, lanes: list[_Lane]) -> None:
         for position in range(max((lane.depth for lane in lanes), default=0)):
             active = [lane for lane in lanes if position < lane.depth]
             for lane, token in zip(active, self._step(active)):
                 lane.drafts.append(token)
                 lane.feed = [token]
-        drafts = {lane.request: tuple(lane.drafts) for lane in lanes}
-        return [drafts.get(request, ()) for request, _ in batch]
+
+    def _propose_in_frames(self, lanes: list[_Lane]) -> None:
+        from engine.speculative.draft_steps import Lane
+
+        lanes = sorted(lanes, key=lambda lane: -lane.depth)
+        try:
+            drafts = self.steps.propose([Lane(lane.request.slot, lane.state.generation, len(lane.state.known),
+                                              tuple(lane.feed), tuple(lane.state.pages), lane.depth)
+                                         for lane in lanes])
+        except Exception:  # a failed round proposes nothing: its requests decode plainly, the engine goes on
+            log.exception("a draft round failed")
+            for lane in lanes:
+                lane.state.known.clear()  # what the KV holds is unknown: the next round feeds everything
+            return
+        for lane, proposal in zip(lanes, drafts):
+            lane.state.known.extend(lane.feed)  # and every draft but the last, as the eager steps feed them
+            lane.state.known.extend(proposal[:-1])
+            lane.drafts = list(proposal)
 
     def _step(self, lanes: list[_Lane]) -> list[int]:
         """Feed each lane its new tokens; the greedy next token of each."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -11,6 +13,8 @@ from common.manifest import Manifest
 from engine.executor.eager import pages_for_budget
 from engine.model.loader import load_model
 from engine.speculative.planner import NgramProposer, Proposer
+
+log = logging.getLogger("flare.engine")
 
 MODES = ("auto", "ngram", "draft", "off")
 DRAFT_KV_FRACTION = 0.25  # of the target's KV budget, for the draft model's pages
@@ -35,7 +39,9 @@ def target_share(budget: int, mode: str, draft: Path | None) -> int:
 
 
 def make_proposer(mode: str, draft: Path | None, target: Manifest, device: torch.device, page_size: int,
-                  kv_budget: int) -> Proposer | None:
+                  kv_budget: int, max_active: int, prefill_chunk: int, graphs: bool) -> Proposer | None:
+    """`graphs` (CUDA): the draft's rounds replay graphs captured now, at batch capacities up to `max_active` and
+    catch-up capacities up to `prefill_chunk` tokens plus a row per slot (engine/speculative/draft_steps.py)."""
     if mode == "auto":
         mode = default_mode(draft, device)
     if mode == "off":
@@ -54,4 +60,13 @@ def make_proposer(mode: str, draft: Path | None, target: Manifest, device: torch
                         f"({target.config['vocab_size']})")
     dtype = model.model.embed_tokens.weight.dtype
     pages = pages_for_budget(model, page_size, int(kv_budget * DRAFT_KV_FRACTION), dtype)
-    return DraftProposer(model, pages, page_size, device)
+    # Its positions never pass the target's context, nor its own (its rotary tables end there).
+    proposer = DraftProposer(model, pages, page_size, device, min(manifest.context_limit, target.context_limit))
+    if graphs and device.type == "cuda":
+        from engine.speculative.draft_steps import DraftGraphs
+
+        started = time.monotonic()
+        proposer.use_steps(DraftGraphs, max_active, prefill_chunk)
+        log.info("captured %d CUDA graphs of the draft model in %.1fs", proposer.steps.graph_count,
+                 time.monotonic() - started)
+    return proposer
