@@ -19,7 +19,8 @@ from engine.kernels.decode_attention import (decode_attention, decode_attention_
 from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
                                              extend_blocks)
 from engine.kernels.fused_moe import (ROWS_MAX_PAIRS, MoeConfig, RowsConfig, align_in_one_program,  # noqa: E402
-                                      align_with_torch, fused_moe, fused_moe_reference, route)
+                                      align_with_torch, fused_moe, fused_moe_reference, route,
+                                      route_in_one_program)
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
@@ -280,6 +281,27 @@ def test_moe_rows_path_masks_ragged_shapes(dtype: torch.dtype) -> None:
     x, w13, w2, weights, ids = moe_inputs(shape, ROWS_MAX_PAIRS // shape[3], dtype)
     out = fused_moe(x, w13, w2, weights, ids, RowsConfig(16, 32, 4, 2))
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("shape", [(1, 8, 2), (5, 60, 6), (33, 128, 8)])
+def test_route_in_one_program_matches_route(shape: tuple[int, int, int], renormalize: bool) -> None:
+    """The same experts in the same order (largest first) and the same weights as torch's softmax, topk and sum
+    (float32 logits: no ties, whose order torch.topk leaves open)."""
+    tokens, experts, top_k = shape
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(experts)).to(DEVICE)
+    weights, ids = route_in_one_program(logits, top_k, renormalize)
+    expected_weights, expected_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_route_in_one_program_breaks_ties_by_the_lowest_expert() -> None:
+    """bfloat16 router logits tie often (and a graph's padding rows are all ties): the lowest ids win, in order."""
+    logits = torch.tensor([[0.5, 2.0, 0.5, 2.0, 0.5, 0.5]], dtype=torch.bfloat16, device=DEVICE)
+    weights, ids = route_in_one_program(logits, 4, renormalize=False)
+    assert ids.tolist() == [[1, 3, 0, 2]]
+    assert weights[0, 0] == weights[0, 1] and weights[0, 2] == weights[0, 3] < weights[0, 0]
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_norm", "mixtral"])
