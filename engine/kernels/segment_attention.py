@@ -108,13 +108,14 @@ def segment_bounds(lengths: list[int], rows: int | None = None, device: torch.de
 
 
 def tile_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): extend_attention's tile shapes for head dims up to 128; small
-    tiles under the CPU interpreter (tests)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); small tiles under the CPU interpreter (tests). On an H200 at
+    Qwen3-VL's heads (16 of 72 dims padded to 128), one 4,096-patch image, bf16: 64 x 64 with 4 warps takes 0.82 ms
+    a layer; extend_attention's 128 x 64 with 8 warps 1.41 ms; 128 x 128 3.5 ms (cuDNN's SDPA: 0.20 ms)."""
     if device.type != "cuda":
         return 32, 16, 4, 1
     if dtype == torch.float32:
         return 64, 32, 4, 2
-    return 128, 64, 8, 2
+    return 64, 64, 4, 2
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
