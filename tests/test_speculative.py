@@ -245,6 +245,18 @@ def test_depth_follows_acceptance_and_step_costs() -> None:
     assert speculation.depth(request, 1).depth == 0  # the budget is spent
 
 
+def test_a_proposer_that_costs_a_forward_per_draft_pays_for_it() -> None:
+    """GPU-like costs (a verify graph a few % dearer than a decode step): at low acceptance a free proposer still
+    drafts, a draft model whose rounds cost about a step per position does not."""
+    speculation = _speculation(0.00466, {2: 0.00478, 4: 0.00486, 8: 0.00496})
+    request = _copying_request()
+    for _ in range(30):
+        state_of(request).stats.observe("ngram", 1, 0, False)
+    assert speculation.depth(request, 1).depth > 0
+    speculation.observe_proposal(0.0055, 1)  # the draft rounds measured on an H200 (docs/speculative.md)
+    assert speculation.depth(request, 1).depth == 0
+
+
 def test_depth_is_clipped_by_remaining_output_and_proposals() -> None:
     speculation = _speculation(0.010, {2: 0.011, 4: 0.012, 8: 0.014})
     request = _copying_request()

@@ -13,6 +13,7 @@ request's rope shift and images, so its text positions are those of a plain deco
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +26,7 @@ from engine.speculative.ngram import NgramIndex
 WIDTHS = (2, 4, MAX_DEPTH + 1)  # verify step widths (target positions per request); depth = width - 1
 PROBE_FRACTION = 0.02  # of measured step time, spent on rounds one width deeper than the best
 
+PROPOSAL_AGEING = 0.2  # weight of the newest round in the proposal cost's mean
 MAX_PROBE_CREDIT = 1.0  # seconds: idle stretches do not bank an unbounded probing spree
 
 
@@ -96,6 +98,9 @@ class Speculation:
         self.costs = costs
         self.counters = counters
         self.probe_credit = 0.0
+        # A proposal round's time per drafted position (ageing mean): next to nothing for copy proposals, a forward
+        # of the draft model for each. It adds to a verify round's cost: a round pays for its proposals too.
+        self.proposal_seconds = 0.0
         self.recent = AcceptanceStats()  # every request's rounds, ageing: what a new request starts from
         for name in (f"spec_drafted_tokens_{proposer.name}", f"spec_accepted_tokens_{proposer.name}",
                      f"spec_verified_tokens_{proposer.name}", "draft_rounds", "draft_accepted_tokens"):
@@ -117,7 +122,9 @@ class Speculation:
         options = [(0, 1.0, self.costs.last_known(("decode", batch)))]
         for width in WIDTHS:
             depth = min(width - 1, limit)
-            options.append((depth, expected_tokens(rates, depth), self.costs.last_known(("verify", batch, width))))
+            verify = self.costs.last_known(("verify", batch, width))
+            cost = verify + self.proposal_seconds * depth if verify else 0.0
+            options.append((depth, expected_tokens(rates, depth), cost))
             if depth == limit:
                 break
         # Unmeasured shapes first (their cost is learned by running them), then tokens per second.
@@ -138,7 +145,19 @@ class Speculation:
     def propose(self, batch: list[tuple[Request, Choice]], live: set[tuple[int, int]]) -> list[tuple[int, ...]]:
         """Proposals for the chosen rounds; a probe's cost comes out of the budget now that it runs."""
         self.probe_credit -= sum(choice.probe_cost for _, choice in batch)
-        return self.proposer.propose([(r, c.depth) for r, c in batch], live) if batch else []
+        if not batch:
+            return []
+        started = time.perf_counter()
+        drafts = self.proposer.propose([(r, c.depth) for r, c in batch], live)
+        self.observe_proposal(time.perf_counter() - started, max(c.depth for _, c in batch))
+        return drafts
+
+    def observe_proposal(self, seconds: float, positions: int) -> None:
+        """A proposal round of up to `positions` drafts per request took `seconds`."""
+        if positions > 0:
+            per_position = seconds / positions
+            self.proposal_seconds += PROPOSAL_AGEING * (per_position - self.proposal_seconds) \
+                if self.proposal_seconds else per_position
 
     def earn(self, seconds: float) -> None:
         self.probe_credit = min(self.probe_credit + PROBE_FRACTION * seconds, MAX_PROBE_CREDIT)
