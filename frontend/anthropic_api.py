@@ -15,6 +15,7 @@ from common.protocol import Constraint
 from frontend.errors_render import anthropic_error_event, as_flare_error
 from frontend.generation import Delta, Finish, GenerationRequest, merge
 from frontend.image_inputs import content_of, encode_chat, image_part, text_part
+from frontend.json_body import json_response
 from frontend.models_api import requested_model
 from frontend.model import EncodedChat, ServedModel
 from frontend.params import get_bool, get_int, get_stop
@@ -174,7 +175,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json(request)
     requested_model(frontend.model, body)
     encoded, *_ = await encode(frontend, body)
-    return web.json_response({"input_tokens": len(encoded.ids)})
+    return json_response({"input_tokens": len(encoded.ids)})
 
 
 def stop_reason(finish: Finish) -> tuple[str, str | None]:
@@ -240,7 +241,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
             elif isinstance(event, Finish):
                 finish = event
     reason, sequence = stop_reason(finish)
-    return web.json_response({**message, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(finish)})
+    return json_response({**message, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(finish)})
 
 
 async def stream_message(request: web.Request, events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]],

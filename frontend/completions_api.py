@@ -13,6 +13,7 @@ from aiohttp import web
 from common.errors import InvalidRequest
 from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
+from frontend.json_body import json_response
 from frontend.logprobs import legacy_logprobs, prompt_entries, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
@@ -77,7 +78,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     n = choices_count(body)
     if len(prompts) * n > MAX_CHOICES * 4:
         raise InvalidRequest(f"at most {MAX_CHOICES * 4} choices per request (prompts times n)", param="prompt")
-    encoded = [p if isinstance(p, list) else await frontend.on_pool(frontend.model.encode_text, p) for p in prompts]
+    encoded = [p if isinstance(p, list) else await frontend.on_text(len(p), frontend.model.encode_text, p)
+               for p in prompts]
     max_tokens = requested_max_tokens(body, "max_tokens")
     constraint = output_constraint(body, None, "response_format", body.get("response_format"))
     stop = get_stop(body, "stop")
@@ -108,7 +110,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for choice, request_, outcome in zip(choices, requests, outcomes):
             choice["prompt_token_ids"] = request_.prompt_ids
             choice["token_ids"] = outcome.token_ids
-    return web.json_response({**meta, "choices": choices, "usage": usage(outcomes, n)})
+    return json_response({**meta, "choices": choices, "usage": usage(outcomes, n)})
 
 
 async def stream_completions(request: web.Request, events: AsyncIterator[tuple[int, Delta | Finish]], meta: dict,

@@ -12,6 +12,7 @@ from typing import Literal
 from aiohttp import web
 
 from common.errors import ExecutionFailed, FlareError
+from frontend.json_body import json_response
 from frontend.streaming import sse
 
 log = logging.getLogger("flare.frontend")
@@ -52,7 +53,7 @@ def error_body(dialect: Dialect, error: FlareError) -> dict:
 
 
 def error_response(dialect: Dialect, error: FlareError) -> web.Response:
-    return web.json_response(error_body(dialect, error), status=error.status)
+    return json_response(error_body(dialect, error), status=error.status)
 
 
 def anthropic_error_event(error: FlareError) -> bytes:

@@ -15,6 +15,7 @@ from common.protocol import Constraint
 from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
 from frontend.image_inputs import content_of, encode_chat, image_part, text_part
+from frontend.json_body import json_response
 from frontend.logprobs import token_logprobs, unpack
 from frontend.models_api import requested_model
 from frontend.params import get_bool, get_int, get_stop
@@ -255,7 +256,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         payload["prompt_token_ids"] = ids
         for choice, outcome in zip(choices, outcomes):
             choice["token_ids"] = outcome.token_ids
-    return web.json_response(payload)
+    return json_response(payload)
 
 
 async def stream_chat(request: web.Request, frontend: Frontend,

@@ -14,6 +14,7 @@ from aiohttp import web
 from common.errors import FlareError, InvalidRequest
 from frontend.errors_render import as_flare_error
 from frontend.generation import Delta, Finish, GenerationRequest, merge
+from frontend.json_body import json_response
 from frontend.logprobs import TokenLogprob, token_logprobs, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
@@ -272,7 +273,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
         emitted: list[dict] = []
         async for _, event in events:
             emitted = builder.add(event)
-    return web.json_response(emitted[-1]["response"])  # the Finish came last: its terminal event
+    return json_response(emitted[-1]["response"])  # the Finish came last: its terminal event
 
 
 async def stream_response(request: web.Request, builder: ResponseBuilder,

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from aiohttp import web
+
+from frontend.json_body import json_bytes
 
 T = TypeVar("T")
 
 
 def sse(payload: dict | str, event: str | None = None) -> bytes:
     """One server-sent event; `event` names it (Anthropic and Responses streams name every event)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
+    data = payload.encode() if isinstance(payload, str) else json_bytes(payload)
+    return (b"event: " + event.encode() + b"\n" if event else b"") + b"data: " + data + b"\n\n"
 
 
 async def open_stream(request: web.Request) -> web.StreamResponse:
