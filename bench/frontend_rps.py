@@ -3,9 +3,9 @@
     python -m bench.frontend_rps --core DIR [--frontends 1,2] [--seconds 10] [--connections 16]
 
 Starts bench/null_engine.py and N `flare-frontend` processes on one port (SO_REUSEPORT), frontend i pinned to CPU i
-with taskset, and drives small chat requests (8 tokens back, streamed and not) with `wrk` (Debian package `wrk`),
-pinned to the last CPU. Prints one row per (frontends, streamed). On a machine with few cores the load generator
-and the null engine share the frontends' cores: say so when quoting the figures.
+with taskset, and drives small chat requests (8 tokens back, streamed and not) with `wrk` (Debian package `wrk`);
+wrk and the null engine are pinned to the last CPU. Prints one row per (frontends, streamed). On a machine with few
+cores the load generator and the null engine share the frontends' cores: say so when quoting the figures.
 
 Besides wall-clock req/s, each row gives the CPU time the frontend processes spent per request (user + system, from
 /proc/PID/stat around the measured run) and what that makes on a core of their own (1000 / CPU ms): a figure that
@@ -43,8 +43,8 @@ def body(model: str, stream: bool) -> str:
 def start(core: Path, frontends: int, port: int) -> list[subprocess.Popen]:
     address = f"ipc://{tempfile.gettempdir()}/flare-null-{uuid.uuid4().hex[:8]}.sock"
     cpus = os.cpu_count() or 1
-    processes = [subprocess.Popen([sys.executable, "-m", "bench.null_engine", "--core", str(core), "--listen",
-                                   address])]
+    processes = [subprocess.Popen(["taskset", "-c", str(cpus - 1), sys.executable, "-m", "bench.null_engine",
+                                   "--core", str(core), "--listen", address])]
     for i in range(frontends):
         processes.append(subprocess.Popen(["taskset", "-c", str(i % cpus), sys.executable, "-m", "frontend.main",
                                            "--engine", address, "--core", str(core), "--port", str(port)],

@@ -78,8 +78,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     n = choices_count(body)
     if len(prompts) * n > MAX_CHOICES * 4:
         raise InvalidRequest(f"at most {MAX_CHOICES * 4} choices per request (prompts times n)", param="prompt")
-    encoded = [p if isinstance(p, list) else await frontend.on_text(len(p), frontend.model.encode_text, p)
-               for p in prompts]
+    encoded = [p if isinstance(p, list) else await frontend.on_pool(frontend.model.encode_text, p) for p in prompts]
     max_tokens = requested_max_tokens(body, "max_tokens")
     constraint = output_constraint(body, None, "response_format", body.get("response_format"))
     stop = get_stop(body, "stop")
@@ -116,7 +115,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def stream_completions(request: web.Request, events: AsyncIterator[tuple[int, Delta | Finish]], meta: dict,
                              prefixes: list[str], pieces: list[ChoiceLogprobs | None], n: int,
                              include_usage: bool) -> web.StreamResponse:
-    response = await open_stream(request)
+    stream = await open_stream(request)
 
     def chunk(index: int, text: str, finish: Finish | None, logprobs: dict | None = None) -> bytes:
         payload = {**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
@@ -128,8 +127,10 @@ async def stream_completions(request: web.Request, events: AsyncIterator[tuple[i
 
     outcomes = [Outcome() for _ in prefixes]
     echoed = [not prefix for prefix in prefixes]
+    finished = 0
 
     async def body() -> None:
+        nonlocal finished
         async for index, event in events:
             outcomes[index].add(event)
             if isinstance(event, Delta):
@@ -137,13 +138,16 @@ async def stream_completions(request: web.Request, events: AsyncIterator[tuple[i
                 echoed[index] = True
                 logprobs = pieces[index].piece(event) if pieces[index] is not None else None
                 if text or logprobs:
-                    await response.write(chunk(index, text, None, logprobs))
+                    stream.add(chunk(index, text, None, logprobs))
             else:
-                await response.write(chunk(index, "", event))
+                stream.add(chunk(index, "", event))
+                finished += 1
+            if finished < len(prefixes):  # after the last finish, the stream ends without waiting: one write
+                await stream.flush()
         if include_usage:
-            await response.write(sse({**meta, "choices": [], "usage": usage(outcomes, n)}))
+            stream.add(sse({**meta, "choices": [], "usage": usage(outcomes, n)}))
 
-    return await finish_openai_stream(response, body())
+    return await finish_openai_stream(stream, body())
 
 
 def add_routes(app: web.Application) -> None:

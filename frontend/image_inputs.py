@@ -98,21 +98,6 @@ def expand(ids: list[int], ends: list[int], images: list[PreparedImage], setting
     return out, shifted, offsets
 
 
-def text_chars(messages: list[dict], tools: list[dict] | None) -> int | None:
-    """Characters of a conversation whose every field is a string; None (unknown) with tools, content parts or
-    tool calls."""
-    if tools:
-        return None
-    chars = 0
-    for message in messages:
-        for value in message.values():
-            if isinstance(value, str):
-                chars += len(value)
-            elif value is not None:
-                return None
-    return chars
-
-
 def wire_images(images: list[PreparedImage], offsets: list[int]) -> list[ImageInput]:
     return [ImageInput(image.identity, offset, list(image.grid), image.patches.tobytes())
             for image, offset in zip(images, offsets)]
@@ -129,4 +114,4 @@ async def encode_chat(frontend: Frontend, messages: list[dict], tools: list[dict
             return encoded
         ids, ends, offsets = expand(encoded.ids, encoded.message_ends, images, frontend.model.manifest.vision)
         return encoded._replace(ids=ids, message_ends=ends, images=wire_images(images, offsets))
-    return await frontend.on_text(None if images else text_chars(messages, tools), encode)
+    return await frontend.on_pool(encode)

@@ -28,9 +28,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The chat page (chat_page.py) loads without a key and asks for one; its API calls carry it.
 OPEN_PATHS = ("/health", "/metrics", "/")
 OPEN_PREFIX = "/static/"
-# Text up to this long is rendered and tokenized on the event loop: at most about 0.5 ms on a slow core (0.15 ms for
-# a one-line chat), less than the pool's hand-off costs in CPU (about 0.1 ms a request, mostly thread wake-ups).
-INLINE_TEXT_CHARS = 512
 
 
 class Frontend:
@@ -55,13 +52,6 @@ class Frontend:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         finally:
             self.pool_busy -= 1
-
-    async def on_text(self, chars: int | None, fn: Callable[..., T], *args: Any) -> T:
-        """Work on `chars` characters of text (render, tokenize; None: of unknown size): on the event loop when
-        short, else on the pool, so that a long prompt never holds up the other requests."""
-        if chars is not None and chars <= INLINE_TEXT_CHARS:
-            return fn(*args)
-        return await self.on_pool(fn, *args)
 
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
