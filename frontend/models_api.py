@@ -50,7 +50,7 @@ async def list_models(request: web.Request) -> web.Response:
     model = frontend_of(request).model
     if dialect_of(request) == "anthropic":
         return json_response({"data": [anthropic_card(model)], "has_more": False, "first_id": model.name,
-                                  "last_id": model.name})
+                              "last_id": model.name})
     return json_response({"object": "list", "data": [openai_card(model)]})
 
 
