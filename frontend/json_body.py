@@ -16,11 +16,12 @@ _ENCODER = msgspec.json.Encoder()
 
 
 def json_bytes(value: object) -> bytes:
-    """`value` as UTF-8 JSON. Text holding a lone surrogate (a client's "\\ud800" echoed back) has no UTF-8 form:
-    it leaves escaped, as json.dumps escapes it."""
+    """`value` as UTF-8 JSON. What msgspec refuses goes through json.dumps, as before: text holding a lone surrogate
+    (a client's "\\ud800" echoed back; it has no UTF-8 form and leaves escaped) and float subclasses such as numpy's
+    float64."""
     try:
         return _ENCODER.encode(value)
-    except UnicodeEncodeError:
+    except (UnicodeEncodeError, TypeError):
         return json.dumps(value).encode()
 
 
