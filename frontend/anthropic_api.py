@@ -15,6 +15,7 @@ from common.protocol import Constraint
 from frontend.errors_render import anthropic_error_event, as_flare_error
 from frontend.generation import Delta, Finish, GenerationRequest, merge
 from frontend.image_inputs import content_of, encode_chat, image_part, text_part
+from frontend.json_body import json_response
 from frontend.models_api import requested_model
 from frontend.model import EncodedChat, ServedModel
 from frontend.params import get_bool, get_int, get_stop
@@ -174,7 +175,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_json(request)
     requested_model(frontend.model, body)
     encoded, *_ = await encode(frontend, body)
-    return web.json_response({"input_tokens": len(encoded.ids)})
+    return json_response({"input_tokens": len(encoded.ids)})
 
 
 def stop_reason(finish: Finish) -> tuple[str, str | None]:
@@ -240,56 +241,56 @@ async def messages(request: web.Request) -> web.StreamResponse:
             elif isinstance(event, Finish):
                 finish = event
     reason, sequence = stop_reason(finish)
-    return web.json_response({**message, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(finish)})
+    return json_response({**message, "stop_reason": reason, "stop_sequence": sequence, "usage": usage(finish)})
 
 
 async def stream_message(request: web.Request, events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]],
                          message: dict, prompt_tokens: int, thinking: bool) -> web.StreamResponse:
-    response = await open_stream(request)
+    stream = await open_stream(request)
     block = -1  # index of the last block started
     open_kind: str | None = None  # the text or thinking block still open
 
-    async def send(kind: str, **fields: object) -> None:
-        await response.write(sse({"type": kind, **fields}, kind))
+    def send(kind: str, **fields: object) -> None:
+        stream.add(sse({"type": kind, **fields}, kind))
 
-    async def close_block() -> None:
+    def close_block() -> None:
         nonlocal open_kind
         if open_kind is not None:
-            await send("content_block_stop", index=block)
+            send("content_block_stop", index=block)
             open_kind = None
 
-    await send("message_start", message={**message, "stop_reason": None, "stop_sequence": None,
-                                         "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
-    await send("ping")
+    send("message_start", message={**message, "stop_reason": None, "stop_sequence": None,
+                                   "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}})
+    send("ping")
     try:
         async for _, event in events:
             if isinstance(event, Delta):
                 for kind, text in text_pieces(event, thinking):
                     field, delta, empty = TEXT_BLOCKS[kind]
                     if open_kind != kind:
-                        await close_block()
+                        close_block()
                         block, open_kind = block + 1, kind
-                        await send("content_block_start", index=block, content_block=empty)
-                    await send("content_block_delta", index=block, delta={"type": delta, field: text})
+                        send("content_block_start", index=block, content_block=empty)
+                    send("content_block_delta", index=block, delta={"type": delta, field: text})
             elif isinstance(event, ToolCall):
-                await close_block()
+                close_block()
                 block += 1
-                await send("content_block_start", index=block, content_block={**tool_use(event), "input": {}})
-                await send("content_block_delta", index=block,
-                           delta={"type": "input_json_delta", "partial_json": event.arguments_json})
-                await send("content_block_stop", index=block)
+                send("content_block_start", index=block, content_block={**tool_use(event), "input": {}})
+                send("content_block_delta", index=block,
+                     delta={"type": "input_json_delta", "partial_json": event.arguments_json})
+                send("content_block_stop", index=block)
             elif isinstance(event, Finish):
-                await close_block()
+                close_block()
                 reason, sequence = stop_reason(event)
-                await send("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                           usage=usage(event))
-                await send("message_stop")
+                send("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence}, usage=usage(event))
+                send("message_stop")
+            if not isinstance(event, Finish):  # after the finish, the stream ends without waiting: one write
+                await stream.flush()
     except ConnectionResetError:
         raise
     except Exception as exc:
-        await response.write(anthropic_error_event(as_flare_error(exc)))
-    await response.write_eof()
-    return response
+        stream.add(anthropic_error_event(as_flare_error(exc)))
+    return await stream.close()
 
 
 def add_routes(app: web.Application) -> None:

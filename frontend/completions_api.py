@@ -13,6 +13,7 @@ from aiohttp import web
 from common.errors import InvalidRequest
 from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
+from frontend.json_body import json_response
 from frontend.logprobs import legacy_logprobs, prompt_entries, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
@@ -108,13 +109,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
         for choice, request_, outcome in zip(choices, requests, outcomes):
             choice["prompt_token_ids"] = request_.prompt_ids
             choice["token_ids"] = outcome.token_ids
-    return web.json_response({**meta, "choices": choices, "usage": usage(outcomes, n)})
+    return json_response({**meta, "choices": choices, "usage": usage(outcomes, n)})
 
 
 async def stream_completions(request: web.Request, events: AsyncIterator[tuple[int, Delta | Finish]], meta: dict,
                              prefixes: list[str], pieces: list[ChoiceLogprobs | None], n: int,
                              include_usage: bool) -> web.StreamResponse:
-    response = await open_stream(request)
+    stream = await open_stream(request)
 
     def chunk(index: int, text: str, finish: Finish | None, logprobs: dict | None = None) -> bytes:
         payload = {**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
@@ -126,8 +127,10 @@ async def stream_completions(request: web.Request, events: AsyncIterator[tuple[i
 
     outcomes = [Outcome() for _ in prefixes]
     echoed = [not prefix for prefix in prefixes]
+    finished = 0
 
     async def body() -> None:
+        nonlocal finished
         async for index, event in events:
             outcomes[index].add(event)
             if isinstance(event, Delta):
@@ -135,13 +138,16 @@ async def stream_completions(request: web.Request, events: AsyncIterator[tuple[i
                 echoed[index] = True
                 logprobs = pieces[index].piece(event) if pieces[index] is not None else None
                 if text or logprobs:
-                    await response.write(chunk(index, text, None, logprobs))
+                    stream.add(chunk(index, text, None, logprobs))
             else:
-                await response.write(chunk(index, "", event))
+                stream.add(chunk(index, "", event))
+                finished += 1
+            if finished < len(prefixes):  # after the last finish, the stream ends without waiting: one write
+                await stream.flush()
         if include_usage:
-            await response.write(sse({**meta, "choices": [], "usage": usage(outcomes, n)}))
+            stream.add(sse({**meta, "choices": [], "usage": usage(outcomes, n)}))
 
-    return await finish_openai_stream(response, body())
+    return await finish_openai_stream(stream, body())
 
 
 def add_routes(app: web.Application) -> None:

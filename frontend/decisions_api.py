@@ -22,6 +22,7 @@ from common.errors import ExecutionFailed, InvalidRequest
 from common.protocol import LabelQuery, SamplingParams, Submit
 from frontend.decision_prompts import Decider, Prompt
 from frontend.decision_questions import DecisionInvalid, Question, validate
+from frontend.json_body import json_response
 from frontend.models_api import resolve
 from frontend.replicas import Replicas
 from frontend.server import Frontend, frontend_of, read_json
@@ -108,8 +109,8 @@ async def systemone(request: web.Request) -> web.Response:
     try:
         body, answers, usage = await answer(request, "state", None)
     except DecisionInvalid as exc:
-        return web.json_response({"detail": exc.detail}, status=422)
-    return web.json_response({"model": body["model"], "answers": answers[0], "usage": usage})
+        return json_response({"detail": exc.detail}, status=422)
+    return json_response({"model": body["model"], "answers": answers[0], "usage": usage})
 
 
 async def decisions(request: web.Request) -> web.Response:
@@ -118,7 +119,7 @@ async def decisions(request: web.Request) -> web.Response:
         body, answers, usage = await answer(request, "states", MAX_STATES)
     except DecisionInvalid as exc:
         raise InvalidRequest(str(exc), param=str(exc.detail[0]["loc"][1])) from None
-    return web.json_response({"model": body["model"], "answers": answers, "usage": usage})
+    return json_response({"model": body["model"], "answers": answers, "usage": usage})
 
 
 def add_routes(app: web.Application) -> None:

@@ -12,7 +12,8 @@ from typing import Literal
 from aiohttp import web
 
 from common.errors import ExecutionFailed, FlareError
-from frontend.streaming import sse
+from frontend.json_body import json_response
+from frontend.streaming import EventStream, sse
 
 log = logging.getLogger("flare.frontend")
 
@@ -52,7 +53,7 @@ def error_body(dialect: Dialect, error: FlareError) -> dict:
 
 
 def error_response(dialect: Dialect, error: FlareError) -> web.Response:
-    return web.json_response(error_body(dialect, error), status=error.status)
+    return json_response(error_body(dialect, error), status=error.status)
 
 
 def anthropic_error_event(error: FlareError) -> bytes:
@@ -72,7 +73,7 @@ def as_flare_error(exc: Exception) -> FlareError:
     return ExecutionFailed("internal error while streaming the response")
 
 
-async def finish_openai_stream(response: web.StreamResponse, body: Awaitable[None]) -> web.StreamResponse:
+async def finish_openai_stream(stream: EventStream, body: Awaitable[None]) -> web.StreamResponse:
     """Run an OpenAI stream's body; a failure becomes the error event (the client's SDK raises on it); then
     `data: [DONE]` and the end of the stream, whatever happened (a gone client excepted)."""
     try:
@@ -80,7 +81,6 @@ async def finish_openai_stream(response: web.StreamResponse, body: Awaitable[Non
     except ConnectionResetError:
         raise
     except Exception as exc:
-        await response.write(openai_error_event(as_flare_error(exc)))
-    await response.write(sse("[DONE]"))
-    await response.write_eof()
-    return response
+        stream.add(openai_error_event(as_flare_error(exc)))
+    stream.add(sse("[DONE]"))
+    return await stream.close()

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from common.errors import NotFound
 from frontend.errors_render import dialect_of
+from frontend.json_body import json_response
 from frontend.model import ServedModel
 from frontend.params import get_str
 from frontend.server import frontend_of
@@ -48,15 +49,15 @@ def anthropic_card(model: ServedModel) -> dict:
 async def list_models(request: web.Request) -> web.Response:
     model = frontend_of(request).model
     if dialect_of(request) == "anthropic":
-        return web.json_response({"data": [anthropic_card(model)], "has_more": False, "first_id": model.name,
-                                  "last_id": model.name})
-    return web.json_response({"object": "list", "data": [openai_card(model)]})
+        return json_response({"data": [anthropic_card(model)], "has_more": False, "first_id": model.name,
+                              "last_id": model.name})
+    return json_response({"object": "list", "data": [openai_card(model)]})
 
 
 async def get_model(request: web.Request) -> web.Response:
     model = frontend_of(request).model
     resolve(model, request.match_info["model"])
-    return web.json_response(anthropic_card(model) if dialect_of(request) == "anthropic" else openai_card(model))
+    return json_response(anthropic_card(model) if dialect_of(request) == "anthropic" else openai_card(model))
 
 
 def add_routes(app: web.Application) -> None:

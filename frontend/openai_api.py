@@ -15,6 +15,7 @@ from common.protocol import Constraint
 from frontend.errors_render import finish_openai_stream
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
 from frontend.image_inputs import content_of, encode_chat, image_part, text_part
+from frontend.json_body import json_response
 from frontend.logprobs import token_logprobs, unpack
 from frontend.models_api import requested_model
 from frontend.params import get_bool, get_int, get_stop
@@ -255,13 +256,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         payload["prompt_token_ids"] = ids
         for choice, outcome in zip(choices, outcomes):
             choice["token_ids"] = outcome.token_ids
-    return web.json_response(payload)
+    return json_response(payload)
 
 
 async def stream_chat(request: web.Request, frontend: Frontend,
                       events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]], meta: dict, n: int,
                       include_usage: bool, logprobs: bool) -> web.StreamResponse:
-    response = await open_stream(request)
+    stream = await open_stream(request)
 
     def chunk(index: int, delta: dict, finish: Finish | None = None, logprobs_: dict | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs_,
@@ -274,11 +275,13 @@ async def stream_chat(request: web.Request, frontend: Frontend,
         return sse(payload)
 
     for i in range(n):
-        await response.write(chunk(i, {"role": "assistant", "content": ""}))
+        stream.add(chunk(i, {"role": "assistant", "content": ""}))
     outcomes = [Outcome() for _ in range(n)]
     calls = [0] * n
+    finished = 0
 
     async def body() -> None:
+        nonlocal finished
         async for index, event in events:
             outcomes[index].add(event)
             if isinstance(event, Delta):
@@ -287,23 +290,25 @@ async def stream_chat(request: web.Request, frontend: Frontend,
                     delta = {"reasoning_content": event.reasoning} if event.reasoning else {}
                     if event.text or not event.reasoning:
                         delta["content"] = event.text
-                    await response.write(chunk(index, delta, None, {
+                    stream.add(chunk(index, delta, None, {
                         "content": token_logprobs(frontend.model, entries), "refusal": None} if logprobs else None))
             elif isinstance(event, ToolCall):
                 # As OpenAI streams a call: its id and name with empty arguments, then the arguments.
                 call = {"index": calls[index], **tool_call_json(event)}
                 arguments, call["function"]["arguments"] = call["function"]["arguments"], ""
-                await response.write(chunk(index, {"tool_calls": [call]}))
-                await response.write(chunk(index, {"tool_calls": [{"index": calls[index],
-                                                                   "function": {"arguments": arguments}}]}))
+                stream.add(chunk(index, {"tool_calls": [call]}))
+                stream.add(chunk(index, {"tool_calls": [{"index": calls[index],
+                                                          "function": {"arguments": arguments}}]}))
                 calls[index] += 1
             else:
-                await response.write(chunk(index, {}, event))
+                stream.add(chunk(index, {}, event))
+                finished += 1
+            if finished < n:  # after the last finish, the stream ends without waiting: one write
+                await stream.flush()
         if include_usage:
-            await response.write(sse({**meta, "object": "chat.completion.chunk", "choices": [],
-                                      "usage": usage(outcomes, n)}))
+            stream.add(sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(outcomes, n)}))
 
-    return await finish_openai_stream(response, body())
+    return await finish_openai_stream(stream, body())
 
 
 def add_routes(app: web.Application) -> None:

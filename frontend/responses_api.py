@@ -14,6 +14,7 @@ from aiohttp import web
 from common.errors import FlareError, InvalidRequest
 from frontend.errors_render import as_flare_error
 from frontend.generation import Delta, Finish, GenerationRequest, merge
+from frontend.json_body import json_response
 from frontend.logprobs import TokenLogprob, token_logprobs, unpack
 from frontend.model import ServedModel
 from frontend.models_api import requested_model
@@ -272,27 +273,28 @@ async def responses(request: web.Request) -> web.StreamResponse:
         emitted: list[dict] = []
         async for _, event in events:
             emitted = builder.add(event)
-    return web.json_response(emitted[-1]["response"])  # the Finish came last: its terminal event
+    return json_response(emitted[-1]["response"])  # the Finish came last: its terminal event
 
 
 async def stream_response(request: web.Request, builder: ResponseBuilder,
                           events: AsyncIterator[tuple[int, Delta | ToolCall | Finish]]) -> web.StreamResponse:
-    response = await open_stream(request)
+    stream = await open_stream(request)
 
-    async def send(payloads: list[dict]) -> None:
+    def send(payloads: list[dict]) -> None:
         for payload in payloads:
-            await response.write(sse(payload, payload["type"]))
+            stream.add(sse(payload, payload["type"]))
 
-    await send(builder.start())
+    send(builder.start())
     try:
         async for _, event in events:
-            await send(builder.add(event))
+            send(builder.add(event))
+            if not isinstance(event, Finish):  # after the finish, the stream ends without waiting: one write
+                await stream.flush()
     except ConnectionResetError:
         raise
     except Exception as exc:
-        await send(builder.fail(as_flare_error(exc)))
-    await response.write_eof()
-    return response
+        send(builder.fail(as_flare_error(exc)))
+    return await stream.close()
 
 
 def add_routes(app: web.Application) -> None:

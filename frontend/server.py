@@ -14,6 +14,7 @@ from aiohttp import web
 
 from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest,
                            NotFound, Unauthorized)
+from frontend.json_body import json_response
 from frontend.replicas import Replicas
 from frontend.errors_render import dialect_of, error_response
 from frontend.image_decode import ImageLimits
@@ -133,5 +134,5 @@ async def health(request: web.Request) -> web.Response:
     if frontend.client.connected and not frontend.draining:
         replicas = [{"connected": r.client.connected, "load": r.load(), "routed": r.routed, "cached_blocks": len(r.keys)}
                     for r in frontend.client.replicas]
-        return web.json_response({"status": "ok", "replicas": replicas})
+        return json_response({"status": "ok", "replicas": replicas})
     raise EngineUnavailable("the engine is unreachable" if not frontend.client.connected else "draining")

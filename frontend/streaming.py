@@ -1,27 +1,64 @@
-"""Server-sent events: framing, opening a stream, and waiting for the engine's first answer before opening it."""
+"""Server-sent events: framing, opening a stream, and waiting for the engine's first answer before opening it.
+
+A stream writes what one generation event (frontend/generation.py) makes in one write, the headers with the first,
+and what the last one makes with the end of the stream: one system call and one TCP segment where a write per
+server-sent event took six for a short OpenAI chat and eight for an Anthropic one.
+"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from aiohttp import web
+
+from frontend.json_body import json_bytes
 
 T = TypeVar("T")
 
 
 def sse(payload: dict | str, event: str | None = None) -> bytes:
     """One server-sent event; `event` names it (Anthropic and Responses streams name every event)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "").encode() + f"data: {data}\n\n".encode()
+    data = payload.encode() if isinstance(payload, str) else json_bytes(payload)
+    return (b"event: " + event.encode() + b"\n" if event else b"") + b"data: " + data + b"\n\n"
 
 
-async def open_stream(request: web.Request) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+class _HeldHeadersResponse(web.StreamResponse):
+    # aiohttp sends a StreamResponse's headers at prepare() (its Response holds them for the body); held, they
+    # leave with the first events. An aiohttp without this attribute sends them at once, as before.
+    _send_headers_immediately = False
+
+
+class EventStream:
+    """An open stream. Events added are held until `flush` (a dialect flushes after each generation event but the
+    last, so nothing is held while it waits for the engine) or `close` (the end of the stream)."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+        self._held: list[bytes] = []
+
+    def add(self, event: bytes) -> None:
+        self._held.append(event)
+
+    async def flush(self) -> None:
+        if self._held:
+            data = b"".join(self._held)
+            self._held.clear()
+            await self.response.write(data)
+
+    async def close(self) -> web.StreamResponse:
+        """Write what is held and end the stream, in one write."""
+        data = b"".join(self._held)
+        self._held.clear()
+        await self.response.write_eof(data)
+        return self.response
+
+
+async def open_stream(request: web.Request) -> EventStream:
+    response = _HeldHeadersResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                             "X-Accel-Buffering": "no"})
     await response.prepare(request)
-    return response
+    return EventStream(response)
 
 
 async def primed(events: AsyncIterator[T]) -> AsyncIterator[T]:
