@@ -1,15 +1,19 @@
-"""What the scheduler hands the executor (a Plan) and what comes back (a Completion): both immutable."""
+"""What the scheduler hands the executor (a Plan) and what comes back (a Completion): both immutable
+(DESIGN.md, Scheduling)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from common.protocol import ImageInput, Logprobs, SamplingParams
 
 
-@dataclass(frozen=True)
-class Row:
-    """One request's part of a step: positions [start, start + length) of its sequence."""
+class Row(NamedTuple):
+    """One request's part of a step: positions [start, start + length) of its sequence.
+
+    A named tuple rather than a frozen dataclass: a step at 256 live requests makes 256 rows, and a tuple is built
+    several times faster than a frozen dataclass, whose __init__ sets each field through object.__setattr__."""
 
     slot: int
     generation: int
@@ -42,6 +46,13 @@ class Row:
     # samples (output_index + i at position i) and the executor accepts the drafts the samples agree with.
     draft: tuple[int, ...] = ()
     proposer: str = ""
+
+    def moved(self, start: int, output_index: int, page_table: tuple[int, ...]) -> Row:
+        """This row at another position, every other field shared: the scheduler's next decode row for the same
+        request (what _replace does, at a third of its cost)."""
+        fields = list(self)
+        fields[2], fields[5], fields[7] = start, page_table, output_index
+        return tuple.__new__(Row, fields)
 
 
 @dataclass(frozen=True, eq=False)

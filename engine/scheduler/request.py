@@ -11,6 +11,7 @@ from engine.cache.checkpoint_cache import Checkpoint
 from common.prefix_history import PrefixHistory
 
 if TYPE_CHECKING:
+    from engine.scheduler.plan import Row
     from engine.speculative.planner import SpeculationState
 
 
@@ -67,6 +68,8 @@ class Request:
     # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
     grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
+    # The last decode row planned for it: the next one is this row moved on (RequestScheduler._decode_row).
+    decode_row: Row | None = None
 
     @property
     def scored(self) -> bool:
