@@ -107,5 +107,7 @@ class Request:
     @property
     def outputs_scheduled(self) -> int:
         """Output tokens that committed or submitted steps will have produced."""
-        return max(self.scheduled - self.prompt_len + 1, 0) if self.scheduled >= self.prefill_target else \
-            self.outputs
+        if self.scheduled < self.prefill_target:
+            return len(self.tokens) - self.prompt_len
+        ahead = self.scheduled - self.prompt_len + 1  # (no max(): a builtin call per live request and step)
+        return ahead if ahead > 0 else 0
