@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from common.protocol import ImageInput, Logprobs, SamplingParams
@@ -66,11 +67,12 @@ class Plan:
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
     masks: bytes = b""
 
-    @property
+    # Both cached: each is a pass over the rows, and the engine and executors ask several times a step.
+    @cached_property
     def num_tokens(self) -> int:
         return sum(row.length for row in self.rows)
 
-    @property
+    @cached_property
     def kind(self) -> str:
         if any(row.draft for row in self.rows):
             return "verify"
