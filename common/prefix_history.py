@@ -43,15 +43,6 @@ class PrefixHistory:
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
-        self._complete_blocks()
-
-    def append(self, token: int) -> None:
-        """extend((token,)) for the one token a decode step commits, without its cost when no block completes."""
-        self.tokens.append(token)
-        if len(self.tokens) % self.block_size == 0:
-            self._complete_blocks()
-
-    def _complete_blocks(self) -> None:
         while (len(self.block_keys) + 1) * self.block_size <= len(self.tokens):
             start = len(self.block_keys) * self.block_size
             parent = self.block_keys[-1] if self.block_keys else self.root

@@ -422,8 +422,7 @@ class RequestScheduler:
     def _commit_token(self, request: Request, token: int, lp: Logprobs | None, result: StepResult,
                       now: float) -> str | None:
         """Commit one output token; the finish reason when it ends the request."""
-        request.tokens.append(token)
-        request.history.append(token)
+        request.tokens.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
         request.last_commit = now
         result.tokens.append((request, token, lp))
         if token in request.stop_ids:
