@@ -299,10 +299,12 @@ class Engine:
         now = time.monotonic()
         news: dict[Request, list[int]] = {}
         logprobs: dict[Request, list[wire.Logprobs]] = {}
+        by_owner: dict[bytes, list[Request]] = defaultdict(list)  # requests in the order of their first news
         for request, token, lp in result.tokens:
             tokens = news.get(request)
             if tokens is None:
                 news[request] = [token]
+                by_owner[request.owner].append(request)
                 request.last_publish = now
                 request.bursts += 1
             else:
@@ -311,10 +313,9 @@ class Engine:
                 logprobs.setdefault(request, []).append(lp)
         finished: dict[Request, Finished] = {f.request: f for f in result.finished}
         for request in finished:
-            news.setdefault(request, [])
-        by_owner: dict[bytes, list[Request]] = defaultdict(list)
-        for request in news:
-            by_owner[request.owner].append(request)
+            if request not in news:
+                news[request] = []
+                by_owner[request.owner].append(request)
         self.counters["output_tokens"] += len(result.tokens)
         for owner, requests in by_owner.items():
             nothing = [None] * len(requests)
