@@ -432,7 +432,7 @@ class RequestScheduler:
     def _rewind(self, request: Request, fence: int) -> None:
         """After a verify round: the next step feeds the last committed token; pages past it go back."""
         request.scheduled = len(request.tokens) - 1
-        request.decode_row = None  # its page table may name pages given back here
+        request.decode_row = None  # moving a row on assumes its pages only grew since; here they shrink
         keep = -(-len(request.tokens) // self.page_size)
         self.pages.release(request.pages[keep:], fence)
         del request.pages[keep:]
