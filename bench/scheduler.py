@@ -6,9 +6,9 @@ loop's own work around them (publishing the step's outputs, counting, telemetry)
 
 No model runs: completions are made up (token 7, never a stop token), so the table shows only the host's Python
 work per step, which the engine must hide behind the device's step time. Outputs go to a frontend's socket over
-ZeroMQ inproc, drained between steps. Wall time (perf_counter) and CPU
-time of this process (process_time) are both shown: on a machine shared with other work the CPU time is the steadier
-of the two. Each size runs `--repeats` times and reports the fastest run (the least disturbed one).
+ZeroMQ inproc, drained between steps. Wall time (perf_counter) and CPU time of this process (process_time) are both
+shown: on a machine shared with other work the CPU time is the steadier of the two. Each size runs `--repeats` times
+and reports the fastest run (the least disturbed one).
 """
 
 from __future__ import annotations
