@@ -15,7 +15,7 @@ from common.mrope import mrope_delta
 from common.vision import ImageProcessing
 from engine.executor.base import Executor
 from engine.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
-from engine.scheduler.plan import Plan
+from engine.scheduler.plan import Completion, Plan
 from engine.telemetry import EngineTelemetry
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Finished, RequestScheduler, StepResult
@@ -83,11 +83,9 @@ class Engine:
             self._admit_compiled()
             for plan, completion in self.executor.poll():
                 self._steps_in_flight -= 1
-                if completion.error is None:
-                    self.telemetry.observe_step(plan, completion.duration)
-                self._publish(self._advance_grammars(self.scheduler.complete(completion, plan)))
+                self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
             while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
-                self._count_start(plan)
+                self.count_start(plan)
                 self.scheduler.commit(plan, self.executor.next_fence())
                 self.executor.submit(self._with_masks(plan))
                 self._steps_in_flight += 1
@@ -100,10 +98,17 @@ class Engine:
         wake = min(self._last_heartbeat + HEARTBEAT_INTERVAL, self.telemetry.next_publish)
         return max(int((wake - time.monotonic()) * 1000), 1)
 
-    def _count_start(self, plan: Plan) -> None:
-        now = time.monotonic()
+    def publish_step(self, plan: Plan, completion: Completion, result: StepResult) -> None:
+        """A completed step's telemetry, and its tokens and finishes to their frontends."""
+        if completion.error is None:
+            self.telemetry.observe_step(plan, completion.duration)
+        self._publish(self._advance_grammars(result))
+
+    def count_start(self, plan: Plan) -> None:
+        """Counters of a step about to be submitted: prompt tokens, and the queue time of requests it starts."""
+        now, slots = time.monotonic(), self.scheduler.slots
         for row in plan.rows:
-            request = self.scheduler.slots[row.slot]
+            request = slots[row.slot]
             if row.tokens is not None:
                 self.counters["prompt_tokens"] += max(min(row.start + row.length, row.prompt_len) - row.start, 0)
             if request is not None and not request.started:
@@ -289,34 +294,41 @@ class Engine:
 
     # --- output -------------------------------------------------------------------------------------------------
     def _publish(self, result: StepResult) -> None:
-        news: dict[Request, list[int]] = {}
-        logprobs: dict[Request, list[wire.Logprobs]] = defaultdict(list)
-        for request, token, lp in result.tokens:
-            news.setdefault(request, []).append(token)
-            if lp is not None:
-                logprobs[request].append(lp)
-        finished: dict[Request, Finished] = {f.request: f for f in result.finished}
-        for request in finished:
-            news.setdefault(request, [])
-        by_owner: dict[bytes, list[Request]] = defaultdict(list)
-        for request in news:
-            by_owner[request.owner].append(request)
+        # One pass over the step's tokens; a column nobody has anything for this step (no finishes, no logprobs) is
+        # filled without a call per request: at 256 live requests these loops are the engine's per-step host cost.
         now = time.monotonic()
-        self.counters["output_tokens"] += len(result.tokens)
-        for request in news:
-            if news[request]:
+        news: dict[Request, list[int]] = {}
+        logprobs: dict[Request, list[wire.Logprobs]] = {}
+        by_owner: dict[bytes, list[Request]] = defaultdict(list)  # requests in the order of their first news
+        for request, token, lp in result.tokens:
+            tokens = news.get(request)
+            if tokens is None:
+                news[request] = [token]
+                by_owner[request.owner].append(request)
                 request.last_publish = now
                 request.bursts += 1
+            else:
+                tokens.append(token)
+            if lp is not None:
+                logprobs.setdefault(request, []).append(lp)
+        finished: dict[Request, Finished] = {f.request: f for f in result.finished}
+        for request in finished:
+            if request not in news:
+                news[request] = []
+                by_owner[request.owner].append(request)
+        self.counters["output_tokens"] += len(result.tokens)
         for owner, requests in by_owner.items():
-            ends = [finished.get(r) for r in requests]
-            labels = [label_logits(r, end) for r, end in zip(requests, ends)]
+            nothing = [None] * len(requests)
+            ends = [finished.get(r) for r in requests] if finished else nothing
+            labels = [label_logits(r, end) for r, end in zip(requests, ends)] if finished else []
             self._send(owner, wire.Outputs(
                 request_ids=[r.request_id for r in requests], token_ids=[news[r] for r in requests],
-                finish_reasons=[f.reason if f else None for f in ends],
-                errors=[f.error if f else None for f in ends],
+                finish_reasons=[f.reason if f else None for f in ends] if finished else nothing,
+                errors=[f.error if f else None for f in ends] if finished else nothing,
                 prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests],
-                logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests],
-                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] else None for r in requests],
+                logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests] if logprobs else nothing,
+                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] and r.prompt_logprobs else None
+                                 for r in requests],
                 label_logits=labels if any(labels) else []))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)

@@ -36,12 +36,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.random = random.Random(0)
 
     @rule(prefix=st.sampled_from(PREFIXES), extra=st.lists(st.integers(0, 40), max_size=9),
-          max_tokens=st.integers(1, 24), ends=st.lists(st.integers(1, 18), max_size=3))
-    def admit(self, prefix: list[int], extra: list[int], max_tokens: int, ends: list[int]) -> None:
+          max_tokens=st.integers(1, 24), ends=st.lists(st.integers(1, 18), max_size=3), min_tokens=st.integers(0, 6))
+    def admit(self, prefix: list[int], extra: list[int], max_tokens: int, ends: list[int], min_tokens: int) -> None:
         if not self.scheduler.can_admit():
             return
         prompt = prefix + extra
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens))
         request = Request(f"r{len(self.requests)}", b"t", len(prompt), list(prompt), params, 0, frozenset({0}),
                           max_tokens, float(len(self.requests)),
                           message_ends=sorted({e for e in ends if e < len(prompt)}))
@@ -59,6 +59,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             if row.draft:  # a verify round starts from the committed state: nothing of the request is pending
                 assert request.in_flight == 0 and row.tokens[0] == request.tokens[-1]
                 assert row.start == len(request.tokens) - 1
+            if row.tokens is None:  # a decode row, moved on from the request's previous one: as if built anew
+                assert row == self.scheduler._row(request, 1)
         self.fence += 1
         self.scheduler.commit(plan, self.fence)
         for row in plan.rows:

@@ -9,7 +9,7 @@ capacity reads the fields whichever model graph wrote the logits. Padding rows p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -163,8 +163,8 @@ def verify_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
         if not row.draft:
             out.append(row)
             continue
-        out.extend(replace(row, start=row.start + i, length=1, tokens=(token,), sample=False,
-                           output_index=row.output_index + i, history=None, draft=())
+        out.extend(row._replace(start=row.start + i, length=1, tokens=(token,), sample=False,
+                                output_index=row.output_index + i, history=None, draft=())
                    for i, token in enumerate(row.tokens))
     return tuple(out)
 

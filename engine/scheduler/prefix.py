@@ -45,6 +45,15 @@ class PrefixReuse:
             request.history.add_event(image.offset, image.identity)
         request.history.extend(request.tokens)
 
+    @staticmethod
+    def _history(request: Request) -> PrefixHistory:
+        """The request's prefix keys, brought up to its committed tokens: committing a token does not touch the
+        history (a call per live request and step), so every read here catches up first."""
+        history = request.history
+        if len(history) < len(request.tokens):
+            history.extend(request.tokens[len(history):])
+        return history
+
     def free_pages(self, needed: int) -> None:
         """Evict unpinned checkpoints (least recently used leaves first) until `needed` pages are free or
         retiring, or nothing more can go."""
@@ -57,7 +66,7 @@ class PrefixReuse:
     def reuse(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         if request.sampling.prompt_logprobs is not None:
             return  # every prompt position must be computed to report its logprob
-        history, size = request.history, self.page_size
+        history, size = self._history(request), self.page_size
         limit = request.first_computed  # the position whose logits are read is always computed
         chain: list[Checkpoint] = []
         for k, key in enumerate(history.block_keys):
@@ -99,7 +108,7 @@ class PrefixReuse:
     def publish(self, request: Request, computed: int, fence: int,
                 allocate: Callable[[int], list[int] | None]) -> None:
         """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes."""
-        size, history = self.page_size, request.history
+        size, history = self.page_size, self._history(request)
         while len(request.block_chain) < min(computed // size, len(history.block_keys)):
             k = len(request.block_chain)
             parent = request.block_chain[-1] if request.block_chain else None
@@ -119,7 +128,7 @@ class PrefixReuse:
                 request.published_ends = end
 
     def _publish_exact(self, request: Request, end: int, allocate: Callable[[int], list[int] | None]) -> None:
-        key = request.history.key_at(end)
+        key = self._history(request).key_at(end)
         parent = request.block_chain[end // self.page_size - 1] if end >= self.page_size else None
         if self.cache.lookup(key) is not None or (parent is not None and parent.evicted):
             return

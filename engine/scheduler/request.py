@@ -11,6 +11,7 @@ from engine.cache.checkpoint_cache import Checkpoint
 from common.prefix_history import PrefixHistory
 
 if TYPE_CHECKING:
+    from engine.scheduler.plan import Row
     from engine.speculative.planner import SpeculationState
 
 
@@ -67,6 +68,8 @@ class Request:
     # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
     grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
+    # The last decode row planned for it: the next one is this row moved on (RequestScheduler._decode_row).
+    decode_row: Row | None = None
 
     @property
     def scored(self) -> bool:
@@ -104,5 +107,7 @@ class Request:
     @property
     def outputs_scheduled(self) -> int:
         """Output tokens that committed or submitted steps will have produced."""
-        return max(self.scheduled - self.prompt_len + 1, 0) if self.scheduled >= self.prefill_target else \
-            self.outputs
+        if self.scheduled < self.prefill_target:
+            return len(self.tokens) - self.prompt_len
+        ahead = self.scheduled - self.prompt_len + 1  # (no max(): a builtin call per live request and step)
+        return ahead if ahead > 0 else 0

@@ -23,6 +23,10 @@ from engine.scheduler.request import Phase, Request
 if TYPE_CHECKING:
     from engine.speculative.planner import Choice, Proposer
 
+# As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
+# in the per-step loops below.
+WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -101,7 +105,7 @@ class RequestScheduler:
 
     def cancel(self, request: Request, reason: str = "abort") -> Finished:
         """Stop scheduling at once; pages come back once the last step using them completes."""
-        if request.phase is Phase.WAITING and request in self.waiting:
+        if request.phase is WAITING and request in self.waiting:
             self.waiting.remove(request)
         return self._finish(request, reason)
 
@@ -115,18 +119,25 @@ class RequestScheduler:
         # A request that would draft waits for its step in flight rather than take the second frame (its proposal
         # needs its last token) when drafting promises enough; one with a verify round in flight waits for that
         # round's accepted length. Either waits for its own completion only: other requests fill the frame.
-        decoders = [r for r in decoders if r.in_flight == 0 or not self._verifying(r) and not (
-            r in depths and depths[r].worth_draining)]
+        if self.speculation is not None:  # without a proposer no request ever drafts or verifies
+            decoders = [r for r in decoders if r.in_flight == 0 or not self._verifying(r) and not (
+                r in depths and depths[r].worth_draining)]
         prefills = self._prefill_candidates()
         choice = self._choose(decoders, prefills, time.monotonic(), depths)
         drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
         rows: list[Row] = []
         planned: set[int] = set()  # slots in this plan: never preempted by it
+        size = self.page_size
         for request in decoders:
-            draft = drafts.get(request, ())
-            if request.slot >= 0 and self._reserve(request, request.scheduled + 1 + len(draft), planned):
-                rows.append(self._verify_row(request, draft) if draft else self._row(request, 1))
-                planned.add(request.slot)
+            draft = drafts.get(request, ()) if drafts else ()
+            end = request.scheduled + 1 + len(draft)
+            if request.slot < 0:
+                continue  # preempted by an earlier reservation of this plan
+            # Most steps need no new page: _reserve (and the prefix cache's eviction) only when one is missing.
+            if -(-end // size) > len(request.pages) and not self._reserve(request, end, planned):
+                continue
+            rows.append(self._verify_row(request, draft) if draft else self._decode_row(request))
+            planned.add(request.slot)
         budget = choice.prefill_tokens if choice is not None else 0
         for request in prefills:
             if budget <= 0:
@@ -153,8 +164,8 @@ class RequestScheduler:
                 depths: dict[Request, Choice]) -> Candidate | None:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
-        values = [config.output_token_value * (1 + price(config, config.delivery_fairness, now - r.last_commit))
-                  for r in decoders]
+        scale, fairness = config.output_token_value, config.delivery_fairness
+        values = [scale * (1 + price(config, fairness, now - r.last_commit)) for r in decoders]
         decode_value = sum(values)
         candidates = []
         if decoders:
@@ -227,32 +238,32 @@ class RequestScheduler:
         planned, copies = self._planned
         if planned is not plan:
             raise StalePlan("commit of a plan that is not the latest one planned")
-        for row in plan.rows:
-            request = self.slots[row.slot]
+        slots = self.slots
+        requests = [slots[row.slot] for row in plan.rows]
+        for row, request in zip(plan.rows, requests):
             if request is None or request.generation != row.generation or request.epoch != row.epoch:
                 self._planned = (None, ())
                 raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
         self._planned = (None, ())
         self.prefix.copies_committed(copies, fence)
-        for row in plan.rows:
-            request = self.slots[row.slot]
+        for row, request in zip(plan.rows, requests):
             request.scheduled = row.start + row.length
             request.last_fence = fence
             request.in_flight += 1
             request.fresh = False
             if row.draft:
                 request.speculation.verifying = True
-            if request.phase is Phase.PREFILL and request.scheduled == request.prefill_target:
-                request.phase = Phase.DECODE
+            if request.phase is PREFILL and request.scheduled == request.prefill_target:
+                request.phase = DECODE
 
     def _decode_candidates(self) -> list[Request]:
         """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
         (its mask depends on that step's token), while free ones keep a second step in flight."""
-        return [r for r in self.slots if r is not None and r.phase is Phase.DECODE
+        return [r for r in self.slots if r is not None and r.phase is DECODE
                 and r.outputs_scheduled < r.max_outputs and not (r.grammar is not None and r.in_flight)]
 
     def _prefill_candidates(self) -> list[Request]:
-        running = [r for r in self.slots if r is not None and r.phase is Phase.PREFILL]
+        running = [r for r in self.slots if r is not None and r.phase is PREFILL]
         running.sort(key=lambda r: r.arrival)
         while self.waiting and None in self.slots:
             request = self.waiting.popleft()
@@ -264,7 +275,7 @@ class RequestScheduler:
         slot = self.slots.index(None)
         self._generations[slot] += 1
         request.slot, request.generation = slot, self._generations[slot]
-        request.phase = Phase.PREFILL
+        request.phase = PREFILL
         request.scheduled = 0
         request.fresh = True
         request.epoch += 1
@@ -299,16 +310,33 @@ class RequestScheduler:
         self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
-        victim.phase = Phase.WAITING
+        victim.phase = WAITING
         self.slots[victim.slot] = None
         victim.slot = -1
         self.waiting.appendleft(victim)
         return True
 
+    def _decode_row(self, request: Request) -> Row:
+        """A decode row. Between two decode steps of one epoch only its position and page table move: the
+        previous decode row is moved on. Rebuilt whole on the epoch's first, after a verify round's rewind (pages
+        went back), and while min_tokens bans the stop ids (`banned` depends on the position). Its other
+        position-dependent fields are constant past the prompt: no prompt targets, label queries or image spans
+        lie there, so `scores` is () and `rope_shift` is the shift after the last image."""
+        previous = request.decode_row
+        if previous is None or previous.epoch != request.epoch or previous.banned:
+            row = self._row(request, 1)
+        else:
+            end = request.scheduled + 1
+            pages = -(-end // self.page_size)
+            table = previous.page_table if len(previous.page_table) == pages else tuple(request.pages[:pages])
+            row = previous.moved(end - 1, end - request.prompt_len, table)
+        request.decode_row = row
+        return row
+
     def _row(self, request: Request, length: int) -> Row:
         start = request.scheduled
         end = start + length
-        prefill = request.phase is Phase.PREFILL
+        prefill = request.phase is PREFILL
         samples = (not prefill or end == request.prefill_target) and not request.scored
         targets = ()
         if prefill and request.sampling.prompt_logprobs is not None:
@@ -326,74 +354,85 @@ class RequestScheduler:
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
-        self._validate(completion, plan)
-        self._completed_fence = completion.fence
-        if completion.error is None and plan.rows:
+        sampled = self._validate(completion, plan)
+        fence, error, slots = completion.fence, completion.error, self.slots
+        self._completed_fence = fence
+        if error is None and plan.rows:
             self.costs.observe(plan.shape, completion.duration)
             if self.speculation is not None:
                 self.speculation.earn(completion.duration)
-        self.pages.advance_completed(completion.fence)
-        self.prefix.cache.advance_completed(completion.fence)
+        self.pages.advance_completed(fence)
+        self.prefix.cache.advance_completed(fence)
         result = StepResult([], [])
+        size = self.page_size
         for row in plan.rows:
-            request = self.slots[row.slot]
-            if request is not None and request.generation == row.generation:
-                request.in_flight -= 1
-                if row.draft:
-                    request.speculation.verifying = False
-        for request in [r for r in self._retiring if r.last_fence <= completion.fence]:
-            self._retiring.discard(request)
-        if completion.error is not None:
+            request = slots[row.slot]
+            if request is None or request.generation != row.generation:
+                continue
+            request.in_flight -= 1
+            if row.draft:
+                request.speculation.verifying = False  # its accepted positions are published with its tokens below
+            elif error is None:
+                computed = row.start + row.length
+                # PrefixReuse.publish has work only when a block completed or a message end may be pending.
+                if computed // size > len(request.block_chain) or request.message_ends:
+                    self.prefix.publish(request, computed, fence, self._try_allocate)
+        if self._retiring:
+            for request in [r for r in self._retiring if r.last_fence <= fence]:
+                self._retiring.discard(request)
+        if error is not None:
             for row in plan.rows:
-                request = self.slots[row.slot]
+                request = slots[row.slot]
                 if request is not None and request.generation == row.generation:
-                    result.finished.append(self._finish(request, "error", completion.error))
+                    result.finished.append(self._finish(request, "error", error))
             return result
         for slot, generation, logprobs in completion.prompt_logprobs:
-            request = self.slots[slot]
+            request = slots[slot]
             if request is not None and request.generation == generation:
                 request.prompt_logprobs.append(logprobs)
-        for row in plan.rows:
-            request = self.slots[row.slot]
-            if request is not None and request.generation == row.generation and not row.draft:
-                self.prefix.publish(request, row.start + row.length, completion.fence, self._try_allocate)
         self._complete_scores(completion, plan, result)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
         accepted = completion.accepted or (0,) * len(completion.tokens)
-        sampled = [row for row in plan.rows if row.sample]
+        now = time.monotonic()  # every token of the step is committed now
         for row, token, lp, k in zip(sampled, completion.tokens, logprobs, accepted):
-            request = self.slots[row.slot]
-            if request is None or request.generation != row.generation or request.phase is Phase.FINISHED:
+            request = slots[row.slot]
+            if request is None or request.generation != row.generation or request.phase is FINISHED:
                 continue  # the request ended while this step was in flight
-            emitted, reason = self._emit(request, row.draft[:k] + (token,), lp, result)
-            if row.draft:
+            if not row.draft:
+                reason = self._commit_token(request, token, lp, result, now)
+            else:
+                emitted, reason = self._emit(request, row.draft[:k] + (token,), lp, result, now)
                 self.speculation.observe(request, row.proposer, len(row.draft), min(k, emitted), emitted <= k)
                 # Only accepted positions hold KV worth keeping or publishing; the rejected ones give back pages.
-                self.prefix.publish(request, min(row.start + 1 + k, len(request.tokens)), completion.fence,
-                                    self._try_allocate)
+                self.prefix.publish(request, min(row.start + 1 + k, len(request.tokens)), fence, self._try_allocate)
                 if reason is None:
-                    self._rewind(request, completion.fence)
+                    self._rewind(request, fence)
             if reason is not None:
                 result.finished.append(self._finish(request, reason))
         return result
 
-    def _emit(self, request: Request, tokens: tuple[int, ...], lp: Logprobs | None,
-              result: StepResult) -> tuple[int, str | None]:
+    def _emit(self, request: Request, tokens: tuple[int, ...], lp: Logprobs | None, result: StepResult,
+              now: float) -> tuple[int, str | None]:
         """Commit tokens in order up to the first that ends the request: (tokens committed, finish reason)."""
         for count, token in enumerate(tokens, 1):
-            request.tokens.append(token)
-            request.history.extend((token,))
-            request.last_commit = time.monotonic()
-            result.tokens.append((request, token, lp))
-            if token in request.stop_ids:
-                return count, "stop"
-            if request.outputs >= request.max_outputs:
-                return count, "length"
+            if (reason := self._commit_token(request, token, lp, result, now)) is not None:
+                return count, reason
         return len(tokens), None
+
+    def _commit_token(self, request: Request, token: int, lp: Logprobs | None, result: StepResult,
+                      now: float) -> str | None:
+        """Commit one output token; the finish reason when it ends the request."""
+        request.tokens.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
+        request.last_commit = now
+        result.tokens.append((request, token, lp))
+        if token in request.stop_ids:
+            return "stop"
+        return "length" if request.outputs >= request.max_outputs else None
 
     def _rewind(self, request: Request, fence: int) -> None:
         """After a verify round: the next step feeds the last committed token; pages past it go back."""
         request.scheduled = len(request.tokens) - 1
+        request.decode_row = None  # moving a row on assumes its pages only grew since; here they shrink
         keep = -(-len(request.tokens) // self.page_size)
         self.pages.release(request.pages[keep:], fence)
         del request.pages[keep:]
@@ -406,23 +445,28 @@ class RequestScheduler:
             if request is not None and request.generation == generation:
                 request.label_logits[position] = logits
         for row in plan.rows:
+            if row.tokens is None:
+                continue  # a decode row: a scored request ends before any (DESIGN.md, Beyond plain decoding)
             request = self.slots[row.slot]
             if request is not None and request.generation == row.generation and request.scored \
                     and row.start + row.length == request.prefill_target:
                 result.finished.append(self._finish(request, "stop"))
 
-    def _validate(self, completion: Completion, plan: Plan) -> None:
-        """A completion must follow the last one and fit its plan; anything else is a broken executor."""
+    def _validate(self, completion: Completion, plan: Plan) -> list[Row]:
+        """A completion must follow the last one and fit its plan; anything else is a broken executor. Returns the
+        plan's sampled rows, which the completion's columns follow."""
         if completion.fence <= self._completed_fence:
             raise ValueError(f"completion fence {completion.fence} after {self._completed_fence}")
-        sampled = [(row.slot, row.generation) for row in plan.rows if row.sample]
-        if completion.error is None and list(zip(completion.slots, completion.generations)) != sampled:
-            raise ValueError("completion rows differ from the plan's sampled rows")
         if not (len(completion.slots) == len(completion.generations) == len(completion.tokens)):
             raise ValueError("completion columns differ in length")
+        sampled = [row for row in plan.rows if row.sample]
+        if completion.error is None and ([row.slot for row in sampled] != list(completion.slots)
+                                         or [row.generation for row in sampled] != list(completion.generations)):
+            raise ValueError("completion rows differ from the plan's sampled rows")
+        return sampled
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
-        request.phase = Phase.FINISHED
+        request.phase = FINISHED
         request.finish_reason = reason
         request.epoch += 1
         if request.in_flight:
