@@ -71,8 +71,14 @@ struct Step {
   float scale;
 };
 
-// Row b, KV head g: store its new key and value, then attend. scores: scratch of group * context floats.
-void attend(const Step& s, int64_t b, int64_t g, std::vector<float>& scores, float* out) {
+// Scratch of one thread: the scores of a group's heads, and where each key and value of the row lie.
+struct Scratch {
+  std::vector<float> scores, inverse;
+  std::vector<const float*> keys, values;
+};
+
+// Row b, KV head g: store its new key and value, then attend.
+void attend(const Step& s, int64_t b, int64_t g, Scratch& scratch, float* out) {
   const int64_t D = s.D, group = s.heads / s.kv_heads, token = s.kv_heads * D, row = s.rows[b];
   const int64_t slot = s.slot_mapping[row];
   std::memcpy(s.k_cache + slot * token + g * D, s.k_new + row * s.k_row + g * s.k_head, D * sizeof(float));
@@ -80,13 +86,24 @@ void attend(const Step& s, int64_t b, int64_t g, std::vector<float>& scores, flo
   const int64_t length = s.context_lens[b];
   const int64_t first = s.window > 0 ? std::max<int64_t>(0, length - s.window) : 0, n = length - first;
   const int64_t* table = s.page_tables + b * s.pages;
+  // Page by page (no division per key: a 64-bit one costs 40-odd cycles on Zen 1).
+  scratch.keys.resize(n);
+  scratch.values.resize(n);
+  for (int64_t j = first; j < length;) {
+    const int64_t page = j / s.page_size, end = std::min(length, (page + 1) * s.page_size);
+    const int64_t base = (table[page] * s.page_size - page * s.page_size) * token + g * D;
+    for (; j < end; ++j) {
+      scratch.keys[j - first] = s.k_cache + base + j * token;
+      scratch.values[j - first] = s.v_cache + base + j * token;
+    }
+  }
+  std::vector<float>& scores = scratch.scores;
   scores.resize(group * n);
   const float* q = s.q + row * s.q_row + g * group * s.q_head;
-  for (int64_t j = first; j < length; ++j) {
-    const float* key = s.k_cache + (table[j / s.page_size] * s.page_size + j % s.page_size) * token + g * D;
-    for (int64_t h = 0; h < group; ++h) scores[h * n + j - first] = s.scale * dot(q + h * s.q_head, key, D);
-  }
-  std::vector<float> inverse(group);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t h = 0; h < group; ++h) scores[h * n + j] = s.scale * dot(q + h * s.q_head, scratch.keys[j], D);
+  std::vector<float>& inverse = scratch.inverse;
+  inverse.resize(group);
   for (int64_t h = 0; h < group; ++h) inverse[h] = 1.f / softmax_numerators(&scores[h * n], n);
   float* o = out + g * group * D;
   std::fill(o, o + group * D, 0.f);
@@ -96,15 +113,15 @@ void attend(const Step& s, int64_t b, int64_t g, std::vector<float>& scores, flo
       const int64_t lanes = std::min<int64_t>(8, D - d);
       __m256 acc[HEADS_AT_ONCE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                                    _mm256_setzero_ps()};
-      for (int64_t j = first; j < length; ++j) {
-        const float* value = s.v_cache + (table[j / s.page_size] * s.page_size + j % s.page_size) * token + g * D + d;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* value = scratch.values[j] + d;
         if (lanes == 8) {
           const __m256 v = _mm256_loadu_ps(value);
           for (int64_t h = 0; h < count; ++h)
-            acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(h0 + h) * n + j - first]), v, acc[h]);
+            acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(h0 + h) * n + j]), v, acc[h]);
         } else {
           for (int64_t h = 0; h < count; ++h)
-            for (int64_t l = 0; l < lanes; ++l) o[(h0 + h) * D + d + l] += scores[(h0 + h) * n + j - first] * value[l];
+            for (int64_t l = 0; l < lanes; ++l) o[(h0 + h) * D + d + l] += scores[(h0 + h) * n + j] * value[l];
         }
       }
       for (int64_t h = 0; h < count; ++h) {
@@ -176,8 +193,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t longest = B ? *std::max_element(s.context_lens, s.context_lens + B) : 0;
   const int64_t work = std::max<int64_t>(1, 2 * longest * (H / KVH) * D);
   at::parallel_for(0, B * KVH, std::max<int64_t>(1, flare_cpu::MIN_WORK_PER_THREAD / work), [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    for (int64_t i = i0; i < i1; ++i) attend(s, i / KVH, i % KVH, scores, o + (i / KVH) * H * D);
+    Scratch scratch;
+    for (int64_t i = i0; i < i1; ++i) attend(s, i / KVH, i % KVH, scratch, o + (i / KVH) * H * D);
   });
   return out;
 }
