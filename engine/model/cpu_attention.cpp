@@ -40,6 +40,31 @@ float dot(const float* a, const float* b, int64_t D) {
   return sum;
 }
 
+// The sums of each of 8 vectors, as the 8 lanes of one.
+inline __m256 sums_of_8(const __m256 a[8]) {
+  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
+}
+
+// scores[j] = scale * q . keys[j] for n keys of D values: 8 keys at a time, one accumulator each, summed
+// across lanes together (a sum across one vector's lanes per key took as long as its multiply-adds).
+void key_scores(const float* q, const float* const* keys, int64_t n, int64_t D, float scale, float* scores) {
+  int64_t j = 0;
+  if (D % 8 == 0) {
+    for (; j + 8 <= n; j += 8) {
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 query = _mm256_loadu_ps(q + d);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(query, _mm256_loadu_ps(keys[j + t] + d), acc[t]);
+      }
+      _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums_of_8(acc), _mm256_set1_ps(scale)));
+    }
+  }
+  for (; j < n; ++j) scores[j] = scale * dot(q, keys[j], D);
+}
+
 // e_j = exp(s_j - max s) in place over n scores; returns sum e_j.
 float softmax_numerators(float* s, int64_t n) {
   __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -100,8 +125,7 @@ void attend(const Step& s, int64_t b, int64_t g, Scratch& scratch, float* out) {
   std::vector<float>& scores = scratch.scores;
   scores.resize(group * n);
   const float* q = s.q + row * s.q_row + g * group * s.q_head;
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t h = 0; h < group; ++h) scores[h * n + j] = s.scale * dot(q + h * s.q_head, scratch.keys[j], D);
+  for (int64_t h = 0; h < group; ++h) key_scores(q + h * s.q_head, scratch.keys.data(), n, D, s.scale, &scores[h * n]);
   std::vector<float>& inverse = scratch.inverse;
   inverse.resize(group);
   for (int64_t h = 0; h < group; ++h) inverse[h] = 1.f / softmax_numerators(&scores[h * n], n);
