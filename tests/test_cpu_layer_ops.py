@@ -1,16 +1,22 @@
-"""Flare's C++ decoder-layer ops for quantized CPU cores (engine/model/cpu_layer_ops.cpp, cpu_attention.cpp) against
-their torch references: decode attention over pages (GQA, windows, several pages, strided q/k/v, a row's result
-alone and among others), the residual add folded into RMSNorm, rotary and SiLU(gate) * up; and PagedAttention with
-the C++ decode rows against its SDPA path on a step that mixes decode rows and a prefill span."""
+"""Flare's C++ decoder-layer ops for quantized CPU cores (engine/model/cpu_layer_ops.cpp, cpu_attention.cpp,
+cpu_decoder_layer.cpp) against their torch references: decode attention over pages (GQA, windows, several pages,
+strided q/k/v, a row's result alone and among others), the residual add folded into RMSNorm, rotary and
+SiLU(gate) * up; PagedAttention with the C++ decode rows against its SDPA path on a step that mixes decode rows and
+a prefill span; and a whole layer in one call against the Python loop of the same ops."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from common.manifest import load_manifest
+from engine.executor.eager import kv_cache_shape
 from engine.model import cpu_quant
 from engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from engine.model.decoder import rotate, signed_sine
+from engine.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not cpu_quant.layer_ops_ready(), reason="Flare's AVX2 kernels do not run here")
 ops = torch.ops.flare_cpu
@@ -164,3 +170,32 @@ def test_silu_mul_equals_silu_of_gate_times_up(rows: int, width: int) -> None:
     gate_up = (torch.randn(rows, 2 * width + 5) * 6)[:, :2 * width]
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=4e-7, atol=1e-7)
+
+
+def test_whole_decoder_layers_equal_the_layer_loop(core_dir: Path) -> None:
+    """The quantized core's decode step with each layer one flare_cpu::decoder_layer call gets the bits of the same
+    step through the Python layer loop of the same ops, for two sequences of different lengths over several pages."""
+    if not load_manifest(core_dir).quantization:
+        pytest.skip(f"{core_dir} is not a quantized core")
+    _, model = load_model(core_dir, torch.device("cpu"))
+    layers = model.model.layers
+    assert model.cpu_ops and all(layer.whole_decode is not None for layer in layers)
+    kv = torch.zeros(kv_cache_shape(model, 8, PAGE))
+    tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    lengths = [9, 13]
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 1000, (sum(lengths),))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    slots = torch.cat([tables[i, torch.arange(n) // PAGE] * PAGE + torch.arange(n) % PAGE
+                       for i, n in enumerate(lengths)])
+    spans = (PrefillSpan(0, 9, 9, tables[0]), PrefillSpan(9, 13, 13, tables[1]))
+    empty = torch.empty(0, dtype=torch.int64)
+    with torch.inference_mode():
+        model(prompt, positions, kv, AttentionMetadata(slots, empty, tables[:0], empty, spans, PAGE))
+        lens = torch.tensor(lengths) + 1
+        meta = AttentionMetadata(slots_of(tables, lens), torch.arange(2), tables, lens, (), PAGE)
+        tokens, positions = torch.tensor([5, 7]), lens - 1
+        whole = model(tokens, positions, kv, meta)
+        for layer in layers:
+            layer.whole_decode = None
+        assert torch.equal(model(tokens, positions, kv, meta), whole)

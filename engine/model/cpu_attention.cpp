@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -183,6 +184,10 @@ void check_rows(const Step& s, int64_t B, int64_t T, int64_t slots) {
   }
 }
 
+}  // namespace
+
+namespace flare_cpu {
+
 // q [T, H, D], k and v [T, KVH, D] (the step's rows; unit last stride), caches [slots, KVH, D] (written: each
 // decode row's k and v go to slot_mapping[row]), rows / page_tables / context_lens of the B decode rows
 // -> out [B, H, D]. window <= 0: every key of the context.
@@ -223,11 +228,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace flare_cpu
 
 TORCH_LIBRARY_FRAGMENT(flare_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor rows, Tensor page_tables, Tensor context_lens, int page_size, float scale, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) { m.impl("decode_attention", &flare_cpu::decode_attention); }

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -47,6 +48,10 @@ void check_norm(const at::Tensor& x, const at::Tensor& weight, const char* name)
                   weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.size(0),
               name, ": fp32 x [..., H] and weight [H]");
 }
+
+}  // namespace
+
+namespace flare_cpu {
 
 at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
   check_norm(input, weight, "rms_norm");
@@ -155,7 +160,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-}  // namespace
+}  // namespace flare_cpu
 
 TORCH_LIBRARY_FRAGMENT(flare_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -165,8 +170,8 @@ TORCH_LIBRARY_FRAGMENT(flare_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary", &rotary);
-  m.impl("silu_mul", &silu_mul);
+  m.impl("rms_norm", &flare_cpu::rms_norm);
+  m.impl("add_rms_norm", &flare_cpu::add_rms_norm);
+  m.impl("rotary", &flare_cpu::rotary);
+  m.impl("silu_mul", &flare_cpu::silu_mul);
 }

@@ -34,6 +34,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -181,6 +182,10 @@ void check_weights(const at::Tensor& codes, const at::Tensor& scales, const at::
   }
 }
 
+}  // namespace
+
+namespace flare_cpu {
+
 at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_mm: x must be fp32 [M, K]");
@@ -194,10 +199,10 @@ at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return out;
 }
 
-}  // namespace
+}  // namespace flare_cpu
 
 TORCH_LIBRARY_FRAGMENT(flare_cpu, m) {
   m.def("quant_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) { m.impl("quant_mm", &quant_mm); }
+TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) { m.impl("quant_mm", &flare_cpu::quant_mm); }

@@ -1,5 +1,6 @@
 """Builds and loads Flare's AVX2 CPU kernels: the weight-only 4/8-bit product (cpu_quant.cpp), a decoder layer's
-elementwise ops (cpu_layer_ops.cpp) and decode attention (cpu_attention.cpp), all beside this file.
+elementwise ops (cpu_layer_ops.cpp), decode attention (cpu_attention.cpp) and a whole layer of a decode step
+(cpu_decoder_layer.cpp), all beside this file.
 
 DESIGN.md, Model and kernels. The C++ sources are compiled on first use with torch's extension builder (-O3 -mavx2
 -mfma -ffp-contract=off -fopenmp) into one library in torch's extension cache, under a name carrying the sources'
@@ -22,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_quant.cpp", "cpu_layer_ops.cpp", "cpu_attention.cpp")]
-HEADERS = [Path(__file__).with_name("cpu_simd.h")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_quant.cpp", "cpu_layer_ops.cpp", "cpu_attention.cpp", "cpu_decoder_layer.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_ops.h")]
 log = logging.getLogger("flare.engine")
 
 
@@ -64,7 +66,8 @@ def quant_mm() -> Callable[..., torch.Tensor] | None:
 
 def layer_ops_ready() -> bool:
     """Whether the decoder-layer ops run here (torch.ops.flare_cpu: rms_norm, add_rms_norm, rotary and silu_mul of
-    cpu_layer_ops.cpp, decode_attention of cpu_attention.cpp): they build with the product, into one library."""
+    cpu_layer_ops.cpp, decode_attention of cpu_attention.cpp, decoder_layer of cpu_decoder_layer.cpp): they build
+    with the product, into one library."""
     return quant_mm() is not None
 
 

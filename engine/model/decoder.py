@@ -172,6 +172,8 @@ class DecoderLayer(nn.Module):
         if c.gemma_norms:
             self.pre_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
             self.post_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
+        # What flare_cpu::decoder_layer takes to run this layer for a decode step (CausalLM.use_cpu_ops).
+        self.whole_decode: tuple[list[torch.Tensor], list[int]] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -184,6 +186,25 @@ class DecoderLayer(nn.Module):
 
     def mlp_norm(self) -> nn.Module:
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The weights and code widths flare_cpu::decoder_layer takes (engine/model/cpu_decoder_layer.cpp), or None
+        where this layer is not of the shape it runs: Llama-style norms, fused q/k/v and gate/up, every product
+        quantized for Flare's kernel without a bias, no q/k norms, SiLU (after use_cpu_ops set its op)."""
+        attn, mlp = self.self_attn, self.mlp
+        if self.sandwich or attn.c.qk_norm or not isinstance(mlp, MLP) or mlp.act_and_mul is None or \
+                any(type(norm) is not RMSNorm for norm in (self.input_layernorm, self.post_attention_layernorm)):
+            return None
+        products = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
+        if not all(isinstance(p, QuantLinear) and p.bits is not None and p.bias is None for p in products):
+            return None
+        weights = [self.input_layernorm.weight, *_packed(attn.qkv), *_packed(attn.o_proj),
+                   self.post_attention_layernorm.weight, *_packed(mlp.gate_up), *_packed(mlp.down_proj)]
+        return weights, [p.bits for p in products]
+
+
+def _packed(layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer.codes, layer.scales, layer.mins
 
 
 class Backbone(nn.Module):
@@ -239,8 +260,9 @@ class CausalLM(nn.Module):
         """Flare's C++ ops for a quantized fp32 core on the CPU (the loader calls this where they build,
         engine/model/cpu_quant.py): the kernel path's layer loop, each residual add folded into the norm after it
         (flare_cpu::add_rms_norm), rotary in one op, SiLU(gate) * up in one op, and decode rows' attention in one
-        call over their pages (flare_cpu::decode_attention). Each computes what the torch ops it replaces do, within
-        a few units in the last place of fp32 (tests/test_cpu_layer_ops.py)."""
+        call over their pages (flare_cpu::decode_attention); in a step of decode rows only, each Llama-style layer in
+        one call of the same functions (flare_cpu::decoder_layer). Each computes what the torch ops it replaces do,
+        within a few units in the last place of fp32 (tests/test_cpu_layer_ops.py)."""
         ops = torch.ops.flare_cpu
         for module in self.modules():
             if type(module) is RMSNorm:  # Gemma's (1 + w) norms keep their own forward
@@ -253,6 +275,8 @@ class CausalLM(nn.Module):
                 module.decode_op = ops.decode_attention
             elif isinstance(module, MLP) and module.gate_up is not None and not module.gelu:
                 module.act_and_mul = ops.silu_mul
+        for layer in self.model.layers:
+            layer.whole_decode = layer.decode_weights()
         self.cpu_ops = True
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -309,6 +333,7 @@ class CausalLM(nn.Module):
 
             def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
                 return layer.forward_kernels(h)
+            whole_layer = None
         else:
             add_rms_norm = cpu_add_rms_norm
             rotations = self.rotations(positions)
@@ -318,10 +343,23 @@ class CausalLM(nn.Module):
 
             def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
                 return layer(h)
+
+            def whole_layer(layer: DecoderLayer, i: int, x: torch.Tensor, residual: torch.Tensor | None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                attn = layer.self_attn.attn
+                return torch.ops.flare_cpu.decoder_layer(
+                    x, residual, *layer.whole_decode, *rotations[layer.self_attn.rope], kv_cache[i, 0],
+                    kv_cache[i, 1], meta.slot_mapping, meta.decode_rows, meta.decode_page_tables,
+                    meta.decode_context_lens, meta.page_size, attn.scale, attn.window or 0, eps)
+            if meta.prefills or images is not None:  # decoder_layer runs steps of decode rows only
+                whole_layer = None
         x, residual = self.embed(input_ids), None
         if images is not None:
             x = images.splice(x)
         for i, layer in enumerate(self.model.layers):
+            if whole_layer is not None and layer.whole_decode is not None:
+                x, residual = whole_layer(layer, i, x, residual)
+                continue
             h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps)
             x = attend(layer.self_attn, h, i)
             if layer.sandwich:
