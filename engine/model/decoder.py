@@ -344,15 +344,15 @@ class CausalLM(nn.Module):
             def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
                 return layer(h)
 
-            def whole_layer(layer: DecoderLayer, i: int, x: torch.Tensor, residual: torch.Tensor | None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+            def decode_layer(layer: DecoderLayer, i: int, x: torch.Tensor, residual: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
                 attn = layer.self_attn.attn
                 return torch.ops.flare_cpu.decoder_layer(
                     x, residual, *layer.whole_decode, *rotations[layer.self_attn.rope], kv_cache[i, 0],
                     kv_cache[i, 1], meta.slot_mapping, meta.decode_rows, meta.decode_page_tables,
                     meta.decode_context_lens, meta.page_size, attn.scale, attn.window or 0, eps)
-            if meta.prefills or images is not None:  # decoder_layer runs steps of decode rows only
-                whole_layer = None
+            # decoder_layer runs steps of decode rows only
+            whole_layer = None if meta.prefills or images is not None else decode_layer
         x, residual = self.embed(input_ids), None
         if images is not None:
             x = images.splice(x)
