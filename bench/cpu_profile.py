@@ -7,8 +7,10 @@ prompt of `--context` tokens in one prefill step (timed: the prefill ms), then `
 and are timed (wall and CPU time: on a shared machine, CPU time with one thread is the steadier figure), then
 profiled. Operators/step: aten operators called from Python per step. Shares of the profiled step: matmuls, the self time of the matrix-product operators (dense and int4) outside
 attention; attention: everything under PagedAttention (cache writes, page gathers, SDPA); rest: the remainder of
-the step (embedding, norms, rotary, activations, logits' argmax, Python). The engine's own loop and the HTTP
-stack are not in these figures; `flare-bench` measures those.
+the step (embedding, norms, rotary, activations, logits' argmax, Python); C++ layers: a quantized core's decode
+layers run whole as flare_cpu::decoder_layer calls (engine/model/cpu_decoder_layer.cpp), whose products and
+attention are theirs, not the other columns'. The engine's own loop and the HTTP stack are not in these figures;
+`flare-bench` measures those.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine.threads import set_threads
 
 MATMULS = ("aten::_weight_int4pack_mm_for_cpu", "flare_cpu::quant_mm", "flare_cpu::dequantize", "aten::mm", "aten::addmm",
            "aten::bmm")
+LAYERS = "flare_cpu::decoder_layer"
 PAGE = 64
 
 
@@ -92,8 +95,10 @@ def profile(work, steps: int) -> dict[str, float]:
         return any(start <= event.time_range.start and event.time_range.end <= end for start, end in spans)
 
     matmul = sum(e.self_cpu_time_total for e in events if e.name in MATMULS and not inside(e)) / 1e3
+    layers = sum(e.cpu_time_total for e in events if e.name == LAYERS) / 1e3
     # The profiler's own bookkeeping inflates the rest (it costs per operator): read the parts as shares.
-    return {"matmul": matmul / total, "attention": attention / total, "operators": operators / steps}
+    return {"matmul": matmul / total, "attention": attention / total, "layers": layers / total,
+            "operators": operators / steps}
 
 
 def main() -> None:
@@ -105,13 +110,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int)
     args = parser.parse_args()
     print(f"threads: {set_threads(args.threads)}")
-    print("| core | batch | prefill ms | prefill CPU ms | step ms | step CPU ms | tok/s | operators/step | matmuls | attention | rest |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| core | batch | prefill ms | prefill CPU ms | step ms | step CPU ms | tok/s | operators/step | matmuls | attention "
+          "| C++ layers | rest |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for core in args.cores:
         r = run(core, args.batch, args.context, args.steps)
         print(f"| {core.name} | {args.batch} | {r['prefill_ms']:.0f} | {r['prefill_cpu_ms']:.0f} | {r['step_ms']:.1f} | {r['cpu_ms']:.1f} | "
               f"{args.batch * 1e3 / r['step_ms']:.1f} | {r['operators']:.0f} | {r['matmul']:.0%} | "
-              f"{r['attention']:.0%} | {1 - r['matmul'] - r['attention']:.0%} |", flush=True)
+              f"{r['attention']:.0%} | {r['layers']:.0%} | {1 - r['matmul'] - r['attention'] - r['layers']:.0%} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ graph) through to the attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -213,16 +214,22 @@ class PagedAttention(torch.nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.window = window
+        # A quantized CPU core's decode rows in one C++ call (flare_cpu::decode_attention, engine/model/
+        # cpu_attention.cpp; CausalLM.use_cpu_ops sets it): it stores their k/v and attends over their pages.
+        self.decode_op: Callable[..., torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; returns [T, H, D]. Decode rows are one batched
-        SDPA call, prefill spans another, whatever the number of sequences."""
+        SDPA call (or decode_op's), prefill spans another, whatever the number of sequences."""
+        if self.decode_op is not None and not meta.prefills:  # the step's rows are its decode rows, in order
+            return self._decode_op(q, k, v, k_cache, v_cache, meta)
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
         parts = []
         if meta.decode_rows.numel():
-            parts.append((meta.decode, self._decode(q, k_cache, v_cache, meta.decode)))
+            parts.append((meta.decode, self._decode(q, k_cache, v_cache, meta.decode) if self.decode_op is None
+                          else self._decode_op(q, k, v, k_cache, v_cache, meta).unsqueeze(1)))
         if meta.prefills:
             parts.append((meta.prefill, self._prefill(q, k_cache, v_cache, meta.prefill)))
         # One part whose rows are the step's rows in order (all decodes, or one prefill): nothing to scatter.
@@ -235,6 +242,14 @@ class PagedAttention(torch.nn.Module):
             else:
                 out[batch.rows[batch.valid]] = result[batch.valid]
         return out
+
+    def _decode_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The decode rows by decode_op, which writes their k/v (again, in a step with prefills: the same values).
+        Returns [Bd, H, D]."""
+        return self.decode_op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_rows,
+                              meta.decode_page_tables, meta.decode_context_lens, meta.page_size, self.scale,
+                              self.window or 0)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 batch: SequenceBatch) -> torch.Tensor:

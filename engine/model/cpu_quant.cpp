@@ -32,23 +32,18 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
+
+#include "cpu_ops.h"
+#include "cpu_simd.h"
 
 namespace {
 
 constexpr int64_t GROUP = 32;
 // Rows of x kept hot while a thread's columns pass over them (large M): 64 KiB of int16, a share of L2.
 constexpr int64_t TILE_VALUES = 32768;
-// Fewest multiply-adds worth a thread of its own: below it the fork costs more than it saves.
-constexpr int64_t MIN_WORK_PER_THREAD = 1 << 16;
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using flare_cpu::hsum;
+using flare_cpu::MIN_WORK_PER_THREAD;
 
 // The largest |value| of four vectors.
 inline float abs_max(const __m256 part[4], __m256 sign) {
@@ -187,6 +182,10 @@ void check_weights(const at::Tensor& codes, const at::Tensor& scales, const at::
   }
 }
 
+}  // namespace
+
+namespace flare_cpu {
+
 at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                     int64_t bits) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "quant_mm: x must be fp32 [M, K]");
@@ -200,47 +199,10 @@ at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   return out;
 }
 
-// RMSNorm of fp32 rows in one call: aten's rms_norm is a composite of five operators on the CPU (43 µs for one
-// 576-value row on a Zen 1 EPYC, against 3 µs for an add), and a quantized core's decode step runs two a layer.
-// out = x / sqrt(mean(x^2) + eps) * weight over the last dimension; the sum of squares in 8 fp32 lanes.
-at::Tensor rms_norm(const at::Tensor& input, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && weight.dim() == 1 &&
-                  weight.is_contiguous() && input.dim() >= 1 && input.size(-1) == weight.size(0),
-              "rms_norm: fp32 x [..., H] and weight [H]");
-  const at::Tensor x = input.contiguous();
-  const int64_t H = weight.size(0), M = H ? x.numel() / H : 0;
-  at::Tensor out = at::empty_like(x);
-  const float* in = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, MIN_WORK_PER_THREAD / std::max<int64_t>(H, 1)), [&](int64_t m0,
-                                                                                                  int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* v = in + m * H;
-      float* r = o + m * H;
-      __m256 acc = _mm256_setzero_ps();
-      int64_t k = 0;
-      for (; k + 8 <= H; k += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(v + k), _mm256_loadu_ps(v + k), acc);
-      float squares = hsum(acc);
-      for (int64_t t = k; t < H; ++t) squares += v[t] * v[t];
-      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(H) + static_cast<float>(eps));
-      const __m256 scale = _mm256_set1_ps(inverse);
-      for (k = 0; k + 8 <= H; k += 8)
-        _mm256_storeu_ps(r + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(v + k), scale), _mm256_loadu_ps(w + k)));
-      for (; k < H; ++k) r[k] = v[k] * inverse * w[k];
-    }
-  });
-  return out;
-}
+}  // namespace flare_cpu
 
-}  // namespace
-
-TORCH_LIBRARY(flare_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(flare_cpu, m) {
   m.def("quant_mm(Tensor x, Tensor codes, Tensor scales, Tensor mins, int bits) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) {
-  m.impl("quant_mm", &quant_mm);
-  m.impl("rms_norm", &rms_norm);
-}
+TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) { m.impl("quant_mm", &flare_cpu::quant_mm); }

@@ -1,10 +1,13 @@
-"""Builds and loads Flare's AVX2 weight-only 4/8-bit kernel (cpu_quant.cpp beside this file).
+"""Builds and loads Flare's AVX2 CPU kernels: the weight-only 4/8-bit product (cpu_quant.cpp), a decoder layer's
+elementwise ops (cpu_layer_ops.cpp), decode attention (cpu_attention.cpp) and a whole layer of a decode step
+(cpu_decoder_layer.cpp), all beside this file.
 
-DESIGN.md, Model and kernels. The C++ source is compiled on first use with torch's extension builder (-O3 -mavx2
--mfma -fopenmp) into torch's extension cache, under a name carrying the source's hash, so a changed kernel builds
-anew and concurrent processes share one build (torch locks the build directory). Where the CPU lacks AVX2/FMA, the
-build fails, or FLARE_QUANT_KERNEL=torch asks for it, quantized linears keep PyTorch's int4 kernel (one log line).
-`make install` builds it once so that tests and servers find it cached: `python -m engine.model.cpu_quant`.
+DESIGN.md, Model and kernels. The C++ sources are compiled on first use with torch's extension builder (-O3 -mavx2
+-mfma -ffp-contract=off -fopenmp) into one library in torch's extension cache, under a name carrying the sources'
+and flags' hash, so a changed kernel builds anew and concurrent processes share one build (torch locks the build
+directory). Where the CPU lacks AVX2/FMA, the build fails, or FLARE_QUANT_KERNEL=torch asks for it, quantized
+linears keep PyTorch's int4 kernel and the layers aten's operators (one log line). `make install` builds it once so
+that tests and servers find it cached: `python -m engine.model.cpu_quant`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_quant.cpp")
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("cpu_quant.cpp", "cpu_layer_ops.cpp", "cpu_attention.cpp", "cpu_decoder_layer.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_ops.h")]
 log = logging.getLogger("flare.engine")
 
 
@@ -32,9 +37,12 @@ def _build() -> None:
     scripts = sysconfig.get_path("scripts")
     if shutil.which("ninja") is None and shutil.which("ninja", path=scripts):
         os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    load(name=f"flare_cpu_quant_{digest}", sources=[str(SOURCE)], is_python_module=False,
-         extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    # -ffp-contract=off: a multiply and an add stay two roundings, as aten's, unless the source asks for an FMA
+    # (GCC would otherwise fuse even intrinsics' multiplies and adds, and rotary would lose its bitwise equality).
+    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(flags).encode())
+    load(name=f"flare_cpu_quant_{digest.hexdigest()[:12]}", sources=[str(path) for path in SOURCES],
+         is_python_module=False, extra_cflags=flags, extra_ldflags=["-fopenmp"])
 
 
 @functools.cache
@@ -51,14 +59,16 @@ def quant_mm() -> Callable[..., torch.Tensor] | None:
         _build()
     except Exception as exc:  # noqa: BLE001 - any build failure means the fallback, not a dead engine
         log.warning("building %s failed (%s): quantized linears run PyTorch's int4 kernel",
-                    SOURCE.name, str(exc).strip().splitlines()[-1:] or exc)
+                    SOURCES[0].name, str(exc).strip().splitlines()[-1:] or exc)
         return None
     return torch.ops.flare_cpu.quant_mm
 
 
-def rms_norm() -> Callable[..., torch.Tensor] | None:
-    """torch.ops.flare_cpu.rms_norm(x, weight, eps): fp32 RMSNorm in one call, where the kernels build here."""
-    return torch.ops.flare_cpu.rms_norm if quant_mm() is not None else None
+def layer_ops_ready() -> bool:
+    """Whether the decoder-layer ops run here (torch.ops.flare_cpu: rms_norm, add_rms_norm, rotary and silu_mul of
+    cpu_layer_ops.cpp, decode_attention of cpu_attention.cpp, decoder_layer of cpu_decoder_layer.cpp): they build
+    with the product, into one library."""
+    return quant_mm() is not None
 
 
 if __name__ == "__main__":

@@ -4,11 +4,14 @@ plus the mixture-of-experts MLP (engine/model/moe.py) and Gemma's norm (engine/m
 
 Two paths compute the same function: plain torch (the reference, and the CPU's), and the kernel path
 (`use_kernels`: fused q/k/v and gate/up projections, Triton attention, RMSNorm, rotary, SiLU-and-mul and fused MoE),
-which is the GPU's and the one CUDA graphs capture: nothing on it waits for the host.
+which is the GPU's and the one CUDA graphs capture: nothing on it waits for the host. A quantized CPU core runs the
+kernel path's layer loop with Flare's C++ ops in place of the Triton ones (`use_cpu_ops`: engine/model/cpu_*.cpp),
+eagerly; a dense CPU core keeps plain torch, bit for bit transformers' (its parity reference).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +20,7 @@ from torch import nn
 from engine.model.attention import AttentionMetadata, KernelMetadata, PagedAttention, kernel_attention
 from engine.model.config import DecoderConfig
 from engine.model.moe import SparseMoE
-from engine.model.norms import GemmaRMSNorm, rms_norm
+from engine.model.norms import GemmaRMSNorm, RMSNorm, rms_norm
 from engine.model.quant import QuantLinear
 from engine.parallel import layers as parallel
 from engine.parallel.group import TensorParallel
@@ -57,6 +60,8 @@ class Attention(nn.Module):
             self.k_norm = rms_norm(c.gemma_norms, c.head_dim, c.rms_norm_eps)
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.attention_scale, c.layer_window[layer])
         self.qkv: nn.Module | None = None  # fuse()
+        # rotate, or a one-call op computing the same (flare_cpu::rotary: CausalLM.use_cpu_ops).
+        self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = rotate
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -70,7 +75,7 @@ class Attention(nn.Module):
             qk, v = torch.cat((self.q_proj(x), self.k_proj(x)), dim=-1).view(-1, heads, c.head_dim), self.v_proj(x)
         if c.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :c.num_heads]), self.k_norm(qk[:, c.num_heads:])), dim=1)
-        qk = rotate(qk, cos, sin)
+        qk = self.rotary(qk, cos, sin)
         out = self.attn(qk[:, :c.num_heads], qk[:, c.num_heads:], v.view(-1, c.num_kv_heads, c.head_dim), k_cache,
                         v_cache, meta)
         return self.o_proj(out.flatten(1))
@@ -104,11 +109,15 @@ class MLP(nn.Module):
         self.down_proj = parallel.row_linear(c.intermediate_size, c.hidden_size, False, tp)
         self.gelu = c.hidden_act == "gelu_tanh"
         self.gate_up: nn.Module | None = None  # fuse()
+        # act(gate) * up of the fused [gate | up] product in one call (flare_cpu::silu_mul: CausalLM.use_cpu_ops).
+        self.act_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def act(self, gate: torch.Tensor) -> torch.Tensor:
         return nn.functional.gelu(gate, approximate="tanh") if self.gelu else nn.functional.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_and_mul is not None:
+            return self.down_proj(self.act_and_mul(self.gate_up(x)))
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
@@ -163,6 +172,8 @@ class DecoderLayer(nn.Module):
         if c.gemma_norms:
             self.pre_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
             self.post_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
+        # What flare_cpu::decoder_layer takes to run this layer for a decode step (CausalLM.use_cpu_ops).
+        self.whole_decode: tuple[list[torch.Tensor], list[int]] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -175,6 +186,25 @@ class DecoderLayer(nn.Module):
 
     def mlp_norm(self) -> nn.Module:
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The weights and code widths flare_cpu::decoder_layer takes (engine/model/cpu_decoder_layer.cpp), or None
+        where this layer is not of the shape it runs: Llama-style norms, fused q/k/v and gate/up, every product
+        quantized for Flare's kernel without a bias, no q/k norms, SiLU (after use_cpu_ops set its op)."""
+        attn, mlp = self.self_attn, self.mlp
+        if self.sandwich or attn.c.qk_norm or not isinstance(mlp, MLP) or mlp.act_and_mul is None or \
+                any(type(norm) is not RMSNorm for norm in (self.input_layernorm, self.post_attention_layernorm)):
+            return None
+        products = [attn.qkv, attn.o_proj, mlp.gate_up, mlp.down_proj]
+        if not all(isinstance(p, QuantLinear) and p.bits is not None and p.bias is None for p in products):
+            return None
+        weights = [self.input_layernorm.weight, *_packed(attn.qkv), *_packed(attn.o_proj),
+                   self.post_attention_layernorm.weight, *_packed(mlp.gate_up), *_packed(mlp.down_proj)]
+        return weights, [p.bits for p in products]
+
+
+def _packed(layer: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return layer.codes, layer.scales, layer.mins
 
 
 class Backbone(nn.Module):
@@ -196,6 +226,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.set_rope()
         self.kernels = False
+        self.cpu_ops = False
 
     def set_rope(self, device: torch.device | None = None) -> None:
         """The inverse frequencies of each distinct rope (Gemma 3's local and global layers have their own)."""
@@ -225,6 +256,29 @@ class CausalLM(nn.Module):
         self.rope_tables = [rope_table(inv_freq, max_positions) for inv_freq in self.inv_freqs]
         self.kernels = True
 
+    def use_cpu_ops(self) -> None:
+        """Flare's C++ ops for a quantized fp32 core on the CPU (the loader calls this where they build,
+        engine/model/cpu_quant.py): the kernel path's layer loop, each residual add folded into the norm after it
+        (flare_cpu::add_rms_norm), rotary in one op, SiLU(gate) * up in one op, and decode rows' attention in one
+        call over their pages (flare_cpu::decode_attention); in a step of decode rows only, each Llama-style layer in
+        one call of the same functions (flare_cpu::decoder_layer). Each computes what the torch ops it replaces do,
+        within a few units in the last place of fp32 (tests/test_cpu_layer_ops.py)."""
+        ops = torch.ops.flare_cpu
+        for module in self.modules():
+            if type(module) is RMSNorm:  # Gemma's (1 + w) norms keep their own forward
+                module.op = ops.rms_norm
+            elif isinstance(module, GemmaRMSNorm):
+                module.fold()
+            elif isinstance(module, Attention):
+                module.rotary = ops.rotary
+            elif isinstance(module, PagedAttention):
+                module.decode_op = ops.decode_attention
+            elif isinstance(module, MLP) and module.gate_up is not None and not module.gelu:
+                module.act_and_mul = ops.silu_mul
+        for layer in self.model.layers:
+            layer.whole_decode = layer.decode_weights()
+        self.cpu_ops = True
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the weights' dtype, as transformers does
@@ -237,8 +291,10 @@ class CausalLM(nn.Module):
         `images` (a vision-language model's prompt rows, engine/model/qwen3_vl.py) replace their tokens' embeddings
         and add to the first layers' outputs."""
         if self.kernels:
-            return self._forward_kernels(input_ids, positions, kv_cache,
-                                         meta.kernel if isinstance(meta, AttentionMetadata) else meta, images)
+            return self._forward_residual(input_ids, positions, kv_cache,
+                                          meta.kernel if isinstance(meta, AttentionMetadata) else meta, images)
+        if self.cpu_ops:
+            return self._forward_residual(input_ids, positions, kv_cache, meta, images)
         rotations = self.rotations(positions)
         x = self.embed(input_ids)
         if images is not None:
@@ -260,23 +316,56 @@ class CausalLM(nn.Module):
             rotations.append((angles.cos().to(dtype)[:, None, :], signed_sine(angles.sin().to(dtype))[:, None, :]))
         return rotations
 
-    def _forward_kernels(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                         meta: KernelMetadata, images: ImageFeatures | None = None) -> torch.Tensor:
-        from engine.kernels.rmsnorm import add_rms_norm
-
+    def _forward_residual(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                          meta: AttentionMetadata | KernelMetadata, images: ImageFeatures | None = None
+                          ) -> torch.Tensor:
+        """The layers with the residual stream beside the branch outputs, each add folded into the norm after it:
+        the kernel path (Triton ops, `meta` a KernelMetadata) or a quantized CPU core's (C++ ops, `use_cpu_ops`)."""
         eps = self.config.rms_norm_eps
-        tables, positions = self.rope_inputs(positions)
+        if self.kernels:
+            from engine.kernels.rmsnorm import add_rms_norm
+
+            tables, rope_positions = self.rope_inputs(positions)
+
+            def attend(attn: Attention, h: torch.Tensor, i: int) -> torch.Tensor:
+                return attn.forward_kernels(h, rope_positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1],
+                                            meta)
+
+            def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+                return layer.forward_kernels(h)
+            whole_layer = None
+        else:
+            add_rms_norm = cpu_add_rms_norm
+            rotations = self.rotations(positions)
+
+            def attend(attn: Attention, h: torch.Tensor, i: int) -> torch.Tensor:
+                return attn(h, *rotations[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+
+            def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+                return layer(h)
+
+            def decode_layer(layer: DecoderLayer, i: int, x: torch.Tensor, residual: torch.Tensor | None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                attn = layer.self_attn.attn
+                return torch.ops.flare_cpu.decoder_layer(
+                    x, residual, *layer.whole_decode, *rotations[layer.self_attn.rope], kv_cache[i, 0],
+                    kv_cache[i, 1], meta.slot_mapping, meta.decode_rows, meta.decode_page_tables,
+                    meta.decode_context_lens, meta.page_size, attn.scale, attn.window or 0, eps)
+            # decoder_layer runs steps of decode rows only
+            whole_layer = None if meta.prefills or images is not None else decode_layer
         x, residual = self.embed(input_ids), None
         if images is not None:
             x = images.splice(x)
         for i, layer in enumerate(self.model.layers):
+            if whole_layer is not None and layer.whole_decode is not None:
+                x, residual = whole_layer(layer, i, x, residual)
+                continue
             h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps)
-            attn = layer.self_attn
-            x = attn.forward_kernels(h, positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+            x = attend(layer.self_attn, h, i)
             if layer.sandwich:
                 x = add_rms_norm(x, None, layer.post_attention_layernorm.kernel_weight(), eps)[0]
             h, residual = add_rms_norm(x, residual, layer.mlp_norm().kernel_weight(), eps)
-            x = layer.mlp.forward_kernels(h)
+            x = mlp(layer.mlp, h)
             if layer.sandwich:
                 x = add_rms_norm(x, None, layer.post_feedforward_layernorm.kernel_weight(), eps)[0]
             if images is not None:  # the layer's output is residual + x: adding to x adds to it
@@ -289,3 +378,12 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def cpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) by Flare's C++ ops; with no residual, (rms_norm(x), x): the Triton
+    add_rms_norm's contract (engine/kernels/rmsnorm.py), for a quantized CPU core."""
+    if residual is None:
+        return torch.ops.flare_cpu.rms_norm(x, weight, eps), x
+    return torch.ops.flare_cpu.add_rms_norm(x, residual, weight, eps)

@@ -12,7 +12,6 @@ from common.manifest import Manifest, load_manifest
 from engine.model import cpu_quant
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
-from engine.model.norms import RMSNorm
 from engine.model.quant import (RefinedLogits, codes_of, dequantize, dequantize_all, is_quantized, quantize_linears,
                                 quantized_view)
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -75,8 +74,6 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
         model.use_kernels(manifest.context_limit)
     elif quantized:
         model.fuse_projections()
-        if (norm := cpu_quant.rms_norm()) is not None:
-            for module in model.modules():
-                if type(module) is RMSNorm:  # Gemma's (1 + w) norms keep their own forward
-                    module.op = norm
+        if dtype == torch.float32 and cpu_quant.layer_ops_ready():
+            model.use_cpu_ops()
     return manifest, model.eval()

@@ -10,8 +10,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    # A one-call fp32 RMSNorm for quantized CPU cores (engine/model/cpu_quant.py; the loader sets it): aten's is
-    # five operators there. Dense cores keep aten's, bit for bit transformers' (their parity reference).
+    # A one-call fp32 RMSNorm for quantized CPU cores (flare_cpu::rms_norm; CausalLM.use_cpu_ops sets it): aten's
+    # is five operators there. Dense cores keep aten's, bit for bit transformers' (their parity reference).
     op: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     def __init__(self, size: int, eps: float) -> None:

@@ -139,8 +139,11 @@ class QuantLinear(nn.Module):
         # Few operators on purpose: a decode step calls this seven times a layer.
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self.bits is not None:
-            out = torch.ops.flare_cpu.quant_mm(rows.float().contiguous(), self.codes, self.scales, self.mins,
-                                               self.bits).to(x.dtype)
+            if rows.dtype != torch.float32 or not rows.is_contiguous():  # a conversion is an operator call
+                rows = rows.float().contiguous()
+            out = torch.ops.flare_cpu.quant_mm(rows, self.codes, self.scales, self.mins, self.bits)
+            if x.dtype != torch.float32:
+                out = out.to(x.dtype)
         else:
             rows = rows.to(torch.bfloat16)
             if self.repeats > 1:
