@@ -16,10 +16,17 @@
 // on a Zen 1 EPYC), becomes fp32 once per group and is scaled by scale[g] * xscale[g] into an fp32 accumulator.
 // The mins meet the fp32 group sums of x in a short dot product at the end of each column.
 //
+// Groups go in pairs (a lone last group pairs with nothing): a pair's 64 codes unpack into four vectors of 16
+// int16 with shifts and masks alone (no lane-crossing widening), lanes 0..7 of vector e holding codes 8e..8e+7 of
+// the pair's first group and lanes 8..15 those of its second; the rows' xq are stored in the same order, so four
+// vpmaddwd and three adds leave the first group's dot product in int32 lanes 0..3 and the second's in 4..7, and
+// one conversion and one FMA scale both groups. Up to ROWS rows share each pair's unpacked codes.
+//
 // Layouts (one row of bytes per output column, groups in input order):
-//   4-bit: 16 bytes a group; byte i holds code i in its low nibble and code 16 + i in its high one, so a mask and
-//          a shift of the 16 bytes give codes 0..15 and 16..31, each widened to 16 int16 lanes.
-//   8-bit: 32 bytes a group, the codes in order.
+//   4-bit: 16 bytes a group; its little-endian 16-bit word i (0..7) holds codes i, 8 + i, 16 + i and 24 + i, from
+//          the low nibble up.
+//   8-bit: 32 bytes a group, in two halves of 8 words: word i of half h holds codes 16h + i (low byte) and
+//          16h + 8 + i. A pair of groups stores its first halves, then its second ones; a lone last group its two.
 // scales and mins: fp32 [N, K / 32].
 
 #include <immintrin.h>
@@ -40,8 +47,10 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-// Rows of x kept hot while a thread's columns pass over them (large M): 64 KiB of int16, a share of L2.
-constexpr int64_t TILE_VALUES = 32768;
+// Rows of x kept hot while a thread's columns pass over them: 32 KiB of int16, most of L1.
+constexpr int64_t TILE_BYTES = 32 * 1024;
+// Rows that share a pair's unpacked codes: their accumulators and the codes fill AVX2's 16 registers.
+constexpr int ROWS = 4;
 using flare_cpu::hsum;
 using flare_cpu::MIN_WORK_PER_THREAD;
 
@@ -49,11 +58,7 @@ using flare_cpu::MIN_WORK_PER_THREAD;
 inline float abs_max(const __m256 part[4], __m256 sign) {
   const __m256 a = _mm256_max_ps(_mm256_andnot_ps(sign, part[0]), _mm256_andnot_ps(sign, part[1]));
   const __m256 b = _mm256_max_ps(_mm256_andnot_ps(sign, part[2]), _mm256_andnot_ps(sign, part[3]));
-  const __m256 v = _mm256_max_ps(a, b);
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+  return flare_cpu::hmax(_mm256_max_ps(a, b));
 }
 
 template <int BITS>
@@ -61,73 +66,138 @@ struct Codes;
 
 template <>
 struct Codes<4> {
-  static constexpr int64_t BYTES = 16;
-  // The 32 codes of the group at q as two vectors of 16 int16, in input order.
-  static inline void unpack(const uint8_t* q, __m256i c[2]) {
-    const __m128i nibble = _mm_set1_epi8(15);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    c[0] = _mm256_cvtepu8_epi16(_mm_and_si128(b, nibble));
-    c[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+  static constexpr int64_t BYTES = 16;  // a group's
+  // The pair's 64 codes at q as four vectors of 16 int16 (see the layout above).
+  static inline void unpack(const uint8_t* q, __m256i c[4]) {
+    const __m256i nibble = _mm256_set1_epi16(15);
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    c[0] = _mm256_and_si256(w, nibble);
+    c[1] = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+    c[2] = _mm256_and_si256(_mm256_srli_epi16(w, 8), nibble);
+    c[3] = _mm256_srli_epi16(w, 12);
+  }
+  // A lone last group's 32 codes, lanes 8..15 zero.
+  static inline void unpack_lone(const uint8_t* q, __m256i c[4]) {
+    alignas(32) uint8_t pair[32] = {};
+    std::copy(q, q + BYTES, pair);
+    unpack(pair, c);
   }
 };
 
 template <>
 struct Codes<8> {
   static constexpr int64_t BYTES = 32;
-  static inline void unpack(const uint8_t* q, __m256i c[2]) {
-    c[0] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    c[1] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+  static inline void unpack(const uint8_t* q, __m256i c[4]) {
+    const __m256i low = _mm256_set1_epi16(255);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * h));
+      c[2 * h] = _mm256_and_si256(w, low);
+      c[2 * h + 1] = _mm256_srli_epi16(w, 8);
+    }
+  }
+  static inline void unpack_lone(const uint8_t* q, __m256i c[4]) {
+    alignas(32) uint8_t pair[64] = {};
+    std::copy(q, q + 16, pair);
+    std::copy(q + 16, q + 32, pair + 32);
+    unpack(pair, c);
   }
 };
 
-// One row of x as 16-bit integers per group (xq [K], xscale [G]) and the fp32 sums of its groups (xsum [G]).
-void quantize_row(const float* x, int64_t G, int16_t* xq, float* xscale, float* xsum) {
+// One group of x: its 32 values as four vectors of 8 int32 steps of xscale, which it returns; its sum in *sum.
+inline float quantize_group(const float* v, __m256i n[4], float* sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t g = 0; g < G; ++g) {
-    const float* v = x + g * GROUP;
-    __m256 part[4];
-    for (int i = 0; i < 4; ++i) part[i] = _mm256_loadu_ps(v + 8 * i);
-    xsum[g] = hsum(_mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3])));
-    const float largest = abs_max(part, sign);
-    xscale[g] = largest / 32767.f;
-    const __m256 inverse = _mm256_set1_ps(largest > 0.f ? 32767.f / largest : 0.f);
-    __m256i n[4];
-    for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse));
-    // packs works within 128-bit lanes: the permute puts the 16 values back in input order.
-    for (int h = 0; h < 2; ++h) {
-      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[2 * h], n[2 * h + 1]), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + g * GROUP + 16 * h), packed);
+  __m256 part[4];
+  for (int i = 0; i < 4; ++i) part[i] = _mm256_loadu_ps(v + 8 * i);
+  *sum = hsum(_mm256_add_ps(_mm256_add_ps(part[0], part[1]), _mm256_add_ps(part[2], part[3])));
+  const float largest = abs_max(part, sign);
+  const __m256 inverse = _mm256_set1_ps(largest > 0.f ? 32767.f / largest : 0.f);
+  for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(part[i], inverse));
+  return largest / 32767.f;
+}
+
+// One row of x [K] for the kernel: xq [P * 64] int16 in the pairs' order, xscale [P * 8] (each pair's two input
+// scales, four lanes each, matching the int32 lanes of its dot products) and xsum [G], for P = ceil(G / 2) pairs.
+void quantize_row(const float* x, int64_t G, int16_t* xq, float* xscale, float* xsum) {
+  for (int64_t g = 0; g < G; g += 2) {
+    __m256i first[4], second[4];
+    const float scale0 = quantize_group(x + g * GROUP, first, &xsum[g]);
+    float scale1 = 0.f;
+    if (g + 1 < G) {
+      scale1 = quantize_group(x + (g + 1) * GROUP, second, &xsum[g + 1]);
+    } else {
+      for (int i = 0; i < 4; ++i) second[i] = _mm256_setzero_si256();
     }
+    // packs works within 128-bit lanes: the permute puts each group's 8 values back together.
+    for (int e = 0; e < 4; ++e) {
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(first[e], second[e]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + g * GROUP + 16 * e), packed);
+    }
+    _mm256_storeu_ps(xscale + g * 4, _mm256_setr_ps(scale0, scale0, scale0, scale0, scale1, scale1, scale1, scale1));
   }
 }
 
-// Rows r < R of the quantized x (stride K; xscale and xsum stride G) against one column: its codes q, scales and
-// mins; writes out[r * N]. The R rows share each group's unpacked codes.
+// The int32 dot products of one row's pair (xr: its 64 int16) with the unpacked codes c, as fp32.
+inline __m256 pair_dot(const __m256i c[4], const int16_t* xr) {
+  const __m256i* x = reinterpret_cast<const __m256i*>(xr);
+  const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(c[0], _mm256_loadu_si256(x)),
+                                     _mm256_madd_epi16(c[1], _mm256_loadu_si256(x + 1)));
+  const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(c[2], _mm256_loadu_si256(x + 2)),
+                                     _mm256_madd_epi16(c[3], _mm256_loadu_si256(x + 3)));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+}
+
+// Rows r < R of the quantized x (xq stride XS values, xscale stride XS / 8, xsum stride G) against one column: its
+// codes q, scales and mins; writes out[r * N]. The R rows share each pair's unpacked codes.
 template <int BITS, int R>
-inline void column(const int16_t* xq, const float* xscale, const float* xsum, int64_t K, int64_t G,
+inline void column(const int16_t* xq, const float* xscale, const float* xsum, int64_t XS, int64_t G,
                    const uint8_t* q, const float* scale, const float* mins, float* out, int64_t N) {
+  // Lanes 0..3 take a pair's first scale, 4..7 its second.
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i c[2];
+  int64_t g = 0;
+  for (; g + 2 <= G; g += 2) {
+    __m256i c[4];
     Codes<BITS>::unpack(q + g * Codes<BITS>::BYTES, c);
-    const float s = scale[g];
+    const __m256 s = _mm256_permutevar_ps(_mm256_castpd_ps(_mm256_broadcast_sd(
+                                              reinterpret_cast<const double*>(scale + g))), spread);
     for (int r = 0; r < R; ++r) {
-      const int16_t* xr = xq + r * K + g * GROUP;
-      const __m256i dot = _mm256_add_epi32(
-          _mm256_madd_epi16(c[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
-          _mm256_madd_epi16(c[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16))));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s * xscale[r * G + g]), acc[r]);
+      const __m256 xs = _mm256_loadu_ps(xscale + r * (XS / 8) + g * 4);
+      acc[r] = _mm256_fmadd_ps(pair_dot(c, xq + r * XS + g * GROUP), _mm256_mul_ps(s, xs), acc[r]);
+    }
+  }
+  if (g < G) {
+    __m256i c[4];
+    Codes<BITS>::unpack_lone(q + g * Codes<BITS>::BYTES, c);
+    const __m256 s = _mm256_set1_ps(scale[g]);  // lanes 4..7 meet zero codes and a zero input scale
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_loadu_ps(xscale + r * (XS / 8) + g * 4);
+      acc[r] = _mm256_fmadd_ps(pair_dot(c, xq + r * XS + g * GROUP), _mm256_mul_ps(s, xs), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const float* xs = xsum + r * G;
     __m256 m = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= G; g += 8) m = _mm256_fmadd_ps(_mm256_loadu_ps(mins + g), _mm256_loadu_ps(xs + g), m);
+    int64_t h = 0;
+    for (; h + 8 <= G; h += 8) m = _mm256_fmadd_ps(_mm256_loadu_ps(mins + h), _mm256_loadu_ps(xs + h), m);
     float tail = 0.f;
-    for (; g < G; ++g) tail += mins[g] * xs[g];
+    for (; h < G; ++h) tail += mins[h] * xs[h];
     out[r * N] = hsum(_mm256_add_ps(acc[r], m)) + tail;
+  }
+}
+
+// Rows m0 <= m < m1 against one column, ROWS at a time.
+template <int BITS, int R>
+inline void rows_against_column(const int16_t* xq, const float* xscale, const float* xsum, int64_t XS, int64_t G,
+                                int64_t count, const uint8_t* q, const float* s, const float* mn, float* out,
+                                int64_t N) {
+  int64_t m = 0;
+  for (; m + R <= count; m += R)
+    column<BITS, R>(xq + m * XS, xscale + m * (XS / 8), xsum + m * G, XS, G, q, s, mn, out + m * N, N);
+  if constexpr (R > 1) {
+    if (m < count)
+      rows_against_column<BITS, R - 1>(xq + m * XS, xscale + m * (XS / 8), xsum + m * G, XS, G, count - m, q, s,
+                                       mn, out + m * N, N);
   }
 }
 
@@ -135,35 +205,25 @@ template <int BITS>
 void quant_mm_kernel(const float* x, int64_t M, int64_t K, const uint8_t* codes, const float* scales,
                      const float* mins, int64_t N, float* out) {
   const int64_t G = K / GROUP;
+  const int64_t XS = (G + 1) / 2 * 2 * GROUP;  // a row's int16 values, its lone last group padded to a pair
   const int64_t column_bytes = G * Codes<BITS>::BYTES;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> xscale(M * G), xsum(M * G);
+  std::vector<int16_t> xq(M * XS);
+  std::vector<float> xscale(M * XS / 8), xsum(M * G);
   at::parallel_for(0, M, std::max<int64_t>(1, MIN_WORK_PER_THREAD / K), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) quantize_row(x + m * K, G, &xq[m * K], &xscale[m * G], &xsum[m * G]);
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * K, G, &xq[m * XS], &xscale[m * XS / 8], &xsum[m * G]);
   });
-  const int64_t tile = std::max<int64_t>(4, TILE_VALUES / K / 4 * 4);
+  // Rows in tiles whose xq stays in L1 while the thread's columns pass over it: a column's codes are unpacked once
+  // per ROWS rows of a tile and come from memory once a tile.
+  const int64_t tile = std::max<int64_t>(ROWS, TILE_BYTES / (XS * sizeof(int16_t)) / ROWS * ROWS);
   const int64_t grain = std::max<int64_t>(1, MIN_WORK_PER_THREAD / (std::min(M, tile) * K));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t m0 = 0; m0 < M; m0 += tile) {
-      const int64_t m1 = std::min(M, m0 + tile);
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* q = codes + n * column_bytes;
-        const float* s = scales + n * G;
-        const float* mn = mins + n * G;
-        int64_t m = m0;
-        for (; m + 4 <= m1; m += 4)
-          column<BITS, 4>(&xq[m * K], &xscale[m * G], &xsum[m * G], K, G, q, s, mn, out + m * N + n, N);
-        const int16_t* xm = xq.data() + m * K;
-        const float* xc = xscale.data() + m * G;
-        const float* xs = xsum.data() + m * G;
-        float* o = out + m * N + n;
-        switch (m1 - m) {
-          case 3: column<BITS, 3>(xm, xc, xs, K, G, q, s, mn, o, N); break;
-          case 2: column<BITS, 2>(xm, xc, xs, K, G, q, s, mn, o, N); break;
-          case 1: column<BITS, 1>(xm, xc, xs, K, G, q, s, mn, o, N); break;
-          default: break;
-        }
-      }
+    for (int64_t m = 0; m < M; m += tile) {
+      const int64_t count = std::min(tile, M - m);
+      for (int64_t n = n0; n < n1; ++n)
+        rows_against_column<BITS, ROWS>(&xq[m * XS], &xscale[m * XS / 8], &xsum[m * G], XS, G, count,
+                                        codes + n * column_bytes, scales + n * G, mins + n * G, out + m * N + n,
+                                        N);
     }
   });
 }

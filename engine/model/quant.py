@@ -61,13 +61,22 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] as the bytes Flare's kernel reads (cpu_quant.cpp): 4-bit codes k and 16 + k of each group share
-    byte k of the group's 16; 8-bit codes stay in order."""
-    if bits == 8:
-        return codes.to(torch.uint8).contiguous()
+    """Codes [N, K] as the bytes Flare's kernel reads (cpu_quant.cpp, "Layouts"): per group of 32, 16-bit words
+    holding codes i, 8 + i, 16 + i, 24 + i (4-bit, one a nibble) or 16h + i, 16h + 8 + i (8-bit, half h, one a
+    byte), and the halves of 8-bit groups interleaved by pairs of groups."""
     n, k = codes.shape
-    halves = codes.to(torch.uint8).view(n, k // (2 * 16), 2, 16)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    groups = k // GROUP
+    # [N, G, word, code of the word]: code j of word i of half h is code 16h + 8j + i (4-bit: h = 0, j up to 3).
+    per_word = 4 if bits == 4 else 2
+    words = codes.to(torch.int32).view(n, groups, 32 // (8 * per_word), per_word, 8).transpose(-1, -2)
+    words = (words << (torch.arange(per_word, dtype=torch.int32) * bits)).sum(-1)  # [N, G, halves, 8]
+    # Little-endian bytes of each 16-bit word.
+    packed = torch.stack([words & 255, words >> 8], dim=-1).to(torch.uint8).flatten(-2)  # [N, G, halves, 16]
+    if bits == 8 and groups >= 2:
+        pairs = groups // 2 * 2
+        paired = packed[:, :pairs].reshape(n, pairs // 2, 2, 2, 16).transpose(2, 3)  # [N, P, half, group, 16]
+        packed = torch.cat([paired.reshape(n, pairs, 2, 16), packed[:, pairs:]], dim=1)
+    return packed.reshape(n, k * bits // 8).contiguous()
 
 
 class QuantLinear(nn.Module):
