@@ -74,6 +74,23 @@ def test_flare_kernel_equals_the_exact_product(bits: int, rows: int, inputs: int
 
 
 @pytest.mark.parametrize("bits", [4, 8])
+def test_fp16_scales_give_the_bits_of_fp32_ones(bits: int) -> None:
+    """GGUF's fp16 scales and mins stay fp16 in QuantLinear (fewer bytes a step); they convert exactly, so the
+    product is the same bits as with their fp32 values."""
+    if cpu_quant.quant_mm() is None:
+        pytest.skip("Flare's AVX2 kernel does not run here")
+    torch.manual_seed(bits)
+    codes = torch.randint(0, 2**bits, (37, 160), dtype=torch.int32)
+    scale, minimum = (torch.rand(37, 5) / 8).half(), (-torch.rand(37, 5)).half()
+    layer = QuantLinear(codes, bits, scale.float(), minimum.float())
+    assert layer.scales.dtype == layer.mins.dtype == torch.float16
+    x = torch.randn(6, 160)
+    wide = torch.ops.flare_cpu.quant_mm(x, pack_codes(codes, bits), scale.float(), minimum.float(), bits)
+    assert torch.equal(layer(x), wide)
+    assert QuantLinear(codes, bits, scale.float() / 3, minimum.float()).scales.dtype == torch.float32
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("inputs, outputs", [(288, 31), (576, 1536)])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(bits: int, inputs: int, outputs: int) -> None:
     """A row alone and among 40 gets the same bits, so a prompt's last position scores alike whether its prefix was

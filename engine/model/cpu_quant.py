@@ -3,7 +3,7 @@ elementwise ops (cpu_layer_ops.cpp), decode attention (cpu_attention.cpp) and a 
 (cpu_decoder_layer.cpp), all beside this file.
 
 DESIGN.md, Model and kernels. The C++ sources are compiled on first use with torch's extension builder (-O3 -mavx2
--mfma -ffp-contract=off -fopenmp) into one library in torch's extension cache, under a name carrying the sources'
+-mfma -mf16c -ffp-contract=off -fopenmp) into one library in torch's extension cache, under a name carrying the sources'
 and flags' hash, so a changed kernel builds anew and concurrent processes share one build (torch locks the build
 directory). Where the CPU lacks AVX2/FMA, the build fails, or FLARE_QUANT_KERNEL=torch asks for it, quantized
 linears keep PyTorch's int4 kernel and the layers aten's operators (one log line). `make install` builds it once so
@@ -39,7 +39,7 @@ def _build() -> None:
         os.environ["PATH"] = f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"
     # -ffp-contract=off: a multiply and an add stay two roundings, as aten's, unless the source asks for an FMA
     # (GCC would otherwise fuse even intrinsics' multiplies and adds, and rotary would lose its bitwise equality).
-    flags = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(flags).encode())
     load(name=f"flare_cpu_quant_{digest.hexdigest()[:12]}", sources=[str(path) for path in SOURCES],
          is_python_module=False, extra_cflags=flags, extra_ldflags=["-fopenmp"])

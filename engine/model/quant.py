@@ -79,6 +79,15 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return packed.reshape(n, k * bits // 8).contiguous()
 
 
+def narrowest(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 scales and mins as fp16 where both convert exactly (GGUF's blocks), else as they are: Flare's kernel
+    takes either with the same results, and a decode step at one stream is bound by the bytes it reads."""
+    half = scale.half(), minimum.half()
+    if all(torch.equal(h.float(), v) for h, v in zip(half, (scale, minimum))):
+        return half
+    return scale, minimum
+
+
 class QuantLinear(nn.Module):
     """y = x @ w.T (+ bias) with w held as 4- or 8-bit groups: packed for Flare's AVX2 kernel where it runs
     (`bits` set), else as int4 groups for PyTorch's kernel (two sets for an 8-bit w; `bits` None)."""
@@ -96,6 +105,7 @@ class QuantLinear(nn.Module):
         self.bits = bits if cpu_quant.quant_mm() is not None else None
         if self.bits is not None:
             self.register_buffer("codes", pack_codes(codes, bits), persistent=False)
+            scale, minimum = narrowest(scale, minimum)
             self.register_buffer("scales", scale.contiguous(), persistent=False)
             self.register_buffer("mins", minimum.contiguous(), persistent=False)
             return
