@@ -87,10 +87,11 @@ def _down_rows(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_
     expert = tl.load(ids_ptr + pair, mask=live, other=0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    # [K_POW2, 1, BLOCK_K] activations of the token's pairs against [K_POW2, BLOCK_N, BLOCK_K] rows of their experts.
-    h_ptrs = h_ptr + (pair * stride_ht)[:, None, None] + k[None, None, :]
+    # [K_POW2, BLOCK_N, BLOCK_K] rows of the token's experts against their pairs' activations, which are loaded once
+    # per column (from the cache) so that both tiles share one layout: no shuffle through shared memory per slice.
     w_ptrs = (w_ptr + (expert * stride_we)[:, None, None] + (n % hidden)[None, :, None] * stride_wn
               + k[None, None, :])
+    h_ptrs = tl.broadcast_to(h_ptr + (pair * stride_ht)[:, None, None] + k[None, None, :], [K_POW2, BLOCK_N, BLOCK_K])
     acc = tl.zeros([K_POW2, BLOCK_N, BLOCK_K], tl.float32)
     for start in range(0, inter, BLOCK_K):
         mask = live[:, None, None] & (k < inter - start)[None, None, :]
