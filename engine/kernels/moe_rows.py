@@ -5,8 +5,9 @@ A decode step of a token or a few has about one (token, k) pair per active exper
 hold one live row each. Here nothing is sorted: two kernels read each pair's expert in place, both as dots of
 activations with weight rows, BLOCK_N weight rows per program, so that hundreds of programs share the stream.
 - gate/up: one program per (pair, BLOCK_N columns of the intermediate), writing SiLU(gate) * up. Given the router
-  logits instead of the routing, it routes its token itself (engine/kernels/moe_routing.py: 128 logits, cheap beside
-  the 2 x BLOCK_N x H weights it reads) and hands the weights and ids on to the down kernel: no routing launch.
+  logits instead of the routing, it routes its token itself (engine/kernels/moe_routing.py: E logits and about twenty
+  block reductions before its weight loads can start, in place of a launch of their own) and hands the weights and
+  ids on to the down kernel.
 - down: one program per (token, BLOCK_N / K output columns), holding the BLOCK_N rows of the token's K experts at
   once, so it adds the K products, times their routing weights, itself: no (pairs x H) intermediate, no summing
   kernel, and the same order of addition every time.
