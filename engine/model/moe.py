@@ -51,10 +51,10 @@ class SparseMoE(nn.Module):
         return self._reduce(out)
 
     def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.fused_moe import fused_moe, route_in_one_program
+        from engine.kernels.fused_moe import fused_moe_from_logits
 
-        weights, ids = route_in_one_program(self.gate(x), self.top_k, self.norm_topk_prob)
-        return self._reduce(fused_moe(x, self.w13, self.w2, weights, ids))
+        return self._reduce(fused_moe_from_logits(x, self.gate(x), self.w13, self.w2, self.top_k,
+                                                  self.norm_topk_prob))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.tp is None else self.tp.all_reduce(partial)
