@@ -12,8 +12,7 @@
   the float32 reference.
 - Decode attention with and without a sliding window (Gemma 3's 1024) at long contexts.
 - Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
-  the MoE's default also with its routing: in a launch of its own, and inside the rows path's first kernel
-  (fused_moe_from_logits, the model's entry).
+  the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
 Timing: CUDA events around each call after warm-up calls, the median of the repeats.
 """
@@ -33,7 +32,7 @@ from bench.gpu_evidence import run_sections, say
 from engine.kernels.decode_attention import decode_attention, decode_attention_reference, num_splits
 from engine.kernels.extend_attention import (BLOCK_M, extend_attention, extend_attention_reference, extend_blocks,
                                              tile_config)
-from engine.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_from_logits, fused_moe_reference
+from engine.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_reference
 from engine.kernels.moe_routing import route, route_in_one_program
 from engine.kernels.moe_rows import RowsConfig
 from engine.model.attention import multiprocessors
@@ -185,16 +184,9 @@ def bench_moe_configs() -> None:
     say("| --- |" + " --- |" * len(batches))
     say("| default (moe_config), routing given | " + " | ".join(
         f"{time_ms(lambda: fused_moe(x, w13, w2, w, i)):.3f}" for x, _, w, i, _ in inputs) + " |")
-    # The model's entry against routing in a launch of its own: what routing inside the rows path's gate/up saves.
-    say("| default, route_in_one_program + fused_moe | " + " | ".join(
+    say("| default, route_in_one_program + fused_moe (the model's) | " + " | ".join(
         f"{time_ms(lambda: fused_moe(x, w13, w2, *route_in_one_program(logits, top_k, True))):.3f}"
         for x, logits, _, _, _ in inputs) + " |")
-    cells = []
-    for x, logits, _, _, ref in inputs:
-        ms = time_ms(lambda: fused_moe_from_logits(x, logits, w13, w2, top_k, True))
-        bad = max_diff(fused_moe_from_logits(x, logits, w13, w2, top_k, True), ref) > 0.05 * float(ref.abs().max())
-        cells.append(f"{ms:.3f}" + (" WRONG" if bad else ""))
-    say("| default, fused_moe_from_logits (the model's entry) | " + " | ".join(cells) + " |")
     for config in [MoeConfig(16, 16, 128, 1, 4, 3), MoeConfig(16, 16, 256, 1, 4, 3),
                    MoeConfig(16, 32, 64, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 3), MoeConfig(16, 64, 128, 1, 4, 3),
                    MoeConfig(16, 128, 128, 1, 4, 3), MoeConfig(32, 64, 64, 4, 4, 3), MoeConfig(64, 64, 64, 8, 4, 3),

@@ -19,9 +19,9 @@ from engine.kernels.decode_attention import (decode_attention, decode_attention_
 from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
                                              extend_blocks)
 from engine.kernels.fused_moe import (MoeConfig, align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
-                                      fused_moe_from_logits, fused_moe_reference)
+                                      fused_moe_reference)
 from engine.kernels.moe_routing import route, route_in_one_program  # noqa: E402
-from engine.kernels.moe_rows import ROWS_MAX_PAIRS, RowsConfig, fused_moe_rows  # noqa: E402
+from engine.kernels.moe_rows import ROWS_MAX_PAIRS, RowsConfig  # noqa: E402
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
@@ -286,30 +286,6 @@ def test_moe_rows_path_masks_ragged_shapes(dtype: torch.dtype) -> None:
     weights, ids = route(logits, shape[3], renormalize=True)
     out = fused_moe(x, w13, w2, weights, ids, RowsConfig(16, 32, 4, 2))
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
-
-
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_rows_path_routes_in_its_gate_up_kernel(renormalize: bool) -> None:
-    """Given the router's logits, the rows path writes route()'s weights and ids and the reference's output."""
-    shape, dtype = (78, 24, 8, 3), DTYPES[0]
-    x, w13, w2, logits = moe_inputs(shape, 5, dtype)
-    weights = torch.empty(5, 3, dtype=torch.float32, device=DEVICE)
-    ids = torch.empty(5, 3, dtype=torch.int32, device=DEVICE)
-    out = fused_moe_rows(x, w13, w2, weights, ids, RowsConfig(16, 32, 4, 2), logits, renormalize)
-    expected_weights, expected_ids = route(logits, 3, renormalize)
-    assert torch.equal(ids, expected_ids)
-    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
-    reference = fused_moe_reference(x, w13, w2, expected_weights, expected_ids)
-    assert relative_error(out, reference) < tolerance(dtype) / 2
-
-
-@pytest.mark.parametrize("tokens", [3, 40])
-def test_fused_moe_from_logits_matches_route_and_reference(tokens: int) -> None:
-    """The model's entry on both paths (3 tokens: rows, routing in the gate/up kernel; 40: routed, then grouped)."""
-    x, w13, w2, logits = moe_inputs(MOE_SHAPE, tokens, torch.float32)
-    out = fused_moe_from_logits(x, logits, w13, w2, MOE_SHAPE[3], renormalize=False)
-    reference = fused_moe_reference(x, w13, w2, *route(logits, MOE_SHAPE[3], renormalize=False))
-    assert relative_error(out, reference) < tolerance(torch.float32) / 2
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

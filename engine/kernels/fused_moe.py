@@ -12,9 +12,9 @@ rounds to the activations' dtype where the torch expression rounds it.
 A decode step of a token or a few has about one pair per active expert, so each 16-row tile of the grouped GEMM
 holds one live row and a few dozen programs stream all the experts' weights (about 0.5 TB/s on an H200). Up to
 ROWS_MAX_PAIRS pairs take the rows path instead (engine/kernels/moe_rows.py): no sort, hundreds of programs share
-the stream, and from the router's logits (`fused_moe_from_logits`, the model's entry) it routes inside its first
-kernel and sums a token's experts inside its second, two launches a layer. Routing is engine/kernels/moe_routing.py.
+the stream, and its second kernel sums a token's experts itself. Routing is engine/kernels/moe_routing.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,7 +26,6 @@ import triton.language as tl
 
 from engine.kernels.decode_attention import dot_precision
 from engine.kernels.moe_rows import ROWS_MAX_PAIRS, RowsConfig, fused_moe_rows
-from engine.kernels.moe_routing import route_in_one_program
 
 
 @dataclass(frozen=True)
@@ -221,23 +220,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if isinstance(c, RowsConfig):
         return fused_moe_rows(x, w13, w2, weights, ids, c)
     return fused_moe_grouped(x, w13, w2, weights, ids, c)
-
-
-def fused_moe_from_logits(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                          top_k: int, renormalize: bool, config: MoeConfig | RowsConfig | None = None) -> torch.Tensor:
-    """The MoE MLP from the router's logits [T, E]: route(router_logits, top_k, renormalize), then fused_moe. The
-    rows path routes inside its gate/up kernel; the grouped path routes in one program first."""
-    check_shapes(x, w13, w2)
-    assert router_logits.stride(-1) == 1
-    tokens, experts = router_logits.shape
-    if tokens == 0:
-        return torch.zeros_like(x)
-    c = config or moe_config(tokens * top_k, experts)
-    if isinstance(c, RowsConfig):
-        weights = torch.empty(tokens, top_k, dtype=torch.float32, device=x.device)
-        ids = torch.empty(tokens, top_k, dtype=torch.int32, device=x.device)
-        return fused_moe_rows(x, w13, w2, weights, ids, c, router_logits, renormalize)
-    return fused_moe_grouped(x, w13, w2, *route_in_one_program(router_logits, top_k, renormalize), c)
 
 
 def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:

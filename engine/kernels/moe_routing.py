@@ -2,9 +2,7 @@
 top k experts (the largest first, the lowest id among equals), and with `renormalize` their k weights scaled to sum
 to one (transformers' Mixtral; Qwen3-MoE's norm_topk_prob).
 
-`route` is the torch reference. `top_k_experts` is the same for one token inside any Triton program:
-`route_in_one_program` runs it alone (a program per token), and the fused MoE's rows path runs it inside its gate/up
-kernel (engine/kernels/moe_rows.py), so that a decode step routes with no launch of its own.
+`route` is the torch reference; `route_in_one_program` is the same in one Triton launch, a program per token.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ the weight layout are in engine/kernels/fused_moe.py).
 A decode step of a token or a few has about one (token, k) pair per active expert, so the grouped GEMM's tiles would
 hold one live row each. Here nothing is sorted: two kernels read each pair's expert in place, both as dots of
 activations with weight rows, BLOCK_N weight rows per program, so that hundreds of programs share the stream.
-- gate/up: one program per (pair, BLOCK_N columns of the intermediate), writing SiLU(gate) * up. Given the router
-  logits instead of the routing, it routes its token itself (engine/kernels/moe_routing.py: E logits and about twenty
-  block reductions before its weight loads can start, in place of a launch of their own) and hands the weights and
-  ids on to the down kernel.
+- gate/up: one program per (pair, BLOCK_N columns of the intermediate), writing SiLU(gate) * up. (Routing inside
+  this kernel, from the router's logits, was measured on an H200 against routing in a launch of its own: equal at
+  batch 1, 4% slower at batch 4, since every program's weight loads wait for twenty block reductions. Routing stays
+  engine/kernels/moe_routing.py's one launch.)
 - down: one program per (token, BLOCK_N / K output columns), holding the BLOCK_N rows of the token's K experts at
   once, so it adds the K products, times their routing weights, itself: no (pairs x H) intermediate, no summing
   kernel, and the same order of addition every time.
@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.moe_routing import top_k_experts
 
 ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the rows path runs: decode batches of up to 4 tokens at top-8
 
@@ -38,23 +37,11 @@ class RowsConfig:
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, w_ptr, h_ptr, logits_ptr, weights_ptr, ids_ptr, hidden, inter, num_experts, stride_xt,
-                  stride_we, stride_wn, stride_ht, stride_lt, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-                  E_POW2: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _gate_up_rows(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn, stride_ht,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     token = pair // TOP_K
-    if ROUTE:
-        weights, ids = top_k_experts(logits_ptr + token * stride_lt, num_experts, TOP_K, K_POW2, E_POW2,
-                                     RENORMALIZE)
-        slot = tl.arange(0, K_POW2) == pair % TOP_K
-        expert = tl.sum(tl.where(slot, ids, 0), 0)
-        first = tl.program_id(1) == 0  # one program of the pair hands its routing on to the down kernel
-        tl.store(weights_ptr + pair, tl.sum(tl.where(slot, weights, 0.0), 0), mask=first)
-        tl.store(ids_ptr + pair, expert, mask=first)
-    else:
-        expert = tl.load(ids_ptr + pair)
-    expert = expert.to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + k
@@ -107,22 +94,16 @@ def _down_rows(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_
 
 
 def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, c: RowsConfig, router_logits: torch.Tensor | None = None,
-                   renormalize: bool = False) -> torch.Tensor:
+                   topk_ids: torch.Tensor, c: RowsConfig) -> torch.Tensor:
     """fused_moe's rows path: pair p = t*K + k reads token t and expert topk_ids[t, k] directly. topk_weights [T, K]
-    float32 and topk_ids [T, K] int32, contiguous. With router_logits [T, E] the gate/up kernel routes (as
-    route(router_logits, K, renormalize) does) and writes topk_weights and topk_ids itself."""
+    float32 and topk_ids [T, K] int32, contiguous."""
     tokens, hidden = x.shape
-    experts, inter, top_k = w2.shape[0], w2.shape[2], topk_ids.shape[1]
+    inter, top_k = w2.shape[2], topk_ids.shape[1]
     k_pow2 = triton.next_power_of_2(top_k)
-    route = router_logits is not None
-    logits = router_logits if route else topk_weights  # not read when the routing is given
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, c.block_n))](
-        x, w13, h, logits, topk_weights, topk_ids, hidden, inter, experts, x.stride(0), w13.stride(0), w13.stride(1),
-        h.stride(0), logits.stride(0), TOP_K=top_k, K_POW2=k_pow2, E_POW2=triton.next_power_of_2(experts),
-        ROUTE=route, RENORMALIZE=renormalize, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
-        num_stages=c.num_stages)
+        x, w13, h, topk_ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_n = max(1, c.block_n // k_pow2)  # output columns per program: BLOCK_N weight rows over the K experts
     _down_rows[(tokens, triton.cdiv(hidden, down_n))](

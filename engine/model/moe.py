@@ -51,10 +51,11 @@ class SparseMoE(nn.Module):
         return self._reduce(out)
 
     def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.fused_moe import fused_moe_from_logits
+        from engine.kernels.fused_moe import fused_moe
+        from engine.kernels.moe_routing import route_in_one_program
 
-        return self._reduce(fused_moe_from_logits(x, self.gate(x), self.w13, self.w2, self.top_k,
-                                                  self.norm_topk_prob))
+        weights, ids = route_in_one_program(self.gate(x), self.top_k, self.norm_topk_prob)
+        return self._reduce(fused_moe(x, self.w13, self.w2, weights, ids))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial if self.tp is None else self.tp.all_reduce(partial)
