@@ -3,14 +3,20 @@ the page-table patches of a run of frames against the tables they must leave on 
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
 import pytest
+import torch
 
-from common.protocol import SamplingParams
-from engine.executor.frames import PageTableMirror, host_views, make_layout, pack
-from engine.scheduler.plan import Plan, Row
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module (frames imports one)
+pytest.importorskip("triton")
+
+from common.protocol import SamplingParams  # noqa: E402
+from engine.executor.frames import PageTableMirror, host_views, make_layout, pack  # noqa: E402
+from engine.scheduler.plan import Plan, Row  # noqa: E402
 
 PAGE, WIDTH, SLOTS = 4, 8, 6
 TRASH = SLOTS

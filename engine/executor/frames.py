@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import and_, attrgetter, eq, getitem, is_, itemgetter, not_
+from operator import and_, attrgetter, eq, getitem, is_, not_
 
 import numpy as np
 import torch
 
 from engine.kernels.extend_attention import extend_blocks, max_blocks
-from engine.scheduler.plan import Plan, Row
+from engine.scheduler.plan import (GENERATION, LENGTH, OUTPUT_INDEX, PAGE_TABLE, ROPE_SHIFT, SAMPLE, SAMPLING, SEED,
+                                   SLOT, START, TOKENS, Plan, Row)
 
 HEADER = 16  # words; word 0 is the number of page-table patches
 ALIGN = 16  # words: 64-byte sections keep every view aligned for the kernels and for int64 fields
@@ -28,11 +29,7 @@ SEQ_FIELDS = (("slot", np.int32), ("query_start", np.int32), ("query_len", np.in
 TOKEN_FIELDS = (("token", np.int32), ("token_slot", np.int32), ("position", np.int32), ("slot_mapping", np.int32))
 BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
 TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
-# Field getters of a Row (a tuple) and of its sampling parameters, for passes over a step's rows at C speed.
-SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED = (
-    itemgetter(Row._fields.index(name)) for name in ("slot", "generation", "start", "length", "tokens", "page_table",
-                                                    "sample", "output_index", "sampling", "seed"))
-ROPE_SHIFT = itemgetter(Row._fields.index("rope_shift"))
+# Getters of the sampling parameters, for passes over a step's rows at C speed as plan.SLOT and the others.
 TEMPERATURE, TOP_P, TOP_K, MIN_P = (attrgetter(name) for name in ("temperature", "top_p", "top_k", "min_p"))
 
 
