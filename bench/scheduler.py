@@ -4,14 +4,14 @@ packing of the plan into its input frame (engine/executor/frames.py `pack`, into
 GraphExecutor does, on the CPU), at 1 to 256 live requests (DESIGN.md, Scheduling, The engine loop and Executors;
 issue 16 asks for <= 300 us of scheduling at 256 on the GPU host).
 
-    python -m bench.scheduler [--steps 300] [--repeats 3]
+    python -m bench.scheduler [--steps 300] [--repeats 3] [--clock wall|cpu] [--active 64 256]
 
 No model runs: completions are made up (token 7, never a stop token), so the table shows only the host's Python
-work per step, which the engine must hide behind the device's step time. Not included: the executor's launch calls
-and reading back the sampled tokens. Outputs go to a frontend's socket over
-ZeroMQ inproc, drained between steps. Wall time (perf_counter) and CPU time of this process (process_time) are both
-shown: on a machine shared with other work the CPU time is the steadier of the two. Each size runs `--repeats` times
-and reports the fastest run (the least disturbed one).
+work per step, which the engine must hide behind the device's step time (not included: the executor's launch calls
+and reading back the sampled tokens). Outputs go to a frontend's socket over ZeroMQ inproc, drained between steps.
+The phase columns show wall time (perf_counter) or, with `--clock cpu`, CPU time of this process (process_time),
+the steadier of the two on a machine shared with other work; the last column is always CPU time. Each size runs
+`--repeats` times and reports the fastest run by that clock (the least disturbed one).
 """
 
 from __future__ import annotations
@@ -101,13 +101,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what the phase columns show (the fastest run by that clock is reported)")
+    parser.add_argument("--active", type=int, nargs="+", default=[1, 16, 64, 256])
     args = parser.parse_args()
+    clock = 0 if args.clock == "wall" else 1
     print(f"{'active':>7} {'plan us':>9} {'commit us':>10} {'complete us':>12} {'engine us':>10} {'pack us':>8}"
           f" {'total us':>9} {'us/request':>11} {'total CPU us':>13}")
-    for active in (1, 16, 64, 256):
+    for active in args.active:
         runs = [measure(active, args.steps) for _ in range(args.repeats)]
-        best = min(runs, key=lambda run: sum(run[phase][0] for phase in PHASES))
-        plan, commit, complete, engine, packing = (best[phase][0] for phase in PHASES)
+        best = min(runs, key=lambda run: sum(run[phase][clock] for phase in PHASES))
+        plan, commit, complete, engine, packing = (best[phase][clock] for phase in PHASES)
         total, total_cpu = plan + commit + complete + engine + packing, sum(best[phase][1] for phase in PHASES)
         print(f"{active:>7} {plan:>9.1f} {commit:>10.1f} {complete:>12.1f} {engine:>10.1f} {packing:>8.1f}"
               f" {total:>9.1f} {total / active:>11.2f} {total_cpu:>13.1f}")
