@@ -7,7 +7,6 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import replace
-from operator import attrgetter
 
 import zmq
 
@@ -23,9 +22,6 @@ from engine.scheduler.scheduler import Finished, RequestScheduler, StepResult
 
 log = logging.getLogger("flare.engine")
 
-# Request fields the Outputs columns read, as getters for passes at C speed (Engine._publish).
-REQUEST_ID, PROMPT_LEN, CACHED_TOKENS, PROMPT_LOGPROBS = (
-    attrgetter(name) for name in ("request_id", "prompt_len", "cached_tokens", "prompt_logprobs"))
 FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "cancellations", "error": "failures"}
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
@@ -328,13 +324,13 @@ class Engine:
             ends = [finished.get(r) for r in requests] if finished else nothing
             labels = [label_logits(r, end) for r, end in zip(requests, ends)] if finished else []
             self._send(owner, wire.Outputs(
-                request_ids=list(map(REQUEST_ID, requests)), token_ids=list(map(news.__getitem__, requests)),
+                request_ids=[r.request_id for r in requests], token_ids=[news[r] for r in requests],
                 finish_reasons=[f.reason if f else None for f in ends] if finished else nothing,
                 errors=[f.error if f else None for f in ends] if finished else nothing,
-                prompt_tokens=list(map(PROMPT_LEN, requests)), cached_tokens=list(map(CACHED_TOKENS, requests)),
+                prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests],
                 logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests] if logprobs else nothing,
                 prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] and r.prompt_logprobs else None
-                                 for r in requests] if any(map(PROMPT_LOGPROBS, requests)) else nothing,
+                                 for r in requests],
                 label_logits=labels if any(labels) else []))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
