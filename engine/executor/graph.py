@@ -281,7 +281,7 @@ class GraphExecutor:
         rows = plan.rows
         if not rows:
             return None
-        # Passes at C speed over the rows: the checks run on every step (frames.py's getters).
+        # Passes at C speed over the rows (plan.py's field getters): the checks run on every step.
         params = list(map(SAMPLING, rows))
         if any_penalty(params) or any(map(is_not, map(LOGPROBS, params), repeat(None))) or \
                 any(map(PROMPT_TARGETS, rows)) or None in map(ROPE_SHIFT, rows):

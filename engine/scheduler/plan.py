@@ -59,10 +59,10 @@ class Row(NamedTuple):
 
 # Getters of Row fields, for passes over a step's rows at C speed (map(SLOT, rows)): at 256 rows a Python loop per
 # field costs several times more.
-(SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED, PROMPT_TARGETS, EPOCH,
- SCORES, ROPE_SHIFT, DRAFT) = (itemgetter(Row._fields.index(name)) for name in (
+(SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED, PROMPT_TARGETS, SCORES,
+ ROPE_SHIFT, DRAFT) = (itemgetter(Row._fields.index(name)) for name in (
     "slot", "generation", "start", "length", "tokens", "page_table", "sample", "output_index", "sampling", "seed",
-    "prompt_targets", "epoch", "scores", "rope_shift", "draft"))
+    "prompt_targets", "scores", "rope_shift", "draft"))
 
 
 @dataclass(frozen=True, eq=False)

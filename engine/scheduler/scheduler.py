@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from itertools import compress
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING
 
 from common.protocol import Logprobs
