@@ -134,9 +134,10 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     _fill(views["top_k"], np.fromiter(map(TOP_K, params), np.int64, count), 0)
     _fill(views["min_p"], np.fromiter(map(MIN_P, params), np.float32, count), 0.0)
     if layout.kind == "decode":  # a row's input is the slot's last sampled token, unless the host gives it
-        tokens = list(map(TOKENS, rows))
-        _fill(views["token"], [row_tokens[0] if row_tokens else -1 for row_tokens in tokens]
-              if any(tokens) else np.full(count, -1), 0)
+        if plan.kind == "decode":  # every row's input is on the device (a verify step's rows carry theirs)
+            _fill(views["token"], np.full(count, -1), 0)
+        else:
+            _fill(views["token"], [tokens[0] if tokens else -1 for tokens in map(TOKENS, rows)], 0)
         _fill(views["token_slot"], slots, trash)
         _fill(views["position"], starts + np.fromiter(map(ROPE_SHIFT, rows), np.int64, count), 0)
         pages = np.fromiter(map(getitem, map(PAGE_TABLE, rows), (starts // page_size).tolist()), np.int64, count)
