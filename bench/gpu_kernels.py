@@ -11,7 +11,8 @@
   ([M, 4096] x [4096, 14336]) and torch's scaled_dot_product_attention on contiguous K/V; max abs difference from
   the float32 reference.
 - Decode attention with and without a sliding window (Gemma 3's 1024) at long contexts.
-- Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations.
+- Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
+  the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
 Timing: CUDA events around each call after warm-up calls, the median of the repeats.
 """
@@ -31,7 +32,9 @@ from bench.gpu_evidence import run_sections, say
 from engine.kernels.decode_attention import decode_attention, decode_attention_reference, num_splits
 from engine.kernels.extend_attention import (BLOCK_M, extend_attention, extend_attention_reference, extend_blocks,
                                              tile_config)
-from engine.kernels.fused_moe import MoeConfig, RowsConfig, fused_moe, fused_moe_reference, route
+from engine.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_reference
+from engine.kernels.moe_routing import route, route_in_one_program
+from engine.kernels.moe_rows import RowsConfig
 from engine.model.attention import multiprocessors
 
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # H, I, E, K
@@ -165,7 +168,7 @@ def bench_tiles() -> None:
 
 def bench_moe_configs() -> None:
     say("## Fused MoE block configurations, Qwen3-30B-A3B experts, ms: grouped (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, "
-        "warps, stages) and rows (BLOCK_N, BLOCK_K, warps, stages)")
+        "warps, stages) and rows (BLOCK_N weight rows per program, BLOCK_K, warps, stages)")
     hidden, inter, experts, top_k = MOE_SHAPES["qwen3-30b-a3b"]
     g = torch.Generator(device=DEVICE).manual_seed(4)
     w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g) * hidden**-0.5
@@ -174,12 +177,16 @@ def bench_moe_configs() -> None:
     inputs = []
     for tokens in batches:
         x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
-        weights, ids = route(torch.randn(tokens, experts, device=DEVICE, generator=g), top_k, renormalize=True)
-        inputs.append((x, weights, ids, fused_moe_reference(x, w13, w2, weights, ids)))
+        logits = torch.randn(tokens, experts, device=DEVICE, generator=g)
+        weights, ids = route(logits, top_k, renormalize=True)
+        inputs.append((x, logits, weights, ids, fused_moe_reference(x, w13, w2, weights, ids)))
     say("| config | " + " | ".join(f"batch {t}" for t in batches) + " |")
     say("| --- |" + " --- |" * len(batches))
-    say("| default (moe_config) | " + " | ".join(
-        f"{time_ms(lambda: fused_moe(x, w13, w2, w, i)):.3f}" for x, w, i, _ in inputs) + " |")
+    say("| default (moe_config), routing given | " + " | ".join(
+        f"{time_ms(lambda: fused_moe(x, w13, w2, w, i)):.3f}" for x, _, w, i, _ in inputs) + " |")
+    say("| default, route_in_one_program + fused_moe (the model's) | " + " | ".join(
+        f"{time_ms(lambda: fused_moe(x, w13, w2, *route_in_one_program(logits, top_k, True))):.3f}"
+        for x, logits, _, _, _ in inputs) + " |")
     for config in [MoeConfig(16, 16, 128, 1, 4, 3), MoeConfig(16, 16, 256, 1, 4, 3),
                    MoeConfig(16, 32, 64, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 3), MoeConfig(16, 64, 128, 1, 4, 3),
                    MoeConfig(16, 128, 128, 1, 4, 3), MoeConfig(32, 64, 64, 4, 4, 3), MoeConfig(64, 64, 64, 8, 4, 3),
@@ -188,7 +195,7 @@ def bench_moe_configs() -> None:
                    RowsConfig(16, 512, 8, 3), RowsConfig(32, 128, 4, 3), RowsConfig(32, 256, 8, 3),
                    RowsConfig(64, 128, 8, 3), RowsConfig(8, 512, 4, 4)]:
         cells = []
-        for x, w, i, ref in inputs:
+        for x, _, w, i, ref in inputs:
             try:
                 ms = time_ms(lambda: fused_moe(x, w13, w2, w, i, config=config))
                 bad = max_diff(fused_moe(x, w13, w2, w, i, config=config), ref) > 0.05 * float(ref.abs().max())

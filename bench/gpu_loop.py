@@ -1,13 +1,18 @@
 """Steady decode through the real engine loop (engine/core.py) on the GPU: an in-process engine bound to a ZMQ
-socket, fed by a DEALER client thread speaking the wire protocol, as a frontend would. The GPU's busy fraction is
-read off the graph executor's per-step CUDA events."""
+socket, fed by a DEALER client speaking the wire protocol, as a frontend would. The client runs in a process of its
+own, as a frontend does in a deployment: it decodes every Outputs message, and as a thread of the engine's process
+that work competed with the engine loop for the GIL. The GPU's busy fraction is read off the graph executor's
+per-step CUDA events."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import random
+import tempfile
 import threading
 import uuid
 
-import torch
 import zmq
 
 from common import protocol as wire
@@ -18,15 +23,16 @@ from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
 
 
-def client(address: str, engine: Engine, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> None:
+def client(address: str, batch: int, prompt_len: int, max_tokens: int, vocab: int) -> None:
+    """The frontend's side, in its own process: submit `batch` prompts, read Outputs until every request ended."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
     socket.connect(address)
     socket.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "bench")))
     params = wire.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    generator = torch.Generator().manual_seed(0)
+    generator = random.Random(0)
     for i in range(batch):
-        prompt = torch.randint(0, vocab - 8, (prompt_len,), generator=generator).tolist()
+        prompt = [generator.randrange(vocab - 8) for _ in range(prompt_len)]
         socket.send(wire.encode(wire.Submit(f"b{i}", prompt, params)))
     finished = 0
     while finished < batch:
@@ -34,7 +40,6 @@ def client(address: str, engine: Engine, batch: int, prompt_len: int, max_tokens
         if isinstance(message, wire.Outputs):
             finished += sum(reason is not None for reason in message.finish_reasons)
     socket.close()
-    engine.stop()  # nothing is left to cancel: this only ends the loop once steps in flight drain
 
 
 def busy_fraction(spans: list[tuple[float, float, int, str]], batch: int) -> tuple[float, float, int]:
@@ -61,7 +66,7 @@ def engine_loop_busy(model, manifest, executor: GraphExecutor, max_active: int, 
     context = zmq.Context.instance()
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    address = f"inproc://flare-bench-{uuid.uuid4().hex[:8]}"
+    address = f"ipc://{tempfile.gettempdir()}/flare-bench-{uuid.uuid4().hex[:8]}.sock"
     socket.bind(address)
     telemetry_socket = context.socket(zmq.XPUB)
     telemetry_address = f"inproc://flare-telemetry-{uuid.uuid4().hex[:8]}"
@@ -72,14 +77,24 @@ def engine_loop_busy(model, manifest, executor: GraphExecutor, max_active: int, 
                           eos_token_ids=manifest.eos_token_ids, created=manifest.created)
     engine = Engine(card, executor, scheduler, model.config.vocab_size, socket, telemetry, telemetry_address)
     executor.spans.clear()
-    feeder = threading.Thread(target=client, args=(address, engine, batch, prompt_len, max_tokens,
-                                                   model.config.vocab_size))
+    feeder = multiprocessing.get_context("spawn").Process(
+        target=client, args=(address, batch, prompt_len, max_tokens, model.config.vocab_size), daemon=True)
     feeder.start()
+
+    def stop_when_fed() -> None:  # nothing is left to cancel: this only ends the loop once steps in flight drain
+        feeder.join()
+        engine.stop()
+
+    stopper = threading.Thread(target=stop_when_fed, daemon=True)  # blocked in join: it takes no GIL time
+    stopper.start()
     try:
         engine.run()
-        feeder.join()
+        stopper.join()
+        if feeder.exitcode != 0:
+            raise RuntimeError(f"the bench client exited with {feeder.exitcode}")
         return busy_fraction(list(executor.spans), batch)
     finally:
         executor.close()
         socket.close()
         telemetry_socket.close()
+        os.unlink(address.removeprefix("ipc://"))

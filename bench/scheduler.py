@@ -1,14 +1,17 @@
-"""Host cost of scheduling: microseconds of plan + commit + complete per steady decode step, and of the engine
-loop's own work around them (publishing the step's outputs, counting, telemetry), at 1 to 256 live requests
-(DESIGN.md, Scheduling and The engine loop; issue 16 asks for <= 300 us at 256 on the GPU host).
+"""Host cost of scheduling: microseconds of plan + commit + complete per steady decode step, of the engine
+loop's own work around them (publishing the step's outputs, counting, telemetry), and of the graph executor's
+packing of the plan into its input frame (engine/executor/frames.py `pack`, into a decode graph's layout as
+GraphExecutor does, on the CPU), at 1 to 256 live requests (DESIGN.md, Scheduling, The engine loop and Executors;
+issue 16 asks for <= 300 us of scheduling at 256 on the GPU host).
 
-    python -m bench.scheduler [--steps 300] [--repeats 3]
+    python -m bench.scheduler [--steps 300] [--repeats 3] [--clock wall|cpu] [--active 64 256]
 
 No model runs: completions are made up (token 7, never a stop token), so the table shows only the host's Python
-work per step, which the engine must hide behind the device's step time. Outputs go to a frontend's socket over
-ZeroMQ inproc, drained between steps. Wall time (perf_counter) and CPU time of this process (process_time) are both
-shown: on a machine shared with other work the CPU time is the steadier of the two. Each size runs `--repeats` times
-and reports the fastest run (the least disturbed one).
+work per step, which the engine must hide behind the device's step time (not included: the executor's launch calls
+and reading back the sampled tokens). Outputs go to a frontend's socket over ZeroMQ inproc, drained between steps.
+The phase columns show wall time (perf_counter) or, with `--clock cpu`, CPU time of this process (process_time),
+the steadier of the two on a machine shared with other work; the last column is always CPU time. Each size runs
+`--repeats` times and reports the fastest run by that clock (the least disturbed one).
 """
 
 from __future__ import annotations
@@ -19,16 +22,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import zmq
 
 from common.protocol import ModelCard, SamplingParams
 from engine.core import Engine
+from engine.executor.frames import PageTableMirror, host_views, make_layout, pack
+from engine.executor.graph import decode_capacities
 from engine.scheduler.plan import Completion
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
 
-PHASES = ("plan", "commit", "complete", "engine")
+PHASES = ("plan", "commit", "complete", "engine", "pack")
 _ADDRESSES = itertools.count()  # an inproc address stays taken for a while after its socket closes
 
 
@@ -50,6 +56,11 @@ def measure(active: int, steps: int, prompt_len: int = 200) -> dict[str, tuple[f
     frontend.connect(address)
     card = ModelCard(["bench"], "bench", "llama", 1 << 20, [0])
     engine = Engine(card, None, scheduler, 1000, socket, EngineTelemetry(socket, "bench"), "")
+    # GraphExecutor's frame for the decode graph that holds every live request (its host side; no CUDA).
+    layout = make_layout("decode", decode_capacities(active)[-1], decode_capacities(active)[-1])
+    width = 1 << 10  # pages a request's table may hold
+    frame = np.zeros(layout.patches + 2 * active * width, dtype=np.int32)
+    views, mirror = host_views(frame, layout), PageTableMirror(active, width)
     params = SamplingParams(temperature=0.0, max_tokens=10**6)
     for i in range(active):
         prompt = [(i * 31 + j) % 1000 + 1 for j in range(prompt_len)]
@@ -63,6 +74,10 @@ def measure(active: int, steps: int, prompt_len: int = 200) -> dict[str, tuple[f
         fence += 1
         _, commit_times = timed(lambda: scheduler.commit(plan, fence))
         _, engine_submit_times = timed(lambda: engine.count_start(plan))
+        # The prefill steps before the steady state need an extend layout: not packed (nor counted), so the first
+        # decode step writes every request's page table, as after a preemption storm.
+        _, pack_times = timed(lambda: pack(plan, layout, frame, views, mirror, scheduler.page_size, active)
+                              if plan.kind == "decode" else None)
         sampled = [row for row in plan.rows if row.sample]  # the executor's work: not timed
         completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
                                 (7,) * len(sampled), 0.01)
@@ -73,7 +88,7 @@ def measure(active: int, steps: int, prompt_len: int = 200) -> dict[str, tuple[f
         engine_times = tuple(map(sum, zip(engine_submit_times, engine_complete_times)))
         if plan.kind == "decode":  # steady state: every request decoding
             for phase, (seconds, cpu_seconds) in zip(PHASES, (plan_times, commit_times, complete_times,
-                                                              engine_times)):
+                                                              engine_times, pack_times)):
                 wall[phase] += seconds
                 cpu[phase] += cpu_seconds
             measured += 1
@@ -86,16 +101,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="what the phase columns show (the fastest run by that clock is reported)")
+    parser.add_argument("--active", type=int, nargs="+", default=[1, 16, 64, 256])
     args = parser.parse_args()
-    print(f"{'active':>7} {'plan us':>9} {'commit us':>10} {'complete us':>12} {'engine us':>10} {'total us':>9}"
-          f" {'us/request':>11} {'total CPU us':>13}")
-    for active in (1, 16, 64, 256):
+    clock = 0 if args.clock == "wall" else 1
+    print(f"{'active':>7} {'plan us':>9} {'commit us':>10} {'complete us':>12} {'engine us':>10} {'pack us':>8}"
+          f" {'total us':>9} {'us/request':>11} {'total CPU us':>13}")
+    for active in args.active:
         runs = [measure(active, args.steps) for _ in range(args.repeats)]
-        best = min(runs, key=lambda run: sum(run[phase][0] for phase in PHASES))
-        plan, commit, complete, engine = (best[phase][0] for phase in PHASES)
-        total, total_cpu = plan + commit + complete + engine, sum(best[phase][1] for phase in PHASES)
-        print(f"{active:>7} {plan:>9.1f} {commit:>10.1f} {complete:>12.1f} {engine:>10.1f} {total:>9.1f}"
-              f" {total / active:>11.2f} {total_cpu:>13.1f}")
+        best = min(runs, key=lambda run: sum(run[phase][clock] for phase in PHASES))
+        plan, commit, complete, engine, packing = (best[phase][clock] for phase in PHASES)
+        total, total_cpu = plan + commit + complete + engine + packing, sum(best[phase][1] for phase in PHASES)
+        print(f"{active:>7} {plan:>9.1f} {commit:>10.1f} {complete:>12.1f} {engine:>10.1f} {packing:>8.1f}"
+              f" {total:>9.1f} {total / active:>11.2f} {total_cpu:>13.1f}")
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ class Engine:
 
     def count_start(self, plan: Plan) -> None:
         """Counters of a step about to be submitted: prompt tokens, and the queue time of requests it starts."""
+        if plan.kind == "decode":
+            return  # no prompt tokens, and a request's first step is a prompt step
         now, slots = time.monotonic(), self.scheduler.slots
         for row in plan.rows:
             request = slots[row.slot]

@@ -18,9 +18,10 @@ from engine.kernels.decode_attention import (decode_attention, decode_attention_
                                              num_splits)
 from engine.kernels.extend_attention import (extend_attention, extend_attention_reference,  # noqa: E402
                                              extend_blocks)
-from engine.kernels.fused_moe import (ROWS_MAX_PAIRS, MoeConfig, RowsConfig, align_in_one_program,  # noqa: E402
-                                      align_with_torch, fused_moe, fused_moe_reference, route,
-                                      route_in_one_program)
+from engine.kernels.fused_moe import (MoeConfig, align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
+                                      fused_moe_reference)
+from engine.kernels.moe_routing import route, route_in_one_program  # noqa: E402
+from engine.kernels.moe_rows import ROWS_MAX_PAIRS, RowsConfig  # noqa: E402
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
@@ -250,7 +251,7 @@ MOE_SHAPE = (2048, 768, 128, 8) if GPU else (64, 32, 8, 2)
 
 
 def moe_inputs(shape: tuple[int, int, int, int], tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """x, w13, w2 and a routing in which some experts get no token at all."""
+    """x, w13, w2, router logits [T, E] (float32) in which some experts get no token at all."""
     hidden, inter, experts, top_k = shape
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=g).to(dtype).to(DEVICE)
@@ -258,7 +259,7 @@ def moe_inputs(shape: tuple[int, int, int, int], tokens: int, dtype: torch.dtype
     w2 = (torch.randn(experts, hidden, inter, generator=g) / inter**0.5).to(dtype).to(DEVICE)
     logits = torch.randn(tokens, experts, generator=g)
     logits[:, : experts // 2] -= 4
-    return (x, w13, w2, *route(logits.to(DEVICE), top_k, renormalize=True))
+    return x, w13, w2, logits.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -267,7 +268,8 @@ def moe_inputs(shape: tuple[int, int, int, int], tokens: int, dtype: torch.dtype
 def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, path: str) -> None:
     """moe_config's choice (the rows path up to 16 tokens of this shape, the grouped GEMM at 256) and the grouped
     GEMM forced at every batch."""
-    x, w13, w2, weights, ids = moe_inputs(MOE_SHAPE, tokens, dtype)
+    x, w13, w2, logits = moe_inputs(MOE_SHAPE, tokens, dtype)
+    weights, ids = route(logits, MOE_SHAPE[3], renormalize=True)
     config = {"chosen": None, "grouped": MoeConfig(16, 64, 64, 1, 4, 2)}[path]
     out = fused_moe(x, w13, w2, weights, ids, config)
     assert out.shape == x.shape and out.dtype == x.dtype
@@ -276,10 +278,12 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, path: str)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_rows_path_masks_ragged_shapes(dtype: torch.dtype) -> None:
-    """Hidden and intermediate sizes that are no multiple of the rows path's blocks (80 = 2.5 slices of 32, 24
-    columns in blocks of 16), at the largest pair count that takes the rows path."""
-    shape = (80, 24, 8, 2)
-    x, w13, w2, weights, ids = moe_inputs(shape, ROWS_MAX_PAIRS // shape[3], dtype)
+    """Sizes that are no multiple of the rows path's blocks (hidden 78 = 2.4 slices of 32 and 19.5 blocks of the
+    down kernel's 4 columns, 24 intermediate columns in blocks of 16) and a top k that is no power of two, at the
+    largest pair count that takes the rows path."""
+    shape = (78, 24, 8, 3)
+    x, w13, w2, logits = moe_inputs(shape, ROWS_MAX_PAIRS // shape[3], dtype)
+    weights, ids = route(logits, shape[3], renormalize=True)
     out = fused_moe(x, w13, w2, weights, ids, RowsConfig(16, 32, 4, 2))
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
 

@@ -32,27 +32,31 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from typing import Callable
 
 import numpy as np
 import torch
 
 from engine.executor.eager import EagerExecutor, kv_cache_shape
-from engine.executor.frames import (Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
-                                    verify_rows, verify_spans)
+from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack,
+                                    verify_results, verify_rows, verify_spans)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
-from engine.executor.inputs import has_penalty
+from engine.executor.inputs import any_penalty
 from engine.executor.label_scores import Query, assemble, graph_index
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import VisionLanguageLM
-from engine.scheduler.plan import Completion, Plan
+from engine.scheduler.plan import (GENERATION, PROMPT_TARGETS, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion,
+                                   Plan)
 
 log = logging.getLogger("flare.engine")
 
 MAX_IN_FLIGHT = 2
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
 EVENT_DISABLE_TIMING = 2
+LOGPROBS = attrgetter("logprobs")
 LABELS_PER_SEQUENCE = 32  # label logits a graph step reads, per sequence of its largest capacity
 
 
@@ -275,19 +279,23 @@ class GraphExecutor:
     def _layout_for(self, plan: Plan) -> Layout | None:
         """The smallest graph that holds the plan, or None for a step that runs eagerly."""
         rows = plan.rows
-        if not rows or any(has_penalty(r.sampling) or r.sampling.logprobs is not None or r.prompt_targets
-                           or r.rope_shift is None for r in rows):
+        if not rows:
             return None
-        if any(row.draft for row in rows):  # one-token rows in a decode graph, when nothing else needs a span
+        # Passes at C speed over the rows (plan.py's field getters): the checks run on every step.
+        params = list(map(SAMPLING, rows))
+        if any_penalty(params) or any(map(is_not, map(LOGPROBS, params), repeat(None))) or \
+                any(map(PROMPT_TARGETS, rows)) or None in map(ROPE_SHIFT, rows):
+            return None
+        if plan.kind == "verify":  # one-token rows in a decode graph, when nothing else needs a span
             if plan.masks or any(row.scores or (row.length > 1 and not row.draft) for row in rows):
                 return None
             i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
-        if any(row.scores for row in rows):
+        if any(map(SCORES, rows)):
             index = graph_index(plan, self._vocab)
             if index is None or len(index[1]) > self._max_labels:
                 return None
-        if all(row.tokens is None for row in rows):
+        if plan.kind == "decode":
             i = bisect.bisect_left(self._decode_caps, len(rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
         i = bisect.bisect_left(self._extend_caps, plan.num_tokens)
@@ -296,11 +304,11 @@ class GraphExecutor:
     def _launch(self, fence: int, plan: Plan, layout: Layout) -> None:
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
-        verify = any(row.draft for row in plan.rows)
+        verify = plan.kind == "verify"
         packed = replace(plan, rows=verify_rows(plan.rows)) if verify else plan
         words = pack(packed, layout, self._host_np[k], self._views[k][layout], self._mirror, self.page_size,
                      self.trash)
-        greedy = all(row.sampling.temperature == 0 for row in plan.rows if row.sample)
+        greedy = not any(map(TEMPERATURE, compress(map(SAMPLING, plan.rows), map(SAMPLE, plan.rows))))
         rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
         rt.eventRecord(self._start[k], model)
         rt.memcpyAsync(self._buffers.frame.data_ptr(), self._host[k].data_ptr(), words * 4, H2D, model)
@@ -362,14 +370,14 @@ class GraphExecutor:
             verdicts = self._verdicts_host[k].numpy()[:2 * step.verified].reshape(2, -1)
             tokens, accepted = verify_results(rows, samples, verdicts)
         else:
-            tokens = [token for row, token in zip(rows, samples) if row.sample]
-        sampled = [row for row in rows if row.sample]
+            tokens = list(compress(samples, map(SAMPLE, rows)))
+        sampled = list(compress(rows, map(SAMPLE, rows)))
         start = self._rt.eventElapsedTime(self._origin, self._start[k])
         end = self._rt.eventElapsedTime(self._origin, self._end[k])
         self.spans.append((start, end, len(step.plan.rows), step.kind))
         count = sum(len(query.token_ids) for query in step.labels)
         scores = assemble(list(step.labels), self._label_host[k].numpy()[:count].tolist()) if count else ()
-        return Completion(step.fence, tuple(row.slot for row in sampled), tuple(row.generation for row in sampled),
+        return Completion(step.fence, tuple(map(SLOT, sampled)), tuple(map(GENERATION, sampled)),
                           tuple(tokens), (end - start) / 1000, scores=scores, accepted=tuple(accepted))
 
     def _run_eager(self, fence: int, plan: Plan) -> Completion:

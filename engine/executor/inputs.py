@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, ne
 
 import numpy as np
 import torch
@@ -12,9 +15,15 @@ from common.protocol import SamplingParams
 from engine.sampling import SamplingTensors
 from engine.scheduler.plan import Plan, Row
 
+PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY = (
+    attrgetter(name) for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"))
 
-def has_penalty(params: SamplingParams) -> bool:
-    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+def any_penalty(params: Sequence[SamplingParams]) -> bool:
+    """Whether any of these asks for a penalty: a pass at C speed per parameter, since the graph executor asks
+    for every row of every step (a number is true when not 0)."""
+    return any(map(PRESENCE_PENALTY, params)) or any(map(FREQUENCY_PENALTY, params)) or \
+        any(map(ne, map(REPETITION_PENALTY, params), repeat(1)))
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,7 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
         banned_ids=_tensor([t for r, _ in sampled for t in r.banned], torch.int64, device),
         allowed=sampled_masks(plan, device),
         all_greedy=all(r.sampling.temperature == 0 for r, _ in sampled),
-        any_penalty=any(has_penalty(r.sampling) for r, _ in sampled))
+        any_penalty=any_penalty([r.sampling for r, _ in sampled]))
     return StepInputs(
         input_ids=_tensor(ids, torch.int64, device), positions=_tensor(positions, torch.int64, device),
         device_token_rows=_tensor(device_rows, torch.int64, device),

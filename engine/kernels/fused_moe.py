@@ -11,9 +11,8 @@ rounds to the activations' dtype where the torch expression rounds it.
 
 A decode step of a token or a few has about one pair per active expert, so each 16-row tile of the grouped GEMM
 holds one live row and a few dozen programs stream all the experts' weights (about 0.5 TB/s on an H200). Up to
-ROWS_MAX_PAIRS pairs take the rows path instead: no sort, one program per (pair, a few output columns), each a dot
-of the pair's activations with its expert's weight rows, so hundreds of programs share the stream. The rounding
-steps are the same.
+ROWS_MAX_PAIRS pairs take the rows path instead (engine/kernels/moe_rows.py): no sort, hundreds of programs share
+the stream, and its second kernel sums a token's experts itself. Routing is engine/kernels/moe_routing.py.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.decode_attention import dot_precision
+from engine.kernels.moe_rows import ROWS_MAX_PAIRS, RowsConfig, fused_moe_rows
 
 
 @dataclass(frozen=True)
@@ -38,18 +38,6 @@ class MoeConfig:
     num_stages: int
 
 
-@dataclass(frozen=True)
-class RowsConfig:
-    """The rows path: BLOCK_N output columns of one pair per program, its inputs in BLOCK_K slices."""
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
-ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the rows path runs: decode batches of up to 4 tokens at top-8
-
-
 def moe_config(pairs: int, num_experts: int) -> MoeConfig | RowsConfig:
     """The rows path for a few pairs; for more, small blocks when experts see a token or two (decode: the weights'
     bandwidth is all), larger ones when each expert gets many rows (prefill: the tensor cores)."""
@@ -60,53 +48,6 @@ def moe_config(pairs: int, num_experts: int) -> MoeConfig | RowsConfig:
     if pairs <= 8 * num_experts:
         return MoeConfig(32, 64, 64, 4, 4, 3)
     return MoeConfig(64, 128, 64, 8, 8, 3)
-
-
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (weights [T, K] float32, expert ids [T, K] int32): softmax in float32, the top k, and
-    with `renormalize` the k weights scaled to sum to one (transformers' Mixtral; Qwen3-MoE's norm_topk_prob)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
-
-
-@triton.jit
-def _route(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-           E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, E_POW2)
-    logits = tl.load(logits_ptr + t * stride_t + e, mask=e < num_experts, other=float("-inf")).to(tl.float32)
-    exps = tl.exp(logits - tl.max(logits, 0))
-    probs = exps / tl.sum(exps, 0)
-    k = tl.arange(0, K_POW2)
-    weights = tl.zeros([K_POW2], tl.float32)
-    ids = tl.zeros([K_POW2], tl.int32)
-    for slot in tl.static_range(TOP_K):  # the largest left, the lowest id among equals
-        best = tl.max(probs, 0)
-        expert = tl.min(tl.where(probs == best, e, E_POW2), 0)
-        weights = tl.where(k == slot, best, weights)
-        ids = tl.where(k == slot, expert, ids)
-        probs = tl.where(e == expert, -1.0, probs)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, 0)
-    tl.store(weights_ptr + t * TOP_K + k, weights, mask=k < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
-
-
-def route_in_one_program(router_logits: torch.Tensor, top_k: int,
-                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """route in one launch per layer, a program per token: torch's softmax, topk and renormalisation are seven
-    kernels of 1-5 µs, a sixth of a batch-1 decode layer of Qwen3-30B-A3B."""
-    tokens, experts = router_logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
-    if tokens:
-        _route[(tokens,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
-                          K_POW2=triton.next_power_of_2(top_k), E_POW2=triton.next_power_of_2(experts),
-                          RENORMALIZE=renormalize, num_warps=1)
-    return weights, ids
 
 
 ONE_PROGRAM_PAIRS = 2048  # up to this many pairs (decode batches) one Triton program aligns them in one launch
@@ -122,9 +63,9 @@ def align_capacity(pairs: int, num_experts: int, block_m: int) -> int:
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int,
                     block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs (index t*K + k) sorted by expert, stable, each expert's run padded to a multiple of block_m with the
-    index T*K (no pair); the expert of each block of block_m rows; and the padded total [1]. Blocks past the total
-    are listed (the buffers are sized for the worst case) and the kernels skip them."""
+    """topk_ids [T, K] int32 -> the pairs (index t*K + k) sorted by expert, stable, each expert's run padded to a
+    multiple of block_m with the index T*K (no pair); the expert of each block of block_m rows; and the padded total
+    [1]. Blocks past the total are listed (the buffers are sized for the worst case) and the kernels skip them."""
     flat = topk_ids.flatten()
     if flat.numel() <= ONE_PROGRAM_PAIRS:
         return align_in_one_program(flat, num_experts, block_m)
@@ -170,7 +111,7 @@ def align_in_one_program(flat_ids: torch.Tensor, num_experts: int,
     sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=flat_ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=flat_ids.device)
     total = torch.empty(1, dtype=torch.int32, device=flat_ids.device)
-    _align[(1,)](flat_ids.to(torch.int32), sorted_pairs, block_expert, total, pairs, capacity, num_experts,
+    _align[(1,)](flat_ids, sorted_pairs, block_expert, total, pairs, capacity, num_experts,
                  BLOCK_M=block_m, E_POW2=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK, num_warps=4)
     return sorted_pairs, block_expert, total
 
@@ -269,17 +210,31 @@ def _down(h_ptr, w_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_p
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | RowsConfig | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K] int32 -> [T, H]."""
+    check_shapes(x, w13, w2)
+    pairs = topk_ids.numel()
+    if pairs == 0:
+        return torch.zeros_like(x)
+    # Once here, so that neither path converts per kernel (no-ops when the routing came from route_in_one_program).
+    weights, ids = topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous()
+    c = config or moe_config(pairs, w2.shape[0])
+    if isinstance(c, RowsConfig):
+        return fused_moe_rows(x, w13, w2, weights, ids, c)
+    return fused_moe_grouped(x, w13, w2, weights, ids, c)
+
+
+def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    experts, hidden, inter = w2.shape
+    assert x.shape[1] == hidden and w13.shape == (experts, 2 * inter, hidden)
+    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
+
+
+def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, c: MoeConfig) -> torch.Tensor:
+    """fused_moe's grouped path: topk_weights float32 and topk_ids int32, contiguous."""
     tokens, hidden = x.shape
     experts, inter = w2.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
-    assert w13.shape == (experts, 2 * inter, hidden) and w2.shape == (experts, hidden, inter)
-    assert x.stride(-1) == 1 and w13.stride(-1) == 1 and w2.stride(-1) == 1
     pairs = tokens * top_k
-    if pairs == 0:
-        return torch.zeros_like(x)
-    c = config or moe_config(pairs, experts)
-    if isinstance(c, RowsConfig):
-        return fused_moe_rows(x, w13, w2, topk_weights, topk_ids, c)
     sorted_pairs, block_expert, total = align_by_expert(topk_ids, experts, c.block_m)
     blocks_m = block_expert.numel()
     precision = dot_precision(x.dtype)
@@ -289,78 +244,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         w13.stride(1), h.stride(0), TOP_K=top_k, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.float().contiguous()
     _down[(blocks_m * triton.cdiv(hidden, c.block_n),)](
-        h, w2, y, weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden, h.stride(0),
+        h, w2, y, topk_weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden, h.stride(0),
         w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
         GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
-    return y.view(tokens, top_k, hidden).sum(dim=1)
-
-
-@triton.jit
-def _gate_up_rows(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn, stride_ht,
-                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_ptrs = x_ptr + (pair // TOP_K).to(tl.int64) * stride_xt + k
-    gate_ptrs = w_ptr + expert * stride_we + (n % inter)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
-    up_ptrs = gate_ptrs + inter * stride_wn
-    # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for start in range(0, hidden, BLOCK_K):
-        kmask = (k < hidden - start)[None, :]
-        a = tl.load(x_ptrs, mask=k < hidden - start, other=0.0).to(tl.float32)[None, :]
-        acc_gate += tl.load(gate_ptrs, mask=kmask, other=0.0).to(tl.float32) * a
-        acc_up += tl.load(up_ptrs, mask=kmask, other=0.0).to(tl.float32) * a
-        x_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-    dtype = h_ptr.dtype.element_ty
-    gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    h = (silu * tl.sum(acc_up, 1).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(h_ptr + pair.to(tl.int64) * stride_ht + n, h, mask=n < inter)
-
-
-@triton.jit
-def _down_rows(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_ht, stride_we, stride_wn, stride_yt,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    h_ptrs = h_ptr + pair.to(tl.int64) * stride_ht + k
-    w_ptrs = w_ptr + expert * stride_we + (n % hidden)[:, None] * stride_wn + k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for start in range(0, inter, BLOCK_K):
-        kmask = k < inter - start
-        a = tl.load(h_ptrs, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        acc += tl.load(w_ptrs, mask=kmask[None, :], other=0.0).to(tl.float32) * a
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    dtype = y_ptr.dtype.element_ty
-    y = (tl.sum(acc, 1).to(dtype).to(tl.float32) * tl.load(weights_ptr + pair)).to(dtype)
-    tl.store(y_ptr + pair.to(tl.int64) * stride_yt + n, y, mask=n < hidden)
-
-
-def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, c: RowsConfig) -> torch.Tensor:
-    """fused_moe's rows path: pair p = t*K + k reads token t and expert topk_ids[t, k] directly."""
-    tokens, hidden = x.shape
-    inter, top_k = w2.shape[2], topk_ids.shape[1]
-    pairs = tokens * top_k
-    ids = topk_ids.to(torch.int32).contiguous()
-    h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    _gate_up_rows[(pairs, triton.cdiv(inter, c.block_n))](
-        x, w13, h, ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
-        BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
-    y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_rows[(pairs, triton.cdiv(hidden, c.block_n))](
-        h, w2, y, topk_weights.float().contiguous(), ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1),
-        y.stride(0), BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return y.view(tokens, top_k, hidden).sum(dim=1)
 
 

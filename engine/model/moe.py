@@ -51,7 +51,8 @@ class SparseMoE(nn.Module):
         return self._reduce(out)
 
     def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.fused_moe import fused_moe, route_in_one_program
+        from engine.kernels.fused_moe import fused_moe
+        from engine.kernels.moe_routing import route_in_one_program
 
         weights, ids = route_in_one_program(self.gate(x), self.top_k, self.norm_topk_prob)
         return self._reduce(fused_moe(x, self.w13, self.w2, weights, ids))

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.policy import (Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price)
 from engine.scheduler.prefix import PrefixReuse
-from engine.scheduler.plan import Completion, Plan, Row
+from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, Plan, Row
 from engine.scheduler.request import Phase, Request
 
 if TYPE_CHECKING:
@@ -125,19 +126,25 @@ class RequestScheduler:
         prefills = self._prefill_candidates()
         choice = self._choose(decoders, prefills, time.monotonic(), depths)
         drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
-        rows: list[Row] = []
-        planned: set[int] = set()  # slots in this plan: never preempted by it
+        rows: list[Row] = []  # their slots are never preempted by this plan
         size = self.page_size
         for request in decoders:
-            draft = drafts.get(request, ()) if drafts else ()
-            end = request.scheduled + 1 + len(draft)
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
-            # Most steps need no new page: _reserve (and the prefix cache's eviction) only when one is missing.
-            if -(-end // size) > len(request.pages) and not self._reserve(request, end, planned):
+            previous = request.decode_row
+            if previous is not None and previous.epoch == request.epoch and not previous.banned and \
+                    request.scheduled < len(previous.page_table) * size and request not in drafts:
+                # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
+                row = request.decode_row = previous.moved(request.scheduled, request.scheduled + 1 -
+                                                          request.prompt_len, previous.page_table)
+                rows.append(row)
+                continue
+            draft = drafts.get(request, ()) if drafts else ()
+            end = request.scheduled + 1 + len(draft)
+            # _reserve (and the prefix cache's eviction) only when a page is missing.
+            if -(-end // size) > len(request.pages) and not self._reserve(request, end, rows):
                 continue
             rows.append(self._verify_row(request, draft) if draft else self._decode_row(request))
-            planned.add(request.slot)
         budget = choice.prefill_tokens if choice is not None else 0
         for request in prefills:
             if budget <= 0:
@@ -145,10 +152,9 @@ class RequestScheduler:
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
             length = request.atomic_length(request.scheduled, min(budget, request.prefill_target - request.scheduled))
-            if not self._reserve(request, request.scheduled + length, planned):
+            if not self._reserve(request, request.scheduled + length, rows):
                 break
             rows.append(self._row(request, length))
-            planned.add(request.slot)
             budget -= length
         copies = self.prefix.planned_copies()
         if not rows and not copies:
@@ -286,12 +292,13 @@ class RequestScheduler:
         self.prefix.free_pages(count)
         return self.pages.allocate(count) if self.pages.free_count >= count else None
 
-    def _reserve(self, request: Request, positions: int, planned: set[int]) -> bool:
-        """Make sure the request owns pages for `positions` tokens, preempting others if pages run out."""
+    def _reserve(self, request: Request, positions: int, planned: list[Row]) -> bool:
+        """Make sure the request owns pages for `positions` tokens, preempting others if pages run out (never the
+        requests of the rows planned so far)."""
         needed = -(-positions // self.page_size) - len(request.pages)
         self.prefix.free_pages(needed)
         while needed > self.pages.free_count:
-            if not self._preempt_one(request, planned):
+            if not self._preempt_one(request, {row.slot for row in planned}):
                 return False
             self.prefix.free_pages(needed)  # the victim's cached pages are unpinned now: evictable
         if needed > 0:
@@ -427,7 +434,8 @@ class RequestScheduler:
         result.tokens.append((request, token, lp))
         if token in request.stop_ids:
             return "stop"
-        return "length" if request.outputs >= request.max_outputs else None
+        # (request.outputs, without a property call per token)
+        return "length" if len(request.tokens) - request.prompt_len >= request.max_outputs else None
 
     def _rewind(self, request: Request, fence: int) -> None:
         """After a verify round: the next step feeds the last committed token; pages past it go back."""
@@ -440,6 +448,8 @@ class RequestScheduler:
     def _complete_scores(self, completion: Completion, plan: Plan, result: StepResult) -> None:
         """A scored prefill keeps the label logits it read and ends with the step that computed its prompt: it
         never holds a slot for decoding. Logits are kept by position, so a recomputed chunk reads them again."""
+        if plan.kind == "decode":
+            return  # no prompt rows, so no label queries
         for slot, generation, position, logits in completion.scores:
             request = self.slots[slot]
             if request is not None and request.generation == generation:
@@ -459,9 +469,9 @@ class RequestScheduler:
             raise ValueError(f"completion fence {completion.fence} after {self._completed_fence}")
         if not (len(completion.slots) == len(completion.generations) == len(completion.tokens)):
             raise ValueError("completion columns differ in length")
-        sampled = [row for row in plan.rows if row.sample]
-        if completion.error is None and ([row.slot for row in sampled] != list(completion.slots)
-                                         or [row.generation for row in sampled] != list(completion.generations)):
+        sampled = list(compress(plan.rows, map(SAMPLE, plan.rows)))
+        if completion.error is None and (list(map(SLOT, sampled)) != list(completion.slots)
+                                         or list(map(GENERATION, sampled)) != list(completion.generations)):
             raise ValueError("completion rows differ from the plan's sampled rows")
         return sampled
 
