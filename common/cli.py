@@ -249,7 +249,9 @@ def main(argv: list[str] | None = None) -> None:
     engine_group = run_parser.add_argument_group("engine capacities (default: sized from the device's memory on a "
                                                  "GPU, the core's recipe on the CPU)")
     engine_group.add_argument("--max-active", type=int, help="live request slots per engine")
-    engine_group.add_argument("--max-batched-tokens", type=int, help="prompt tokens one step may carry")
+    engine_group.add_argument("--max-batched-tokens", type=int,
+                              help="prompt tokens one step may carry (default: the core's chunk on the CPU, "
+                                   "2048-8192 by memory on a GPU)")
     engine_group.add_argument("--kv-cache-bytes", type=int, help="KV cache size in bytes")
     engine_group.add_argument("--kv-cache-fraction", type=float,
                               help="on a GPU: the share of its memory that weights, KV cache and graphs may use")

@@ -24,7 +24,7 @@ from common.ranks import GROUP_FAILED
 from engine.core import Engine
 from engine.grammar import GrammarCompiler
 from engine.executor.eager import pages_for_budget
-from engine.executor.factory import gpu_kv_budget, make_executor
+from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, make_executor
 from engine.model.loader import DTYPES, load_model
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-fraction", type=float,
                         help="on cuda: the share of the GPU's memory this process may fill (default 0.92)")
     parser.add_argument("--max-batched-tokens", type=int,
-                        help="prompt tokens one step may carry (default: the core's prefill chunk size)")
+                        help="prompt tokens one step may carry (default: the core's prefill chunk size on cpu; 2048 "
+                             "to 8192 by the GPU's memory on cuda)")
     parser.add_argument("--threads", type=int,
                         help="torch CPU threads (default: OMP_NUM_THREADS, else the cores this process may use)")
     parser.add_argument("--speculative", choices=MODES, default="auto",
@@ -121,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
                                      if device.type == "cuda" else caps.kv_cache_bytes)
     if device.type == "cuda" and not args.kv_cache_bytes:  # the draft model's weights and pages come out of it
         budget = target_share(budget, args.speculative, args.draft)
-    step_tokens = args.max_batched_tokens or caps.prefill_chunk_size
+    step_tokens = args.max_batched_tokens or (gpu_step_tokens(device, caps.prefill_chunk_size)
+                                              if device.type == "cuda" else caps.prefill_chunk_size)
+    log.info("up to %d prompt tokens a step%s", step_tokens, "" if args.max_batched_tokens else " (default)")
     num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
     channel = connect(tp, args.dist_address) if tp else None
     if channel:  # every rank allocates the same pages and slots

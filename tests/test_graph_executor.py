@@ -53,6 +53,8 @@ def test_capacities_cover_every_plan() -> None:
     assert decode_capacities(48) == [1, 2, 4, 8, 16, 32, 48]
     assert extend_capacities(512, 64) == [64, 128, 192, 256, 320, 384, 448, 512, 576]
     assert extend_capacities(2048, 256)[-1] >= 2048 + 256
+    assert extend_capacities(8192, 256) == [64, 128, 192, 256, 320, 384, 448, 512, 768, 1024, 1280, 1536, 1792,
+                                            2048, 3072, 4096, 5120, 6144, 7168, 8192, 8448]
 
 
 class FrameExecutor:

@@ -14,6 +14,10 @@ log = logging.getLogger("flare.engine")
 
 GPU_RESERVE_FRACTION = 0.08  # of total memory, for graph scratch, cuBLAS workspaces and the allocator's slack
 SAMPLER_BYTES_PER_LOGIT = 40  # logits, probabilities, their sort (values and int64 order), noise: per row and id
+# Prompt tokens one GPU step may carry, by the GPU's memory: the scheduler's cost model then picks, step by step,
+# the chunk (page_size << i up to this) with the most value per learned second (engine/scheduler/policy.py); small
+# chunks keep decoders flowing, large ones run the prefill GEMMs near peak.
+GPU_STEP_TOKENS = ((60 << 30, 8192), (30 << 30, 4096), (0, 2048))
 
 
 def gpu_kv_budget(model: CausalLM, max_active: int, device: torch.device,
@@ -24,6 +28,12 @@ def gpu_kv_budget(model: CausalLM, max_active: int, device: torch.device,
     limit = (memory_fraction or 1 - GPU_RESERVE_FRACTION) * total
     sampler = max_active * model.config.vocab_size * SAMPLER_BYTES_PER_LOGIT
     return max(int(limit - (total - free) - sampler), 0)
+
+
+def gpu_step_tokens(device: torch.device, core_chunk: int) -> int:
+    """The default token budget of one step on this GPU, never below the core's own prefill chunk."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(core_chunk, next(tokens for memory, tokens in GPU_STEP_TOKENS if total >= memory))
 
 
 def make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,

@@ -66,9 +66,11 @@ def decode_capacities(max_active: int) -> list[int]:
 
 
 def extend_capacities(prefill_chunk: int, max_active: int) -> list[int]:
-    """Token capacities of the extend graphs: a prefill chunk plus one decode row per live slot fits the last."""
+    """Token capacities of the extend graphs: a prefill chunk plus one decode row per live slot fits the last.
+    Steps of 64 tokens up to 512, of 256 up to 2048, then of 1024: padding stays under an eighth of a step."""
     top = -(-(prefill_chunk + max_active) // 64) * 64
-    return [t for t in range(64, top + 1, 64) if t <= 512 or t % 256 == 0 or t == top]
+    return [t for t in range(64, top + 1, 64)
+            if t <= 512 or (t <= 2048 and t % 256 == 0) or t % 1024 == 0 or t == top]
 
 
 def capture_graphs(steps: list[tuple[object, Callable[[], None]]], frame: torch.Tensor, page_size: int, trash: int,
