@@ -16,6 +16,7 @@ from common.manifest import DECISION_FILES, Manifest, load_manifest
 from common.protocol import ImageInput
 from frontend import reasoning, tool_parsers
 from frontend.detokenizer import special_token_ids
+from frontend.prefix_tokens import PrefixTokenizer
 from frontend.templates import ChatTemplate, TemplateError
 from frontend.tools import for_template, template_supports_tools
 
@@ -40,6 +41,7 @@ class ServedModel:
                                                                           *DECISION_FILES))
         self.core = core
         self.tokenizer = Tokenizer.from_file(str(core / TOKENIZER_FILE))
+        self.prefix_tokens = PrefixTokenizer(self.tokenizer)  # long prompts sharing a beginning encode once
         self.name = self.manifest.served_names[0]
         template = core / TEMPLATE_FILE
         bos = self.manifest.bos_token_id
@@ -81,13 +83,12 @@ class ServedModel:
                 raise InvalidRequest("the final assistant message cannot be continued with this chat template",
                                      param="messages")
             text, ends = text[:cut], [end for end in ends if end <= cut]
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        token_ends = [end for _, end in encoding.offsets]
+        tokens = self.prefix_tokens.encode(text)
         opens = self.reasons and reasoning.opens_reasoning(text[ends[-1]:] if ends else text)
-        return EncodedChat(encoding.ids, [bisect_right(token_ends, offset) for offset in ends], opens)
+        return EncodedChat(tokens.ids, [bisect_right(tokens.ends, offset) for offset in ends], opens)
 
     def encode_text(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return self.prefix_tokens.ids(text, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

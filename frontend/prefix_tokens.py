@@ -1,0 +1,153 @@
+"""Tokenizing a long prompt that begins like a recent one: only its new end is encoded (DESIGN.md, Frontend).
+
+A shared system prompt or document of 16,000 tokens costs a frontend 20-40 ms to tokenize on every request, where the
+engine's prefix cache makes the model's side nearly free. So a frontend keeps its few most recent long prompts with
+their tokens and, for a prompt sharing a long beginning with one of them, reuses that prompt's tokens up to a cut
+point and encodes only the text after it.
+
+Why the result equals encoding the whole text: byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2) cut text into
+pre-tokens by a regular expression scanned left to right without lookbehind, and BPE merges never cross a
+pre-token. A letter followed by a space always ends a pre-token in those expressions (no alternative matches a
+letter and then a space), and where the scan restarts depends only on text up to that space. So at a position p
+inside the shared beginning where a letter is followed by a space, both prompts have a pre-token boundary, and the
+text from p encodes alone exactly as it does inside the whole prompt. Tokenizers for which a probe shows otherwise
+(another pre-tokenizer, a normalizer other than NFC, an added token with a letter before a space) are never cut.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from bisect import bisect_right
+from collections import OrderedDict
+from typing import NamedTuple
+
+from tokenizers import Tokenizer
+
+MIN_CHARS = 2048  # shorter prompts encode in well under a millisecond: not worth remembering
+KEY_CHARS = 256  # prompts are matched by their first characters
+ENTRIES = 16
+MIN_SHARED = 1024  # a shared beginning shorter than this is encoded again
+# Texts whose every letter-then-space position must split the encoding exactly (a prefix space or a pre-tokenizer
+# that keeps spaces after words fails one of them).
+PROBES = ("hello world", "it's  ok now", "x\n y z", "é à ß", "a  b\tc", "日本 語", "ab.cd ef", "Hello, World!",
+          "a b")
+
+
+class Tokens(NamedTuple):
+    ids: list[int]
+    starts: list[int]  # character offsets of each token, as tokenizers reports them
+    ends: list[int]
+
+
+def splits_after_letters(tokenizer: Tokenizer) -> bool:
+    """Whether every letter followed by a space ends a pre-token, and nothing before pre-tokenization moves text
+    across such a position (the condition for cutting prompts there)."""
+    config = json.loads(tokenizer.to_str())
+    if (config.get("normalizer") or {}).get("type", "NFC") != "NFC" or config["model"].get("type") != "BPE" or \
+            config["model"].get("dropout") or tokenizer.pre_tokenizer is None:
+        return False
+    if any(_letter_space(added["content"]) for added in config.get("added_tokens", [])):
+        return False
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    for text in PROBES:
+        bounds = {end for _, (_, end) in tokenizer.pre_tokenizer.pre_tokenize_str(text)}
+        for cut in _letter_spaces(text):
+            if cut not in bounds or ids(text) != ids(text[:cut]) + ids(text[cut:]):
+                return False
+    return True
+
+
+def _letter_spaces(text: str) -> list[int]:
+    return [i for i in range(1, len(text)) if text[i] == " " and text[i - 1].isalpha()]
+
+
+def _letter_space(text: str) -> bool:
+    return bool(_letter_spaces(text))
+
+
+def _shared_length(a: str, b: str) -> int:
+    """The length of the common beginning, by bisection over slice comparisons (each at C speed)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def special_wrap(tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
+    """The ids the post-processor puts before and after a text's own (a BOS, say), or None where it does more."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    full = tokenizer.encode("a", add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i:i + len(plain)] == plain:
+            before, after = full[:i], full[i + len(plain):]
+            other = tokenizer.encode("b c", add_special_tokens=True).ids
+            if other == before + tokenizer.encode("b c", add_special_tokens=False).ids + after:
+                return before, after
+    return None
+
+
+class PrefixTokenizer:
+    """`encode(text)` equals `tokenizer.encode(text, add_special_tokens=False)`'s ids and offsets; `ids(text,
+    True)` equals `tokenizer.encode(text).ids`."""
+
+    def __init__(self, tokenizer: Tokenizer, entries: int = ENTRIES) -> None:
+        self.tokenizer = tokenizer
+        self.cuts = splits_after_letters(tokenizer)
+        self._wrap = special_wrap(tokenizer)
+        self.entries = entries
+        self._recent: OrderedDict[str, tuple[str, Tokens]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.reused = 0  # tokens taken from remembered prompts
+
+    def ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        if not add_special_tokens:
+            return self.encode(text).ids
+        if self._wrap is None:
+            return self.tokenizer.encode(text, add_special_tokens=True).ids
+        before, after = self._wrap
+        return before + self.encode(text).ids + after
+
+    def encode(self, text: str) -> Tokens:
+        if not self.cuts or len(text) < MIN_CHARS:
+            return self._encode(text)
+        key = text[:KEY_CHARS]
+        with self._lock:
+            known = self._recent.get(key)
+        tokens = self._reuse(text, *known) if known else None
+        if tokens is None:
+            tokens = self._encode(text)
+        with self._lock:
+            self._recent[key] = (text, tokens)
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.entries:
+                self._recent.popitem(last=False)
+        return tokens
+
+    def _encode(self, text: str) -> Tokens:
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        offsets = encoding.offsets
+        return Tokens(encoding.ids, [start for start, _ in offsets], [end for _, end in offsets])
+
+    def _reuse(self, text: str, known_text: str, known: Tokens) -> Tokens | None:
+        shared = _shared_length(text, known_text)
+        if shared < MIN_SHARED:
+            return None
+        cut = text.rfind(" ", 0, shared)  # the space lies inside the shared beginning: its scan is the same
+        while cut > MIN_SHARED // 2 and not text[cut - 1].isalpha():
+            cut = text.rfind(" ", 0, cut)
+        if cut <= MIN_SHARED // 2:
+            return None
+        kept = bisect_right(known.ends, cut)
+        if kept == 0 or known.ends[kept - 1] != cut or (kept < len(known.starts) and known.starts[kept] < cut):
+            return None  # not a token boundary after all: encode the whole text
+        rest = self._encode(text[cut:])
+        with self._lock:
+            self.reused += kept
+        return Tokens(known.ids[:kept] + rest.ids, known.starts[:kept] + [s + cut for s in rest.starts],
+                      known.ends[:kept] + [e + cut for e in rest.ends])
