@@ -19,10 +19,11 @@ IDENTITY_BYTES = 32
 
 
 def _hash(*parts: bytes) -> bytes:
-    digest = hashlib.blake2b(digest_size=KEY_BYTES)
-    for part in parts:
-        digest.update(part)
-    return digest.digest()
+    return hashlib.blake2b(b"".join(parts), digest_size=KEY_BYTES).digest()
+
+
+def _pack(tokens: list[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
 class PrefixHistory:
@@ -43,10 +44,19 @@ class PrefixHistory:
 
     def extend(self, tokens: Iterable[int]) -> None:
         self.tokens.extend(tokens)
-        while (len(self.block_keys) + 1) * self.block_size <= len(self.tokens):
-            start = len(self.block_keys) * self.block_size
-            parent = self.block_keys[-1] if self.block_keys else self.root
-            self.block_keys.append(self._key(b"block", parent, start, start + self.block_size))
+        first, last = len(self.block_keys), len(self.tokens) // self.block_size
+        if last <= first:
+            return
+        # One pack for every new block (a 16k-token prompt: 1,000 blocks of 16), sliced per block.
+        start = first * self.block_size
+        packed = _pack(self.tokens[start:last * self.block_size])
+        width = 4 * self.block_size
+        parent = self.block_keys[-1] if self.block_keys else self.root
+        for block in range(last - first):
+            begin = start + block * self.block_size
+            parent = self._key(b"block", parent, begin, begin + self.block_size,
+                               packed[block * width:(block + 1) * width])
+            self.block_keys.append(parent)
 
     def add_event(self, position: int, identity: bytes) -> None:
         """Conditioning at `position`; only positions not yet in a complete block can still be conditioned."""
@@ -68,8 +78,12 @@ class PrefixHistory:
         parent = self.block_keys[blocks - 1] if blocks else self.root
         return self._key(b"exact", parent, blocks * self.block_size, length)
 
-    def _key(self, kind: bytes, parent: bytes, start: int, end: int) -> bytes:
-        tokens = struct.pack(f"<{end - start}I", *self.tokens[start:end])
-        first, last = bisect_left(self._event_positions, start), bisect_left(self._event_positions, end)
-        events = b"".join(struct.pack("<Q", self._event_positions[i]) + self._events[i] for i in range(first, last))
+    def _key(self, kind: bytes, parent: bytes, start: int, end: int, packed: bytes | None = None) -> bytes:
+        """The key of tokens [start, end) after `parent`; `packed` is those tokens already packed, when at hand."""
+        tokens = _pack(self.tokens[start:end]) if packed is None else packed
+        events = b""
+        if self._event_positions:
+            first, last = bisect_left(self._event_positions, start), bisect_left(self._event_positions, end)
+            events = b"".join(struct.pack("<Q", self._event_positions[i]) + self._events[i]
+                              for i in range(first, last))
         return _hash(kind, parent, self.identity, tokens, events)

@@ -7,16 +7,25 @@ point and encodes only the text after it.
 
 Why the result equals encoding the whole text: byte-level BPE tokenizers (GPT-2, Llama 3, Qwen 2) cut text into
 pre-tokens by a regular expression scanned left to right without lookbehind, and BPE merges never cross a
-pre-token. A letter followed by a space always ends a pre-token in those expressions (no alternative matches a
-letter and then a space), and where the scan restarts depends only on text up to that space. So at a position p
-inside the shared beginning where a letter is followed by a space, both prompts have a pre-token boundary, and the
-text from p encodes alone exactly as it does inside the whole prompt. Tokenizers for which a probe shows otherwise
-(another pre-tokenizer, a normalizer other than NFC, an added token with a letter before a space) are never cut.
+pre-token. In those expressions a pre-token always ends
+- after a character that is not whitespace, before a space (no alternative matches something other than whitespace
+  and then a space);
+- after a letter, before a character that is not a letter (letters run only within one alternative, and contractions
+  end in one);
+- after a digit, before a character that is neither a digit nor a letter;
+and where the scan restarts depends only on the text from that position. The character after the cut is ASCII, which
+no NFC composition takes as its second half, so normalization never joins text across it. So at such a position
+inside the shared beginning both prompts have a pre-token boundary, and the text from there encodes alone exactly as
+it does inside the whole prompt. (A symbol before a letter is not a boundary: Llama 3 joins "(" to "abc".)
+Added tokens are split out of the text before all of this, so no cut falls inside or right after an occurrence of
+one. Tokenizers for which a probe shows otherwise (another pre-tokenizer,
+a normalizer other than NFC) are never cut.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from bisect import bisect_right
 from collections import OrderedDict
@@ -28,10 +37,12 @@ MIN_CHARS = 2048  # shorter prompts encode in well under a millisecond: not wort
 KEY_CHARS = 256  # prompts are matched by their first characters
 ENTRIES = 16
 MIN_SHARED = 1024  # a shared beginning shorter than this is encoded again
-# Texts whose every letter-then-space position must split the encoding exactly (a prefix space or a pre-tokenizer
-# that keeps spaces after words fails one of them).
+# Texts whose every cut position must split the encoding exactly (a prefix space, or a pre-tokenizer that keeps
+# spaces after words, numbers or symbols, fails one of them).
 PROBES = ("hello world", "it's  ok now", "x\n y z", "é à ß", "a  b\tc", "日本 語", "ab.cd ef", "Hello, World!",
-          "a b")
+          "a b", "3.14159 is 12345 long", "f(x) = {y} ; z", "\x08 \x7f  0 ~ ", "abc's x1234567.y", "e\u0301x ab\tc\nd",
+          "q(r)s9,t0\x08u~~v")
+DIGITS = "0123456789"
 
 
 class Tokens(NamedTuple):
@@ -40,31 +51,56 @@ class Tokens(NamedTuple):
     ends: list[int]
 
 
-def splits_after_letters(tokenizer: Tokenizer) -> bool:
-    """Whether every letter followed by a space ends a pre-token, and nothing before pre-tokenization moves text
+def splits_at_cut_points(tokenizer: Tokenizer) -> bool:
+    """Whether every position `can_cut` accepts ends a pre-token, and nothing before pre-tokenization moves text
     across such a position (the condition for cutting prompts there)."""
     config = json.loads(tokenizer.to_str())
     if (config.get("normalizer") or {}).get("type", "NFC") != "NFC" or config["model"].get("type") != "BPE" or \
             config["model"].get("dropout") or tokenizer.pre_tokenizer is None:
         return False
-    if any(_letter_space(added["content"]) for added in config.get("added_tokens", [])):
-        return False
     def ids(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids
     for text in PROBES:
         bounds = {end for _, (_, end) in tokenizer.pre_tokenizer.pre_tokenize_str(text)}
-        for cut in _letter_spaces(text):
+        for cut in _cut_points(text):
             if cut not in bounds or ids(text) != ids(text[:cut]) + ids(text[cut:]):
                 return False
     return True
 
 
-def _letter_spaces(text: str) -> list[int]:
-    return [i for i in range(1, len(text)) if text[i] == " " and text[i - 1].isalpha()]
+def can_cut(text: str, position: int) -> bool:
+    """Whether `position` (> 0) is one of the pre-token boundaries of the module's docstring."""
+    before, after = text[position - 1], text[position]
+    if after == " ":
+        return not before.isspace()
+    if not after.isascii() or after.isalpha():
+        return False
+    return before.isalpha() or (before in DIGITS and after not in DIGITS)
 
 
-def _letter_space(text: str) -> bool:
-    return bool(_letter_spaces(text))
+def _cut_points(text: str) -> list[int]:
+    return [i for i in range(1, len(text)) if can_cut(text, i)]
+
+
+class AddedTokens:
+    """Where the tokenizer's added tokens occur around a position, overlapping occurrences included."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        contents = sorted({added["content"] for added in json.loads(tokenizer.to_str()).get("added_tokens", [])
+                           if added["content"]}, key=len, reverse=True)
+        self.longest = len(contents[0]) if contents else 0
+        self._any = re.compile("(?=(" + "|".join(map(re.escape, contents)) + "))") if contents else None
+
+    def span(self, text: str, position: int) -> bool:
+        """Whether an occurrence starts before `position` and reaches it. One that ends exactly there counts too:
+        it may strip the whitespace after it. (Cut points never follow whitespace, so one that strips the whitespace
+        before it starts at the position at the earliest.)"""
+        if self._any is None:
+            return False
+        for match in self._any.finditer(text, max(position - self.longest, 0), position + self.longest):
+            if match.start() < position <= match.start() + len(match.group(1)):
+                return True
+        return False
 
 
 def _shared_length(a: str, b: str) -> int:
@@ -98,8 +134,9 @@ class PrefixTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, entries: int = ENTRIES) -> None:
         self.tokenizer = tokenizer
-        self.cuts = splits_after_letters(tokenizer)
+        self.cuts = splits_at_cut_points(tokenizer)
         self._wrap = special_wrap(tokenizer)
+        self._added = AddedTokens(tokenizer)
         self.entries = entries
         self._recent: OrderedDict[str, tuple[str, Tokens]] = OrderedDict()
         self._lock = threading.Lock()
@@ -138,10 +175,10 @@ class PrefixTokenizer:
         shared = _shared_length(text, known_text)
         if shared < MIN_SHARED:
             return None
-        cut = text.rfind(" ", 0, shared)  # the space lies inside the shared beginning: its scan is the same
-        while cut > MIN_SHARED // 2 and not text[cut - 1].isalpha():
-            cut = text.rfind(" ", 0, cut)
-        if cut <= MIN_SHARED // 2:
+        # The last cut point inside the shared beginning (whose characters, and so whose scan, are the same).
+        cut = next((p for p in range(shared - 1, MIN_SHARED // 2, -1)
+                    if can_cut(text, p) and not self._added.span(text, p)), 0)
+        if cut == 0:
             return None
         kept = bisect_right(known.ends, cut)
         if kept == 0 or known.ends[kept - 1] != cut or (kept < len(known.starts) and known.starts[kept] < cut):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Regex, Tokenizer, normalizers, pre_tokenizers
 
-from frontend.prefix_tokens import MIN_CHARS, PrefixTokenizer, splits_after_letters
+from frontend.prefix_tokens import MIN_CHARS, PrefixTokenizer, splits_at_cut_points
 
 CORE = Path(__file__).resolve().parents[1] / "cores" / "smollm2-135m"
 LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -16,7 +16,7 @@ LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[
 QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 PIECES = ["the", " cat", "Über", "naïve", " 日本語", "42", "123456", " ", "  ", "\t", "\n", "\n\n", " \n ", "'s", "'LL",
           "don't", "!!", "...", " (x)", "é", "ß", "😀", "\u0301", "a\u0301", " -", "_", "<|im_start|>", "<|im_end|>",
-          "\r\n", "\u00a0", "x y"]
+          "\r\n", "\u00a0", "x y", "0", "7 ", "~", "{}", "+= ", "\x08", "\x7f", "\x1f", "\u3000", "\x85", ") "]
 
 
 def _tokenizer(style: str) -> Tokenizer:
@@ -78,7 +78,7 @@ def test_a_pre_tokenizer_that_keeps_spaces_after_words_is_never_cut():
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(r"\S+\s*"), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    assert not splits_after_letters(tokenizer)
+    assert not splits_at_cut_points(tokenizer)
     cached = PrefixTokenizer(tokenizer)
     text = "word " * 1000
     assert cached.encode(text).ids == tokenizer.encode(text, add_special_tokens=False).ids
@@ -89,4 +89,4 @@ def test_a_pre_tokenizer_that_keeps_spaces_after_words_is_never_cut():
 def test_a_normalizer_other_than_nfc_disables_cuts():
     tokenizer = _tokenizer("gpt2")
     tokenizer.normalizer = normalizers.Lowercase()
-    assert not splits_after_letters(tokenizer)
+    assert not splits_at_cut_points(tokenizer)
