@@ -10,7 +10,8 @@
   tokens after a cached prefix; TFLOP/s of the causal work against a bf16 GEMM of the same token count
   ([M, 4096] x [4096, 14336]) and torch's scaled_dot_product_attention on contiguous K/V; max abs difference from
   the float32 reference.
-- Decode attention with and without a sliding window (Gemma 3's 1024) at long contexts.
+- Decode attention with and without a sliding window (Gemma 3's 1024) at long contexts, and the same rows through
+  the extend kernel, as a mixed step's decode rows run (its narrow launch), with the bandwidth on K and V.
 - Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
   the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
@@ -206,9 +207,10 @@ def bench_moe_configs() -> None:
 
 
 def bench_decode() -> None:
-    say("## Decode attention, batch 8, Llama-3.1-8B heads, with and without a 1024-token sliding window")
-    say("| context | window | ms | max abs diff |")
-    say("| --- | --- | --- | --- |")
+    say("## Decode attention, batch 8, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same "
+        "rows through the extend kernel (a mixed step's decode rows)")
+    say("| context | window | decode ms | K/V TB/s | max abs diff | extend kernel ms | K/V TB/s | max abs diff |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(3)
     batch = 8
     for context in DECODE_CONTEXTS:
@@ -220,11 +222,19 @@ def bench_decode() -> None:
         args = (q, cache[0], cache[1], tables, torch.arange(batch, dtype=torch.int32, device=DEVICE),
                 torch.full((batch,), context, dtype=torch.int32, device=DEVICE), PAGE, HEAD_DIM**-0.5)
         splits = num_splits(batch, KV_HEADS, multiprocessors(torch.device(DEVICE)))
+        ints = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+        rows = (ints(list(range(batch))), ints([1] * batch))  # query start and length of each one-token sequence
+        blocks = tuple(ints(v) for v in extend_blocks([1] * batch))
+        out = torch.empty_like(q)
         for window in (0, 1024):
+            ref = decode_attention_reference(*args, window=window)
             ms = time_ms(lambda: decode_attention(*args, splits=splits, window=window))
-            diff = max_diff(decode_attention(*args, splits=splits, window=window),
-                            decode_attention_reference(*args, window=window))
-            say(f"| {context} | {window or 'none'} | {ms:.3f} | {diff:.4f} |")
+            diff = max_diff(decode_attention(*args, splits=splits, window=window), ref)
+            extend = time_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
+                                                      *blocks, PAGE, HEAD_DIM**-0.5, window=window))
+            read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+            say(f"| {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | {extend:.3f} | "
+                f"{read / extend / 1e9:.2f} | {max_diff(out, ref):.4f} |")
 
 
 def main() -> int:

@@ -10,7 +10,9 @@ are never read. When the live blocks are too few to fill the GPU (a short chunk 
 rows of a mixed step), each block's keys are split over several programs and a second kernel merges their partial
 results by log-sum-exp. The split count depends only on the live blocks and each block's own keys, never on the
 grid, so a captured graph and an eager step compute the same numbers. Decode rows of a mixed step are one-token
-sequences here.
+sequences here: the narrow launch packs a KV head's whole group of query heads into its 16-row tiles (4 tokens x 4
+heads for Llama-3.1-8B), so each key is read once per group, as decode attention does, instead of once per head with
+15 of 16 rows idle.
 """
 
 from __future__ import annotations
@@ -83,14 +85,15 @@ def _tile_range(ctx, qlen, row0, rows_here, window, splits, BLOCK_N: tl.constexp
 
 @triton.jit
 def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_table_ptr, qstart_ptr, qlen_ptr,
-            ctx_ptr, block_seq_ptr, block_first_ptr, num_blocks, programs, stride_qt, stride_qh, stride_ot, stride_oh,
-            stride_ks, stride_kh, stride_table, scale_log2, window, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+            ctx_ptr, block_seq_ptr, block_first_ptr, num_blocks, programs, heads, stride_qt, stride_qh, stride_ot,
+            stride_oh, stride_ks, stride_kh, stride_table, scale_log2, window, GROUP: tl.constexpr,
+            PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr,
             MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, IS_NARROW: tl.constexpr, PRECISION: tl.constexpr):
+    """One program: TILE_M rows of one block, each row a (new token, query head) pair: TILE_M // PACK tokens times
+    PACK heads of one group (PACK 1: one head)."""
     item = tl.program_id(0)
-    head = tl.program_id(1)
-    heads = tl.num_programs(1)
     live, splits = _split_plan(block_seq_ptr, num_blocks, programs, heads, BLOCKS_POW2, MAX_SPLITS)
     block = item // splits
     split = item % splits
@@ -98,14 +101,18 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
         return
     seq = tl.load(block_seq_ptr + block)
     first = tl.load(block_first_ptr + block)
-    row0 = first + tl.program_id(2) * TILE_M
+    TOKENS: tl.constexpr = TILE_M // PACK
+    row0 = first + tl.program_id(2) * TOKENS
     qlen = tl.load(qlen_ptr + seq)
     # Blocks of a few rows (decode rows, verify rows, a prompt's tail) take the narrow launch's small tiles.
     if (row0 >= qlen) | ((qlen - first <= NARROW) != IS_NARROW):
         return
     ctx = tl.load(ctx_ptr + seq)
-    rows_here = tl.minimum(qlen - row0, TILE_M)
-    lo, end, tile_splits, tiles = _tile_range(ctx, qlen, row0, rows_here, window, splits, BLOCK_N, MIN_SPLIT_TILES)
+    # The key range and its splits are the merge's: for a narrow block, those of its whole block (the merge's tile
+    # holds all of it) even where this program takes only some of its tokens.
+    range_first = first if IS_NARROW else row0
+    lo, end, tile_splits, tiles = _tile_range(ctx, qlen, range_first, tl.minimum(qlen - range_first, TILE_M),
+                                              window, splits, BLOCK_N, MIN_SPLIT_TILES)
     if split >= tile_splits:
         return
     chunk = tl.cdiv(tiles, tile_splits) * BLOCK_N
@@ -113,17 +120,19 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
     stop = tl.minimum(begin + chunk, end)
     qstart = tl.load(qstart_ptr + seq)
     table = tables_ptr + tl.load(seq_table_ptr + seq).to(tl.int64) * stride_table
-    i = row0 + tl.arange(0, TILE_M)
+    r = tl.arange(0, TILE_M)
+    i = row0 + r // PACK
+    head = tl.program_id(1) * PACK + r % PACK
     rows = i < qlen
     qpos = ctx - qlen + i
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    q = tl.load(q_ptr + (qstart + i).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :],
+    q = tl.load(q_ptr + (qstart + i).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=rows[:, None] & dmask[None, :], other=0.0)
     m = tl.full([TILE_M], float("-inf"), tl.float32)
     l = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, BLOCK_D], tl.float32)
-    kv_offset = (head // GROUP) * stride_kh
+    kv_offset = (tl.program_id(1) * PACK // GROUP) * stride_kh
     # Tiles below `clear_from` hold keys older than the window for some row; from `diagonal` on, keys newer than the
     # first row. Tiles in between are seen whole by every row.
     qpos0 = ctx - qlen + row0
@@ -140,12 +149,12 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
     out = acc / tl.maximum(l, 1e-30)[:, None]
     mask = rows[:, None] & dmask[None, :]
     if tile_splits == 1:
-        o_offs = (qstart + i).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
+        o_offs = (qstart + i).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        r = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - first
-        tl.store(part_ptr + r[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
-        tl.store(lse_ptr + r, tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf")), mask=rows)
+        part = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - first
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
+        tl.store(lse_ptr + part, tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf")), mask=rows)
 
 
 @triton.jit
@@ -249,12 +258,15 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                   BLOCKS_POW2=triton.next_power_of_2(num_blocks), MAX_SPLITS=MAX_SPLITS,
                   MIN_SPLIT_TILES=MIN_SPLIT_TILES)
+    group = heads // k_cache.shape[1]
     for narrow in (False, True):
-        _extend[(max(num_blocks, split_items), heads, 1 if narrow else BLOCK_M // tile_m)](
+        # Narrow tiles hold a whole group of heads where it divides them (the wide launch's blocks are compute-bound).
+        pack = group if narrow and NARROW % group == 0 else 1
+        _extend[(max(num_blocks, split_items), heads // pack, pack if narrow else BLOCK_M // tile_m)](
             q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens,
-            block_seq, block_first, num_blocks, programs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
-            GROUP=heads // k_cache.shape[1], PAGE=page_size, TILE_M=NARROW if narrow else tile_m, NARROW=NARROW,
+            block_seq, block_first, num_blocks, programs, heads, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
+            GROUP=group, PACK=pack, PAGE=page_size, TILE_M=NARROW if narrow else tile_m, NARROW=NARROW,
             IS_NARROW=narrow, PRECISION=dot_precision(q.dtype), num_warps=4 if narrow else warps,
             num_stages=stages, **common)
     _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
