@@ -23,11 +23,12 @@ from engine.core import join_logprobs  # noqa: E402
 from engine.executor.frames import (PageTableMirror, host_views, make_layout, pack, verify_results,  # noqa: E402
                                     verify_rows, verify_spans)
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
-from engine.executor.graph_sampling import (TOP_LOGPROBS, ExtrasBuffers, apply_known_tokens,  # noqa: E402
-                                            extras_words, graph_holds_extras, host_extras_views, pack_extras,
-                                            prompt_logprobs_step, read_logprobs, read_prompt_logprobs, step_extras)
+from engine.executor.graph_sampling import (TOP_LOGPROBS, ExtrasBuffers, extras_words,  # noqa: E402
+                                            graph_holds_extras, host_extras_views, pack_extras, prompt_logprobs_step,
+                                            read_logprobs, read_prompt_logprobs, step_extras)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
 from engine.executor.label_scores import assemble, graph_index  # noqa: E402
+from engine.executor.penalty_state import apply_known_tokens  # noqa: E402
 from engine.scheduler.plan import Completion, Plan, Row  # noqa: E402
 from tests.engine_harness import Harness, run_split, tiny_model  # noqa: E402
 
@@ -407,24 +408,53 @@ def test_graph_executor_produces_the_eager_executors_tokens_for_each_family(fami
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
 
 
+def count_eager_steps(harness: Harness, refuse: bool = False) -> list:
+    """The plans the GraphExecutor runs through the eager step (with `refuse`, such a step fails instead)."""
+    eager_steps, run_eager = [], harness.executor._run_eager
+
+    def counted(fence: int, plan: Plan) -> Completion:
+        eager_steps.append(plan)
+        if refuse:
+            raise AssertionError("an eager step in a mix the graphs hold")
+        return run_eager(fence, plan)
+    harness.executor._run_eager = counted
+    return eager_steps
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_graph_executor_falls_back_to_eager_steps_for_penalties_and_logprobs() -> None:
+def test_graph_executor_runs_penalties_bans_and_logprobs_in_graphs() -> None:
+    """The mix of the frame test above, every step in graphs (an eager step fails the test), with the eager
+    executor's tokens and its logprobs within 1e-4 (fp32)."""
+    model = tiny_model().to("cuda")
+    model.use_kernels(CONTEXT)
+    stop = first_greedy_token(gpu_harness(model, graphs=False))
+    expected = run_extras(gpu_harness(model, graphs=False), stop)
+    harness = gpu_harness(model, graphs=True)
+    count_eager_steps(harness, refuse=True)
+    assert_same_extras(run_extras(harness, stop), expected, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_graph_executor_sends_more_logprobs_than_its_graphs_hold_to_the_eager_step() -> None:
     model = tiny_model().to("cuda")
     model.use_kernels(CONTEXT)
     results = []
     for graphs in (True, False):
         harness = gpu_harness(model, graphs)
-        plain = harness.add(PROMPTS[1], temperature=0.0, max_tokens=8)
-        unique = harness.add(PROMPTS[0], temperature=0.0, presence_penalty=1e6, max_tokens=20)
-        scored = harness.add(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=2)
+        eager_steps = count_eager_steps(harness) if graphs else []
+        wide = harness.add(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=TOP_LOGPROBS + 5)
+        logprobs = []
+        while harness.scheduler.has_work():
+            logprobs += [lp for result in harness.step() for _, _, lp in result.tokens]
         harness.run()
         harness.close()
-        outputs = unique.tokens[unique.prompt_len:]
-        assert len(set(outputs)) == len(outputs) == 20
-        results.append([r.tokens for r in (plain, unique, scored)])
-    assert results[0] == results[1]
-
+        assert [len(lp.top_ids[0]) for lp in logprobs] == [TOP_LOGPROBS + 5] * 3
+        assert bool(eager_steps) == graphs
+        results.append((wide.tokens, logprobs))
+    assert results[0][0] == results[1][0]
+    assert_same_logprobs(results[0][1], results[1][1], 1e-4)
 
 
 @pytest.mark.gpu
@@ -433,9 +463,7 @@ def test_scored_prefills_run_in_the_extend_graphs_and_read_the_eager_label_logit
     model = tiny_model().to("cuda")
     model.use_kernels(CONTEXT)
     harness = gpu_harness(model, graphs=True)
-    eager_steps = []
-    run_eager = harness.executor._run_eager
-    harness.executor._run_eager = lambda fence, plan: eager_steps.append(plan) or run_eager(fence, plan)
+    eager_steps = count_eager_steps(harness)
     tokens, scores = run_scored(harness)
     assert eager_steps == [], "every step of these scored prefills has a graph"
     eager_tokens, eager_scores = run_scored(gpu_harness(model, graphs=False))

@@ -43,11 +43,12 @@ import torch
 from engine.executor.eager import EagerExecutor, kv_cache_shape
 from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack,
                                     verify_results, verify_rows, verify_spans)
-from engine.executor.graph_sampling import (PROMPT_ROWS, ExtrasBuffers, StepExtras, apply_known_tokens, extras_words,
+from engine.executor.graph_sampling import (PROMPT_ROWS, ExtrasBuffers, StepExtras, extras_words,
                                             graph_holds_extras, host_extras_views, logprob_words, pack_extras,
                                             prompt_logprobs_step, read_logprobs, read_prompt_logprobs, step_extras)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
 from engine.executor.label_scores import Query, assemble, graph_index
+from engine.executor.penalty_state import apply_known_tokens
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -255,7 +256,8 @@ class GraphExecutor:
         try:
             layout = self._layout_for(plan)
             extras = step_extras(plan.rows, self._vocab) if layout is not None else None
-            if layout is None or extras is not None and extras.known_count > self._max_known:
+            if layout is None or extras is not None and (extras.known_count > self._max_known or
+                                                         not graph_holds_extras(plan.rows)):
                 self._pending.append(_Ready(plan, self._run_eager(fence, plan)))
                 os.write(self._wake_write, b"x")
             else:
@@ -313,12 +315,13 @@ class GraphExecutor:
 
     # --- a step -------------------------------------------------------------------------------------------------
     def _layout_for(self, plan: Plan) -> Layout | None:
-        """The smallest graph that holds the plan, or None for a step that runs eagerly."""
+        """The smallest graph that holds the plan, or None for a step that runs eagerly (so does one whose extras
+        the graphs do not hold: `submit` asks)."""
         rows = plan.rows
         if not rows:
             return None
         # Passes at C speed over the rows (plan.py's field getters): the checks run on every step.
-        if None in map(ROPE_SHIFT, rows) or not graph_holds_extras(rows):
+        if None in map(ROPE_SHIFT, rows):
             return None
         if plan.kind == "verify":  # one-token rows in a decode graph, when nothing else needs a span
             if plan.masks or step_extras(rows, self._vocab) is not None or \

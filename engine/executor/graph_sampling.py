@@ -4,14 +4,15 @@
 A step whose rows ask for penalties, logprobs or bans launches the *extras* sampling graph of its sequence capacity
 (one per capacity, greedy and not: grammar masks always applied, the masks buffer set to allow everything when the
 step has none) instead of the plain one. Per row it reads a small extras frame, uploaded only on such steps, so
-plain steps pay nothing: the penalty values and up to MAX_BANNED banned ids. It then
-1. applies the penalties from per-slot state (output token counts, tokens seen in prompt and output) exactly as
-   sampling.apply_penalties does; a row that asks none has neutral values, which leave its logits bit for bit;
-2. writes each row's logprobs, fp32 log_softmax over the penalised logits (before masks and bans, as the eager
-   step), as one row of words: [chosen token's logprob, TOP_LOGPROBS ids, TOP_LOGPROBS logprobs, best first];
-3. masks grammar-forbidden and banned tokens, draws, and counts the drawn token in its slot's penalty state.
-Tokens the host knows (a prompt chunk, a restarted request's history) enter a penalised request's slot state by a
-few ops on the model stream before the graphs (`known_tokens`), as the eager step records them.
+plain steps pay nothing: the penalty values and up to MAX_BANNED banned ids. One kernel
+(engine/kernels/penalties.py) applies the penalties from per-slot state (output token counts, tokens seen in
+prompt and output) with sampling.penalise's formula, reading the state only for rows that ask (the others keep
+their logits bit for bit), and masks grammar-forbidden and banned tokens; then the graph draws, writes each row's
+logprobs (fp32 log_softmax over the penalised logits, before masks and bans, as the eager step) as one row of
+words: [chosen token's logprob, TOP_LOGPROBS ids, TOP_LOGPROBS logprobs, best first], and counts the drawn token in
+its slot's state. Tokens the host knows (a prompt chunk, a restarted request's history) enter a penalised
+request's slot state by a few ops on the model stream before the graphs (engine/executor/penalty_state.py), as
+the eager step records them (bench/gpu_evidence.py --only extras times such steps against plain ones).
 
 Prompt logprobs: every extend graph keeps its final hidden states (a copy of tokens x hidden, well under a
 thousandth of a prefill step), and the prompt graph, captured at PROMPT_ROWS positions, turns the positions a step
@@ -23,7 +24,7 @@ runs eagerly, as do label logits read anywhere but at a row's last token (engine
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import attrgetter, is_not, itemgetter
@@ -33,7 +34,10 @@ import torch
 
 from common.protocol import Logprobs
 from engine.executor.inputs import any_penalty
-from engine.sampling import apply_token_mask, penalise, token_logprobs
+from engine.executor.penalty_state import known_tokens, penalised_rows
+from engine.kernels.penalties import process_logits
+from engine.model.decoder import CausalLM
+from engine.sampling import token_logprobs
 from engine.scheduler.plan import PROMPT_TARGETS, SAMPLING, Row
 
 TOP_LOGPROBS = 20  # alternatives per token every extras step computes: the OpenAI maximum
@@ -119,40 +123,8 @@ def pack_extras(rows: Sequence[Row], views: dict[str, np.ndarray]) -> None:
         views[name][:count] = np.fromiter(map(_PARAMS[name], params), np.float32, count)
         views[name][count:] = _DEFAULTS[name]
     views["banned"][:] = -1
-    for i, banned in enumerate(map(BANNED, rows)):
-        views["banned"][i, :len(banned)] = banned
-
-
-def known_tokens(rows: Sequence[Row], vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The penalty-state updates of the tokens the host gives these rows: slots to clear (a request's first row),
-    flat [slot, token] indices seen, flat indices to count once each (a recomputed request's earlier outputs)."""
-    reset, seen, counted = [], [], []
-    for row in rows:
-        if row.tokens is None or row.draft:
-            continue
-        known = list(row.tokens)
-        if row.history is not None:
-            reset.append(row.slot)
-            known = list(row.history) + known
-        first = row.start - (len(known) - row.length)  # the position of known[0]
-        base = row.slot * vocab
-        seen.extend(base + token for token in known)
-        counted.extend(base + token for token in known[max(row.prompt_len - first, 0):])
-    return tuple(np.asarray(values, dtype=np.int64) for values in (reset, seen, counted))
-
-
-def penalised_rows(rows: Sequence[Row]) -> list[Row]:
-    """Rows whose request reads its penalty state: only theirs must be kept (others' is never read)."""
-    return [row for row, params in zip(rows, map(SAMPLING, rows)) if any_penalty((params,))]
-
-
-def apply_known_tokens(counts: torch.Tensor, seen: torch.Tensor, reset: torch.Tensor, seen_index: torch.Tensor,
-                       counted: torch.Tensor) -> None:
-    """`known_tokens`' updates on the device (counts int32 [slots, V], seen bool [slots, V])."""
-    counts[reset] = 0
-    seen[reset] = False
-    seen.view(-1)[seen_index] = True
-    counts.view(-1).index_put_((counted,), torch.ones_like(counted, dtype=counts.dtype), accumulate=True)
+    for i in compress(range(count), map(BANNED, rows)):
+        views["banned"][i, :len(rows[i].banned)] = rows[i].banned
 
 
 # --- the device side: the functions the graphs capture -----------------------------------------------------------
@@ -194,25 +166,25 @@ def _write_logprobs(out: torch.Tensor, logits: torch.Tensor, tokens: torch.Tenso
 
 @torch.inference_mode()
 def extras_sample_step(logits: torch.Tensor, masks: torch.Tensor, views: dict[str, torch.Tensor],
-                       extras: ExtrasBuffers, seqs: int, draw) -> torch.Tensor:
+                       extras: ExtrasBuffers, seqs: int, draw: Callable[[torch.Tensor], torch.Tensor]
+                       ) -> torch.Tensor:
     """Penalties, logprobs, masks and bans around `draw` (logits -> tokens); the drawn tokens, counted in their
     slots' penalty state (rows that sample nothing count in the padding row)."""
     ev = device_extras_views(extras.inputs, seqs)
     slots = views["sample_slot"].long()
-    logits = penalise(logits, ev["presence"], ev["frequency"], ev["repetition"], extras.counts[slots],
-                      extras.seen[slots])
+    penalised, processed = process_logits(logits, slots, extras.counts, extras.seen, ev["presence"],
+                                          ev["frequency"], ev["repetition"], masks, ev["banned"])
+    tokens = draw(processed)
     vocab = logits.shape[-1]
-    banned = torch.zeros(seqs, vocab + 1, dtype=torch.bool, device=logits.device)
-    banned.scatter_(1, torch.where(ev["banned"] >= 0, ev["banned"], vocab).long(), True)
-    tokens = draw(apply_token_mask(logits, masks).masked_fill(banned[:, :vocab], float("-inf")))
-    _write_logprobs(extras.logprobs[:seqs], logits, tokens, extras.top)
-    extras.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-    extras.seen[slots, tokens] = True
+    _write_logprobs(extras.logprobs[:seqs], penalised, tokens, extras.top)
+    flat = slots * vocab + tokens  # scatters: atomic adds and plain stores, safe to capture
+    extras.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    extras.seen.view(-1).scatter_(0, flat, True)
     return tokens
 
 
 @torch.inference_mode()
-def prompt_logprobs_step(model, extras: ExtrasBuffers) -> None:
+def prompt_logprobs_step(model: CausalLM, extras: ExtrasBuffers) -> None:
     """Logprob rows of the asked prompt positions, from the extend step's kept hidden states."""
     index, targets = extras.prompt_positions
     _write_logprobs(extras.prompt_logprobs, model.logits(extras.hidden[index]), targets, extras.top)
