@@ -1,6 +1,8 @@
 """GPU evidence for the graph executor (issue 4), printed as tables. Run on the device machine:
 
-    python -m bench.gpu_evidence [--cores DIR] [--out FILE]
+    python -m bench.gpu_evidence [--cores DIR] [--out FILE] [--only SECTION ...]
+
+Sections: correctness, decode, smollm (the default), and extras (issue 16 part 5: penalties and logprobs in graphs).
 
 Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
 Llama-3.1-8B with 4 layers (correctness) and with all 32 (speed).
@@ -16,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import torch
 
 from bench.gpu_loop import engine_loop_busy
@@ -23,6 +26,7 @@ from bench.gpu_steps import decode_plan, generate, replay, time_steps
 from engine.executor.eager import EagerExecutor
 from engine.executor.graph import GraphExecutor
 from engine.model.loader import load_model
+from engine.scheduler.plan import Plan
 from engine.scheduler.scheduler import RequestScheduler
 from ignition.main import main as ignition
 
@@ -199,6 +203,40 @@ def smollm(cores: Path) -> None:
     say()
 
 
+def extras(cores: Path) -> None:
+    """Batch-64 decode steps (8B, context 512) where every 10th row asks for logprobs or a penalty, in the extras
+    graphs and, as before, through the eager step, against the same batch without."""
+    manifest, model = load_model(core(cores, "llama-3.1-8b"), torch.device("cuda"), verify=False)
+    executor = graph_for_loop(model, manifest, 64)
+    executor.kv_cache.normal_()
+    plain = decode_plan(64, CONTEXT, manifest.capacities.page_size)
+
+    def asking(every: int, **sampling: object) -> Plan:
+        return Plan(tuple(row._replace(sampling=msgspec.structs.replace(row.sampling, **sampling))
+                          if row.slot % every == 0 else row for row in plain.rows))
+
+    plans = {"none": plain, "logprobs=5, every 10th row": asking(10, logprobs=5),
+             "repetition_penalty=1.1, every 10th row": asking(10, repetition_penalty=1.1),
+             "logprobs=20 and presence_penalty=0.5, every row": asking(1, logprobs=20, presence_penalty=0.5)}
+    say(f"## Sampling extras in graphs: batch-64 decode steps, Llama-3.1-8B architecture, bf16 ({executor.graph_count} "
+        "graphs). Target: >= 90% of the plain batch's throughput")
+    say("| rows asking | graph ms/step (wall) | graph ms/step (GPU) | throughput vs none | eager step ms/step "
+        "(before) |")
+    say("| --- | --- | --- | --- | --- |")
+    base = 0.0
+    layout_for = executor._layout_for
+    for name, plan in plans.items():
+        executor._layout_for = layout_for
+        wall = time_steps(executor, plan, 100)
+        gpu = statistics.median(end - start for start, end, _, _ in list(executor.spans)[-100:])
+        base = base or wall
+        executor._layout_for = lambda _: None  # every step through EagerExecutor's, as before issue 16 part 5
+        eager = time_steps(executor, plan, 20) if plan is not plain else float("nan")
+        say(f"| {name} | {wall * 1000:.3f} | {gpu:.3f} | {base / wall:.1%} | {eager * 1000:.3f} |")
+    executor.close()
+    say()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cores", type=Path, default=Path("cores"))
@@ -209,7 +247,7 @@ def main() -> int:
     bandwidth = copy_bandwidth()
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
     sections = {"correctness": lambda: correctness(args.cores), "decode": lambda: decode_sweep(args.cores, bandwidth),
-                "smollm": lambda: smollm(args.cores)}
+                "smollm": lambda: smollm(args.cores), "extras": lambda: extras(args.cores)}
     run_sections(sections, args.only, args.out)
     return 0
 

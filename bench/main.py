@@ -38,6 +38,8 @@ def add_workload_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="ask the server to generate all max_tokens")
     parser.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
                         help='fields added to every request, e.g. \'{"response_format": {"type": "json_object"}}\'')
+    parser.add_argument("--extra-body-every", type=int, default=1, metavar="N",
+                        help="add the --extra-body fields to every Nth request only (the first, the N+1th, ...)")
     parser.add_argument("--tokenizer", type=Path,
                         help="tokenizer.json (or a directory with one) for exact prompt lengths and for counting "
                              "output when the server reports no usage (default: common words, one token each)")
@@ -63,7 +65,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("compare needs two or more --base-url")
     if labels is not None and len(labels) != len(urls):
         parser.error("give one --label per --base-url")
-    for flag in ("num_prompts", "input_len", "output_len", "prefix_len", "num_groups", "max_concurrency"):
+    for flag in ("num_prompts", "input_len", "output_len", "prefix_len", "num_groups", "max_concurrency",
+                 "extra_body_every"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.range_ratio < 1 or args.request_rate <= 0:
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         print("flare-bench: error: --extra-body must be a JSON object", file=sys.stderr)
         return 2
-    traffic = Traffic(args.request_rate, args.max_concurrency, args.ignore_eos, args.seed, args.extra_body)
+    traffic = Traffic(args.request_rate, args.max_concurrency, args.ignore_eos, args.seed, args.extra_body,
+                      args.extra_body_every)
     tokens = Tokens.load(args.tokenizer)
     prompts = build_prompts(workload, tokens)
     try:

@@ -30,7 +30,12 @@ class Traffic:
     max_concurrency: int | None  # in-flight cap, None for none
     ignore_eos: bool
     seed: int
-    extra_body: dict | None = None  # fields merged into every request body (--extra-body)
+    extra_body: dict | None = None  # fields merged into request bodies (--extra-body)
+    extra_every: int = 1  # ... of every Nth request (--extra-body-every)
+
+    def extra_for(self, index: int) -> dict | None:
+        """The extra fields of request `index` (the probe's is -1: it gets them)."""
+        return self.extra_body if index < 0 or index % self.extra_every == 0 else None
 
 
 @dataclass
@@ -64,7 +69,7 @@ async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tok
         model = target.model or await fetch_model(session, target.base_url)
         # One request first, outside the timing: it proves the endpoint works and pays any lazy start-up cost.
         probe = await send(session, target.base_url, target.endpoint, model, probe_prompt(prompts[0], tokens, traffic),
-                           -1, traffic.ignore_eos, tokens, time.perf_counter(), traffic.extra_body)
+                           -1, traffic.ignore_eos, tokens, time.perf_counter(), traffic.extra_for(-1))
         if not probe.ok:
             raise RuntimeError(f"{target.label}: the first request failed: {probe.error}")
         limit = asyncio.Semaphore(traffic.max_concurrency or len(prompts))
@@ -73,7 +78,7 @@ async def run_async(target: Target, prompts: list[Prompt], traffic: Traffic, tok
         async def one(index: int, t0: float) -> RequestRecord:
             async with limit:
                 record = await send(session, target.base_url, target.endpoint, model, prompts[index], index,
-                                    traffic.ignore_eos, tokens, t0, traffic.extra_body)
+                                    traffic.ignore_eos, tokens, t0, traffic.extra_for(index))
             bar.update()
             return record
 

@@ -58,10 +58,17 @@ def apply_penalties(logits: torch.Tensor, params: SamplingTensors, output_counts
     output tokens. output_counts [B, V] and seen [B, V] are the sampled rows' slot state."""
     if not params.any_penalty:
         return logits
-    rp = params.repetition_penalty[:, None]
+    return penalise(logits, params.presence_penalty, params.frequency_penalty, params.repetition_penalty,
+                    output_counts, seen)
+
+
+def penalise(logits: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor, repetition: torch.Tensor,
+             output_counts: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """apply_penalties' formula with per-row values [B]; neutral values (0, 0, 1) leave a row's logits bit for bit."""
+    rp = repetition[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
     counts = output_counts.to(logits.dtype)
-    return logits - params.presence_penalty[:, None] * (counts > 0) - params.frequency_penalty[:, None] * counts
+    return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts
 
 
 def apply_token_mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

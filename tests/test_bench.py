@@ -73,6 +73,14 @@ def test_compare_one_server_twice(server: Server, tmp_path: Path) -> None:
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
+def test_extra_body_every_nth_request_goes_to_the_first_and_every_nth_after() -> None:
+    from bench.runner import Traffic
+
+    traffic = Traffic(float("inf"), None, True, 0, {"logprobs": 5}, extra_every=10)
+    assert [i for i in range(25) if traffic.extra_for(i)] == [0, 10, 20]
+    assert traffic.extra_for(-1) == {"logprobs": 5}  # the probe request
+
+
 def test_extra_body_reaches_every_request(server: Server, tmp_path: Path) -> None:
     """--extra-body: here a regex no reply can complete within max_tokens, so every request runs to the end."""
     out = tmp_path / "extra.json"

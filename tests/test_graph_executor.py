@@ -19,11 +19,16 @@ if not GPU:
 pytest.importorskip("triton")
 
 from common.protocol import SamplingParams  # noqa: E402
+from engine.core import join_logprobs  # noqa: E402
 from engine.executor.frames import (PageTableMirror, host_views, make_layout, pack, verify_results,  # noqa: E402
                                     verify_rows, verify_spans)
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
+from engine.executor.graph_sampling import (TOP_LOGPROBS, ExtrasBuffers, extras_words,  # noqa: E402
+                                            graph_holds_extras, host_extras_views, pack_extras, prompt_logprobs_step,
+                                            read_logprobs, read_prompt_logprobs, step_extras)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
 from engine.executor.label_scores import assemble, graph_index  # noqa: E402
+from engine.executor.penalty_state import apply_known_tokens  # noqa: E402
 from engine.scheduler.plan import Completion, Plan, Row  # noqa: E402
 from tests.engine_harness import Harness, run_split, tiny_model  # noqa: E402
 
@@ -74,6 +79,12 @@ class FrameExecutor:
                                               model.config.vocab_size, torch.device("cpu"))
         self.frame = np.zeros(words, dtype=np.int32)
         self.mirror = PageTableMirror(max_active, width)
+        max_seqs = max(lay.seqs for lay in layouts)
+        # Prompt logprobs in launches of 16 positions: a 48-token chunk takes three, as long prompts do on a GPU.
+        self.extras = ExtrasBuffers.allocate(max_active, max_seqs, max(self.extend), model.config.vocab_size,
+                                             model.config.hidden_size, torch.float32, torch.device("cpu"), 16)
+        self.extras_frame = np.zeros(extras_words(max_seqs), dtype=np.int32)
+        self.extras_steps = 0
         self.fence, self.done, self.layouts_used = 0, [], set()
         self.wake_fd, self._write = os.pipe()
 
@@ -96,12 +107,24 @@ class FrameExecutor:
         words = pack(Plan(rows), layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
                      self.trash)
         self.buffers.frame[:words] = torch.from_numpy(self.frame[:words])
-        model_step(self.model, self.kv_cache, self.buffers, layout, self.page_size)
+        extras = None if verify else step_extras(plan.rows, self.model.config.vocab_size)
+        assert graph_holds_extras(plan.rows), "GraphExecutor runs this step eagerly"
+        if extras is not None:  # as GraphExecutor._upload_extras
+            self.extras_steps += 1
+            apply_known_tokens(self.extras.counts, self.extras.seen, *map(torch.from_numpy, extras.known))
+            if extras.sample:
+                pack_extras(plan.rows, host_extras_views(self.extras_frame, layout.seqs))
+                self.extras.inputs[:] = torch.from_numpy(self.extras_frame)
+                self.buffers.masks[:layout.seqs] = -1
+        model_step(self.model, self.kv_cache, self.buffers, layout, self.page_size,
+                   self.extras.hidden if layout.kind == "extend" else None)
+        prompt = self.prompt_logprobs(extras.prompt) if extras is not None and extras.prompt.shape[1] else None
         greedy = all(r.sampling.temperature == 0 for r in plan.rows if r.sample)
         if plan.masks:  # as GraphExecutor uploads them: one row per plan row
             masks = torch.from_numpy(np.frombuffer(plan.masks, np.int32).reshape(len(plan.rows), -1).copy())
             self.buffers.masks[:len(plan.rows)] = masks
-        sample_step(self.buffers, layout, greedy, masked=bool(plan.masks))
+        sample_step(self.buffers, layout, greedy, masked=bool(plan.masks),
+                    extras=self.extras if extras is not None and extras.sample else None)
         samples = self.buffers.sampled[:len(rows)].tolist()
         accepted = []
         if verify:
@@ -113,10 +136,26 @@ class FrameExecutor:
         sampled = [r for r in plan.rows if r.sample]
         found, index = graph_index(plan, self.model.config.vocab_size)  # GraphExecutor's label gather
         scores = assemble(found, self.buffers.logits.view(-1)[torch.tensor(index, dtype=torch.int64)].tolist())
+        top = self.extras.top
+        logprobs = read_logprobs(plan.rows, tokens, self.extras.logprobs.numpy(), top) \
+            if extras is not None and extras.logprobs else ()
         self.done.append((plan, Completion(self.fence, tuple(r.slot for r in sampled),
                                            tuple(r.generation for r in sampled), tuple(tokens), 0.0,
-                                           scores=scores, accepted=tuple(accepted))))
+                                           scores=scores, accepted=tuple(accepted), logprobs=logprobs,
+                                           prompt_logprobs=() if prompt is None else
+                                           read_prompt_logprobs(plan.rows, prompt, top))))
         os.write(self._write, b"x")
+
+    def prompt_logprobs(self, positions: np.ndarray) -> np.ndarray:
+        """As GraphExecutor._prompt_logprobs: the prompt graph's step once per `prompt_rows` positions."""
+        out, size = [], self.extras.prompt_rows
+        for first in range(0, positions.shape[1], size):
+            chunk = positions[:, first:first + size]
+            self.extras.prompt_positions.zero_()
+            self.extras.prompt_positions[:, :chunk.shape[1]] = torch.from_numpy(chunk)
+            prompt_logprobs_step(self.model, self.extras)
+            out.append(self.extras.prompt_logprobs[:chunk.shape[1]].clone())
+        return torch.cat(out).numpy()
 
     def poll(self) -> list:
         os.read(self.wake_fd, 1 << 16)
@@ -195,6 +234,85 @@ def test_frame_steps_apply_grammar_masks_as_the_eager_executor_does() -> None:
     harness.executor.close()
     harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
     assert masked_run(harness, model.config.vocab_size) == expected
+
+
+def run_extras(harness: Harness, stop: int) -> list[tuple]:
+    """Plain rows beside rows that ask for penalties, logprobs (the top 20), prompt logprobs (a prompt over several
+    chunks among them) and a min_tokens ban of `stop`; per request its tokens, per-token and prompt logprobs."""
+    requests = [harness.add(PROMPTS[0], temperature=0.0, max_tokens=8),
+                harness.add(PROMPTS[1], temperature=0.0, repetition_penalty=1.5, presence_penalty=0.5,
+                            frequency_penalty=0.7, max_tokens=8),
+                harness.add(PROMPTS[2], temperature=0.9, top_k=50, seed=5, frequency_penalty=1.0,
+                            logprobs=TOP_LOGPROBS, max_tokens=8),
+                harness.add(PROMPTS[3], temperature=0.0, logprobs=3, max_tokens=8),
+                harness.add(PROMPTS[4], temperature=0.0, logprobs=0, prompt_logprobs=TOP_LOGPROBS, max_tokens=4),
+                harness.add(list(range(150, 250)), temperature=0.0, prompt_logprobs=0, max_tokens=3),
+                harness.add(PROMPTS[0], temperature=0.0, min_tokens=5, stop_token_ids=[stop], max_tokens=8)]
+    logprobs: dict = {request: [] for request in requests}
+    while harness.scheduler.has_work():
+        for result in harness.step():
+            for request, _, lp in result.tokens:
+                logprobs[request].append(lp)
+    harness.run()
+    harness.close()
+    # Prompt logprobs come in pieces, a piece per chunk, as the scheduler chunked the prompt: joined as published.
+    return [(r.tokens[r.prompt_len:], logprobs[r], [join_logprobs(r.prompt_logprobs)] if r.prompt_logprobs else [])
+            for r in requests]
+
+
+def assert_same_logprobs(got: list, want: list, tolerance: float) -> None:
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want):
+        assert (mine is None) == (theirs is None)
+        if mine is None:
+            continue
+        assert mine.token_ids == theirs.token_ids and mine.top_ids == theirs.top_ids
+        torch.testing.assert_close(torch.tensor(mine.logprobs), torch.tensor(theirs.logprobs), atol=tolerance,
+                                   rtol=tolerance)
+        torch.testing.assert_close(torch.tensor(mine.top_logprobs), torch.tensor(theirs.top_logprobs),
+                                   atol=tolerance, rtol=tolerance)
+
+
+def assert_same_extras(got: list[tuple], want: list[tuple], tolerance: float) -> None:
+    for (tokens, logprobs, prompt), (want_tokens, want_logprobs, want_prompt) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        assert_same_logprobs(logprobs, want_logprobs, tolerance)
+        assert_same_logprobs(prompt, want_prompt, tolerance)
+
+
+def first_greedy_token(harness: Harness) -> int:
+    request = harness.add(PROMPTS[0], temperature=0.0, max_tokens=1)
+    harness.run()
+    harness.close()
+    return request.tokens[-1]
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_frame_steps_apply_penalties_bans_and_logprobs_as_the_eager_executor_does() -> None:
+    """Every step of the mix runs in frames (no eager step exists here), with the eager executor's tokens, and its
+    logprobs within 1e-4 (fp32: the Triton kernels against the torch path)."""
+    stop = first_greedy_token(Harness(tiny_model(), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK))
+    expected = run_extras(Harness(tiny_model(), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK), stop)
+    assert expected[0][0][0] == stop and stop not in expected[-1][0][:5], "min_tokens bans the stop id"
+    assert len(expected[2][1][0].top_ids[0]) == TOP_LOGPROBS and len(expected[5][2][0].token_ids) == 99
+    model = tiny_model()
+    model.use_kernels(CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
+    assert_same_extras(run_extras(harness, stop), expected, 1e-4)
+    assert executor.extras_steps > 0
+
+
+def test_graphs_hold_the_openai_maximum_of_logprobs_and_send_more_to_the_eager_step() -> None:
+    def asking(**sampling: object) -> tuple[Row, ...]:
+        return (row(0, 1, (1,)), row(1, 1, (2,))._replace(sampling=SamplingParams(**sampling)))
+
+    assert graph_holds_extras(asking(logprobs=TOP_LOGPROBS, prompt_logprobs=TOP_LOGPROBS))
+    assert not graph_holds_extras(asking(logprobs=TOP_LOGPROBS + 1))
+    assert not graph_holds_extras(asking(prompt_logprobs=TOP_LOGPROBS + 1))
+    assert graph_holds_extras((row(0, 1, (1,))._replace(banned=tuple(range(16))),))
+    assert not graph_holds_extras((row(0, 1, (1,))._replace(banned=tuple(range(17))),))
 
 
 # What each family's kernel path adds: q/k/v bias, q/k norm, the fused MoE (Mixtral's differs by configuration
@@ -290,24 +408,53 @@ def test_graph_executor_produces_the_eager_executors_tokens_for_each_family(fami
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
 
 
+def count_eager_steps(harness: Harness, refuse: bool = False) -> list:
+    """The plans the GraphExecutor runs through the eager step (with `refuse`, such a step fails instead)."""
+    eager_steps, run_eager = [], harness.executor._run_eager
+
+    def counted(fence: int, plan: Plan) -> Completion:
+        eager_steps.append(plan)
+        if refuse:
+            raise AssertionError("an eager step in a mix the graphs hold")
+        return run_eager(fence, plan)
+    harness.executor._run_eager = counted
+    return eager_steps
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_graph_executor_falls_back_to_eager_steps_for_penalties_and_logprobs() -> None:
+def test_graph_executor_runs_penalties_bans_and_logprobs_in_graphs() -> None:
+    """The mix of the frame test above, every step in graphs (an eager step fails the test), with the eager
+    executor's tokens and its logprobs within 1e-4 (fp32)."""
+    model = tiny_model().to("cuda")
+    model.use_kernels(CONTEXT)
+    stop = first_greedy_token(gpu_harness(model, graphs=False))
+    expected = run_extras(gpu_harness(model, graphs=False), stop)
+    harness = gpu_harness(model, graphs=True)
+    count_eager_steps(harness, refuse=True)
+    assert_same_extras(run_extras(harness, stop), expected, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_graph_executor_sends_more_logprobs_than_its_graphs_hold_to_the_eager_step() -> None:
     model = tiny_model().to("cuda")
     model.use_kernels(CONTEXT)
     results = []
     for graphs in (True, False):
         harness = gpu_harness(model, graphs)
-        plain = harness.add(PROMPTS[1], temperature=0.0, max_tokens=8)
-        unique = harness.add(PROMPTS[0], temperature=0.0, presence_penalty=1e6, max_tokens=20)
-        scored = harness.add(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=2)
+        eager_steps = count_eager_steps(harness) if graphs else []
+        wide = harness.add(PROMPTS[2], temperature=0.0, max_tokens=3, logprobs=TOP_LOGPROBS + 5)
+        logprobs = []
+        while harness.scheduler.has_work():
+            logprobs += [lp for result in harness.step() for _, _, lp in result.tokens]
         harness.run()
         harness.close()
-        outputs = unique.tokens[unique.prompt_len:]
-        assert len(set(outputs)) == len(outputs) == 20
-        results.append([r.tokens for r in (plain, unique, scored)])
-    assert results[0] == results[1]
-
+        assert [len(lp.top_ids[0]) for lp in logprobs] == [TOP_LOGPROBS + 5] * 3
+        assert bool(eager_steps) == graphs
+        results.append((wide.tokens, logprobs))
+    assert results[0][0] == results[1][0]
+    assert_same_logprobs(results[0][1], results[1][1], 1e-4)
 
 
 @pytest.mark.gpu
@@ -316,9 +463,7 @@ def test_scored_prefills_run_in_the_extend_graphs_and_read_the_eager_label_logit
     model = tiny_model().to("cuda")
     model.use_kernels(CONTEXT)
     harness = gpu_harness(model, graphs=True)
-    eager_steps = []
-    run_eager = harness.executor._run_eager
-    harness.executor._run_eager = lambda fence, plan: eager_steps.append(plan) or run_eager(fence, plan)
+    eager_steps = count_eager_steps(harness)
     tokens, scores = run_scored(harness)
     assert eager_steps == [], "every step of these scored prefills has a graph"
     eager_tokens, eager_scores = run_scored(gpu_harness(model, graphs=False))

@@ -23,6 +23,7 @@ from engine.kernels.fused_moe import (MoeConfig, align_in_one_program, align_wit
 from engine.kernels.moe_routing import route, route_in_one_program  # noqa: E402
 from engine.kernels.moe_rows import ROWS_MAX_PAIRS, RowsConfig  # noqa: E402
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
+from engine.kernels.penalties import process_logits, process_logits_reference  # noqa: E402
 from engine.kernels.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.rotary import (head_rms_norm_reference, rope_and_store, rope_and_store_reference,  # noqa: E402
                                    rope_table)
@@ -244,6 +245,34 @@ def test_apply_patches_matches_reference() -> None:
     apply_patches_reference(expected, patches, count)
     apply_patches(table, patches, count)
     assert torch.equal(table, expected)
+
+
+def test_process_logits_matches_reference() -> None:
+    """Rows with and without penalties, masks and bans (Llama 3's vocabulary on the GPU): the penalised logits
+    within an ulp or so (a fused multiply-subtract), the same tokens forbidden."""
+    rows, vocab, slots = (64, 128256, 80) if GPU else (6, 1000, 4)
+    g = torch.Generator().manual_seed(7)
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(DEVICE)
+    state = torch.randint(0, slots, (rows,), generator=g).to(DEVICE)
+    counts = (torch.randint(0, 4, (slots, vocab), generator=g, dtype=torch.int32)
+              * (torch.rand(slots, vocab, generator=g) < 0.1)).to(DEVICE)
+    seen = (counts > 0) | (torch.rand(slots, vocab, generator=g) < 0.05).to(DEVICE)
+    asks = torch.arange(rows) % 3 == 0  # a third ask for penalties; the others carry the neutral values
+    presence = torch.where(asks, torch.rand(rows, generator=g) * 2, 0.0).to(DEVICE)
+    frequency = torch.where(asks, torch.rand(rows, generator=g), 0.0).to(DEVICE)
+    repetition = torch.where(asks, 1 + torch.rand(rows, generator=g), 1.0).to(DEVICE)
+    masks = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), generator=g, dtype=torch.int32)
+    masks[::2] = -1  # unconstrained rows
+    banned = torch.randint(0, vocab, (rows, 16), generator=g, dtype=torch.int32)
+    banned[torch.rand(rows, 16, generator=g) < 0.5] = -1
+    masks, banned = masks.to(DEVICE), banned.to(DEVICE)
+    args = (logits, state, counts, seen, presence, frequency, repetition, masks, banned)
+    penalised, processed = process_logits(*args)
+    expected, expected_processed = process_logits_reference(*args)
+    assert torch.equal(penalised[~asks.to(DEVICE)], logits[~asks.to(DEVICE)])  # neutral rows bit for bit
+    torch.testing.assert_close(penalised, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(processed.isinf(), expected_processed.isinf())
+    torch.testing.assert_close(processed, expected_processed, rtol=1e-6, atol=1e-6)
 
 
 # (hidden, intermediate, experts, top k): Qwen3-30B-A3B's MoE on the GPU, a small one on the CPU.

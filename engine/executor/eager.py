@@ -18,6 +18,7 @@ from common.protocol import Logprobs
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
 from engine.executor.label_scores import eager_scores
+from engine.executor.penalty_state import apply_known_tokens, known_tokens
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import Tower, VisionLanguageLM
 from engine.sampling import apply_penalties, sample, token_logprobs
@@ -166,21 +167,9 @@ class EagerExecutor:
 
     def _record_prompt_tokens(self, plan: Plan) -> None:
         """Host-known tokens enter the slot's penalty state; a request's first row clears what the slot held."""
-        for row in plan.rows:
-            if row.tokens is None or row.draft:
-                continue
-            known = list(row.tokens)
-            if row.history is not None:
-                self.output_counts[row.slot] = 0
-                self.seen[row.slot] = False
-                known = list(row.history) + known
-            first = row.start - (len(known) - row.length)
-            ids = torch.tensor(known, dtype=torch.int64, device=self.device)
-            self.seen[row.slot, ids] = True
-            outputs = ids[max(row.prompt_len - first, 0):]
-            if outputs.numel():  # a recomputed request's earlier outputs
-                self.output_counts[row.slot].index_put_((outputs,), torch.ones_like(outputs, dtype=torch.int32),
-                                                        accumulate=True)
+        reset, seen, counted = (torch.from_numpy(index).to(self.device)
+                                for index in known_tokens(plan.rows, self.output_counts.shape[1]))
+        apply_known_tokens(self.output_counts, self.seen, reset, seen, counted)
 
     def _logprobs(self, sampled: list[Row], logits: torch.Tensor, tokens: torch.Tensor
                   ) -> tuple[Logprobs | None, ...]:

@@ -8,17 +8,19 @@ waits for the device. The sampled token of each slot stays on the device, where 
 
 Graphs: one per decode capacity (1, 2, 4, ... max_active) and one per extend capacity (64-token steps up to 512,
 then 256-token steps, up to the prefill chunk plus a decode row per slot), so prefill and mixed steps are graphs
-too; one sampling graph per sequence capacity, greedy and random, each with and without grammar masks (a
-constrained step uploads its packed masks beside its frame and launches the masked variant). Scored prefills
+too; one sampling graph per sequence capacity, greedy and random, each plain, with grammar masks (a constrained
+step uploads its packed masks beside its frame and launches the masked variant) or with the extras: penalties,
+min_tokens bans and logprobs, and one prompt-logprobs graph (engine/executor/graph_sampling.py). Scored prefills
 (decisions) run in the extend graphs: the logits of a row's last token are in the logits buffer, and one gather by
 flat index, uploaded with the step, reads their labels' (engine/executor/label_scores.py). Verify steps
 (speculative decoding) run in the decode graphs: each position of a verify row is a one-token row with its token
 from the host (frames.verify_rows), so a batch of B rows of width W runs in the decode graph of capacity B x W; after
 the sampling graph, a few eager ops on the model stream accept the drafts and write each slot's next input token
 (graph_step.accept_drafts), and the verdicts come back with the tokens. Steps that ask for
-penalties, logprobs or prompt logprobs, label logits anywhere but at a row's last token, and plans no graph holds,
-run eagerly on the model stream through EagerExecutor's step (the reference semantics), synchronously: these are the
-exceptions, not the hot path. So do a vision model's steps holding image tokens, but their vision tower replays its
+label logits anywhere but at a row's last token, more logprobs or bans than the graphs hold, penalties, logprobs or
+bans in a verify plan (the planner never drafts for such requests), and plans no graph holds, run eagerly on the
+model stream through EagerExecutor's step (the reference semantics), synchronously: these are the exceptions, not
+the hot path. So do a vision model's steps holding image tokens, but their vision tower replays its
 own graphs, captured here at patch capacities (engine/executor/vision_graphs.py).
 """
 
@@ -32,8 +34,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from itertools import compress, repeat
-from operator import attrgetter, is_not
+from itertools import compress
 from typing import Callable
 
 import numpy as np
@@ -42,21 +43,22 @@ import torch
 from engine.executor.eager import EagerExecutor, kv_cache_shape
 from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack,
                                     verify_results, verify_rows, verify_spans)
+from engine.executor.graph_sampling import (PROMPT_ROWS, ExtrasBuffers, StepExtras, extras_words,
+                                            graph_holds_extras, host_extras_views, logprob_words, pack_extras,
+                                            prompt_logprobs_step, read_logprobs, read_prompt_logprobs, step_extras)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
-from engine.executor.inputs import any_penalty
 from engine.executor.label_scores import Query, assemble, graph_index
+from engine.executor.penalty_state import apply_known_tokens
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import VisionLanguageLM
-from engine.scheduler.plan import (GENERATION, PROMPT_TARGETS, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion,
-                                   Plan)
+from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan
 
 log = logging.getLogger("flare.engine")
 
 MAX_IN_FLIGHT = 2
 H2D, D2H, D2D = 1, 2, 3  # cudaMemcpyKind
 EVENT_DISABLE_TIMING = 2
-LOGPROBS = attrgetter("logprobs")
 LABELS_PER_SEQUENCE = 32  # label logits a graph step reads, per sequence of its largest capacity
 
 
@@ -104,6 +106,7 @@ class _Launched:
     labels: tuple[Query, ...] = ()  # the label queries whose logits the step gathered
     seqs: int = 0  # sequence rows the step sampled (a verify row counts one per position)
     verified: int = 0  # verify rows whose verdicts the step copied back
+    extras: StepExtras | None = None  # penalties, bans, logprobs, prompt logprobs (graph_sampling.py)
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,31 @@ class GraphExecutor:
         max_seqs = max(layout.seqs for layout in layouts)
         self._buffers = StaticBuffers.allocate(words, max_active, width, max_seqs, model.config.vocab_size, device)
         self._mirror = PageTableMirror(max_active, width)
+        dtype = model.model.embed_tokens.weight.dtype
+        self._extras = ExtrasBuffers.allocate(max_active, max_seqs, self._extend_caps[-1], model.config.vocab_size,
+                                              model.config.hidden_size, dtype, device)
+        self._extras_host = [torch.zeros(extras_words(max_seqs), dtype=torch.int32).pin_memory()
+                             for _ in range(MAX_IN_FLIGHT)]
+        self._extras_views = [{seqs: host_extras_views(frame.numpy(), seqs) for seqs in {lay.seqs for lay in layouts}}
+                              for frame in self._extras_host]
+        row_words = logprob_words(self._extras.top)
+        self._logprobs_dev = [torch.zeros(max_seqs, row_words, dtype=torch.int32, device=device)
+                              for _ in range(MAX_IN_FLIGHT)]
+        self._logprobs_host = [torch.zeros(max_seqs, row_words, dtype=torch.int32).pin_memory()
+                               for _ in range(MAX_IN_FLIGHT)]
+        # Penalty-state updates of host tokens (a request's history and prompt): beyond this many, the step is eager.
+        self._max_known = 4 * context_limit + max_active
+        self._known_host = [torch.zeros(self._max_known, dtype=torch.int64).pin_memory() for _ in range(MAX_IN_FLIGHT)]
+        self._known = torch.zeros(self._max_known, dtype=torch.int64, device=device)
+        # Prompt logprobs: positions in by chunks of PROMPT_ROWS, logprob rows out, per frame.
+        chunks = -(-self._extend_caps[-1] // PROMPT_ROWS)
+        self._prompt_host = [torch.zeros(chunks, 2, PROMPT_ROWS, dtype=torch.int64).pin_memory()
+                             for _ in range(MAX_IN_FLIGHT)]
+        self._prompt_in = torch.zeros(chunks, 2, PROMPT_ROWS, dtype=torch.int64, device=device)
+        self._prompt_dev = [torch.zeros(chunks * PROMPT_ROWS, row_words, dtype=torch.int32, device=device)
+                            for _ in range(MAX_IN_FLIGHT)]
+        self._prompt_out_host = [torch.zeros(chunks * PROMPT_ROWS, row_words, dtype=torch.int32).pin_memory()
+                                 for _ in range(MAX_IN_FLIGHT)]
         # Two of everything the host touches per step: frame k serves fences of parity k.
         self._host = [torch.zeros(words, dtype=torch.int32).pin_memory() for _ in range(MAX_IN_FLIGHT)]
         self._host_np = [frame.numpy() for frame in self._host]
@@ -169,6 +197,8 @@ class GraphExecutor:
         self._eager = EagerExecutor(model, 1, page_size, max_active, device)
         self._eager.kv_cache = self.kv_cache
         self._eager.slot_tokens = self._buffers.slot_tokens[:max_active]
+        self._eager.output_counts = self._extras.counts[:max_active]  # one penalty state for both
+        self._eager.seen = self._extras.seen[:max_active]
         # One memory pool for every graph: they never run at once, so they share their scratch memory.
         self._pool = torch.cuda.graph_pool_handle()
         self._vision: VisionGraphs | None = None
@@ -200,11 +230,15 @@ class GraphExecutor:
     # --- capture ------------------------------------------------------------------------------------------------
     def _capture(self, layouts: list[Layout]) -> None:
         samplers = {layout.seqs: layout for layout in layouts}
-        steps = [(layout, lambda layout=layout: model_step(self.model, self.kv_cache, self._buffers, layout,
-                                                           self.page_size)) for layout in layouts]
-        steps += [((seqs, greedy, masked), lambda layout=layout, greedy=greedy, masked=masked:
-                   sample_step(self._buffers, layout, greedy, masked))
-                  for seqs, layout in samplers.items() for greedy in (True, False) for masked in (False, True)]
+        steps = [(layout, lambda layout=layout: model_step(
+            self.model, self.kv_cache, self._buffers, layout, self.page_size,
+            self._extras.hidden if layout.kind == "extend" else None)) for layout in layouts]
+        steps += [((seqs, greedy, mode), lambda layout=layout, greedy=greedy, mode=mode:
+                   sample_step(self._buffers, layout, greedy, mode == "masked",
+                               self._extras if mode == "extras" else None))
+                  for seqs, layout in samplers.items() for greedy in (True, False)
+                  for mode in ("plain", "masked", "extras")]
+        steps.append(((PROMPT_ROWS, "prompt"), lambda: prompt_logprobs_step(self.model, self._extras)))
         self._graphs.update(capture_graphs(steps, self._buffers.frame, self.page_size, self.trash,
                                            self._model_stream, self._pool))
 
@@ -221,11 +255,13 @@ class GraphExecutor:
         fence = self._fence
         try:
             layout = self._layout_for(plan)
-            if layout is None:
+            extras = step_extras(plan.rows, self._vocab) if layout is not None else None
+            if layout is None or extras is not None and (extras.known_count > self._max_known or
+                                                         not graph_holds_extras(plan.rows)):
                 self._pending.append(_Ready(plan, self._run_eager(fence, plan)))
                 os.write(self._wake_write, b"x")
             else:
-                self._launch(fence, plan, layout)
+                self._launch(fence, plan, layout, extras)
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("graph step %d failed", fence)
             self._mirror.forget([row.slot for row in plan.rows])
@@ -272,24 +308,24 @@ class GraphExecutor:
             self._vision.close()
         self._exec.clear()
         del self.kv_cache, self._buffers, self._out_dev, self._label_index, self._label_dev, self._spans, \
-            self._verdicts_dev
+            self._verdicts_dev, self._extras, self._logprobs_dev, self._known, self._prompt_in, self._prompt_dev
         torch.cuda.empty_cache()
         os.close(self.wake_fd)
         os.close(self._wake_write)
 
     # --- a step -------------------------------------------------------------------------------------------------
     def _layout_for(self, plan: Plan) -> Layout | None:
-        """The smallest graph that holds the plan, or None for a step that runs eagerly."""
+        """The smallest graph that holds the plan, or None for a step that runs eagerly (so does one whose extras
+        the graphs do not hold: `submit` asks)."""
         rows = plan.rows
         if not rows:
             return None
         # Passes at C speed over the rows (plan.py's field getters): the checks run on every step.
-        params = list(map(SAMPLING, rows))
-        if any_penalty(params) or any(map(is_not, map(LOGPROBS, params), repeat(None))) or \
-                any(map(PROMPT_TARGETS, rows)) or None in map(ROPE_SHIFT, rows):
+        if None in map(ROPE_SHIFT, rows):
             return None
         if plan.kind == "verify":  # one-token rows in a decode graph, when nothing else needs a span
-            if plan.masks or any(row.scores or (row.length > 1 and not row.draft) for row in rows):
+            if plan.masks or step_extras(rows, self._vocab) is not None or \
+                    any(row.scores or (row.length > 1 and not row.draft) for row in rows):
                 return None
             i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
@@ -303,7 +339,7 @@ class GraphExecutor:
         i = bisect.bisect_left(self._extend_caps, plan.num_tokens)
         return self._extend[self._extend_caps[i]] if i < len(self._extend_caps) else None
 
-    def _launch(self, fence: int, plan: Plan, layout: Layout) -> None:
+    def _launch(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
         verify = plan.kind == "verify"
@@ -314,16 +350,25 @@ class GraphExecutor:
         rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
         rt.eventRecord(self._start[k], model)
         rt.memcpyAsync(self._buffers.frame.data_ptr(), self._host[k].data_ptr(), words * 4, H2D, model)
+        if extras is not None:
+            self._upload_extras(plan, extras, k, seqs)
         if plan.masks:  # grammar masks, one row per plan row; rows past the plan are padding and sample nothing
             self._masks_host[k].numpy().reshape(-1)[:len(plan.masks) // 4] = np.frombuffer(plan.masks, np.int32)
             rt.memcpyAsync(self._buffers.masks.data_ptr(), self._masks_host[k].data_ptr(), len(plan.masks), H2D,
                            model)
         rt.graphLaunch(self._exec[layout], model)
-        rt.graphLaunch(self._exec[(seqs, greedy, bool(plan.masks))], model)
+        if extras is not None and extras.prompt.shape[1]:
+            self._prompt_logprobs(extras.prompt, k)
+        mode = "extras" if extras is not None and extras.sample else "masked" if plan.masks else "plain"
+        rt.graphLaunch(self._exec[(seqs, greedy, mode)], model)
         labels = self._gather_labels(plan, k) if any(row.scores for row in plan.rows) else ()
         verified = self._accept(plan, k, layout) if verify else 0
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)
+        logprobs = extras is not None and extras.logprobs
+        if logprobs:
+            rt.memcpyAsync(self._logprobs_dev[k].data_ptr(), self._extras.logprobs.data_ptr(),
+                           self._extras.logprobs[:seqs].nbytes, D2D, model)
         rt.eventRecord(self._end[k], model)
         rt.streamWaitEvent(copy, self._end[k], 0)
         rt.memcpyAsync(self._out_host[k].data_ptr(), self._out_dev[k].data_ptr(), seqs * 8, D2H, copy)
@@ -333,9 +378,54 @@ class GraphExecutor:
         if verified:
             rt.memcpyAsync(self._verdicts_host[k].data_ptr(), self._verdicts_dev[k].data_ptr(), verified * 16, D2H,
                            copy)
+        if logprobs:
+            rt.memcpyAsync(self._logprobs_host[k].data_ptr(), self._logprobs_dev[k].data_ptr(),
+                           self._logprobs_dev[k][:seqs].nbytes, D2H, copy)
+        if extras is not None and extras.prompt.shape[1]:
+            rt.memcpyAsync(self._prompt_out_host[k].data_ptr(), self._prompt_dev[k].data_ptr(),
+                           self._prompt_dev[k][:extras.prompt.shape[1]].nbytes, D2H, copy)
         rt.eventRecord(self._done[k], copy)
-        self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified))
+        self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified, extras))
         self._watch.put((fence, self._done[k]))
+
+    def _upload_extras(self, plan: Plan, extras: StepExtras, k: int, seqs: int) -> None:
+        """On the model stream, before the graphs: the extras frame, masks that allow everything when the step has
+        none (the extras sampler applies them), and the penalty state of the tokens the host gives."""
+        rt, model = self._rt, self._model_stream.cuda_stream
+        if extras.sample:
+            pack_extras(plan.rows, self._extras_views[k][seqs])
+            rt.memcpyAsync(self._extras.inputs.data_ptr(), self._extras_host[k].data_ptr(), extras_words(seqs) * 4,
+                           H2D, model)
+            if not plan.masks:
+                rt.memsetAsync(self._buffers.masks.data_ptr(), 255, self._buffers.masks[:seqs].nbytes, model)
+        count = extras.known_count
+        if not count:
+            return
+        self._known_host[k].numpy()[:count] = np.concatenate(extras.known)
+        rt.memcpyAsync(self._known.data_ptr(), self._known_host[k].data_ptr(), count * 8, H2D, model)
+        reset, seen, _ = map(len, extras.known)
+        with torch.cuda.stream(self._model_stream):
+            apply_known_tokens(self._extras.counts, self._extras.seen, self._known[:reset],
+                               self._known[reset:reset + seen], self._known[reset + seen:count])
+
+    def _prompt_logprobs(self, positions: np.ndarray, k: int) -> None:
+        """On the model stream, after the extend graph: the prompt graph once per PROMPT_ROWS asked positions, its
+        logprob rows gathered into frame k's buffer."""
+        rt, model = self._rt, self._model_stream.cuda_stream
+        count = positions.shape[1]
+        chunks = -(-count // PROMPT_ROWS)
+        padded = np.zeros((2, chunks * PROMPT_ROWS), dtype=np.int64)
+        padded[:, :count] = positions
+        self._prompt_host[k].numpy()[:chunks] = padded.reshape(2, chunks, PROMPT_ROWS).transpose(1, 0, 2)
+        chunk_bytes = self._prompt_in[0].nbytes
+        rt.memcpyAsync(self._prompt_in.data_ptr(), self._prompt_host[k].data_ptr(), chunks * chunk_bytes, H2D, model)
+        rows_bytes = self._extras.prompt_logprobs.nbytes
+        for chunk in range(chunks):
+            rt.memcpyAsync(self._extras.prompt_positions.data_ptr(), self._prompt_in[chunk].data_ptr(), chunk_bytes,
+                           D2D, model)
+            rt.graphLaunch(self._exec[(PROMPT_ROWS, "prompt")], model)
+            rt.memcpyAsync(self._prompt_dev[k][chunk * PROMPT_ROWS].data_ptr(),
+                           self._extras.prompt_logprobs.data_ptr(), rows_bytes, D2D, model)
 
     def _accept(self, plan: Plan, k: int, layout: Layout) -> int:
         """On the model stream, after sampling: the verify rows' verdicts into frame k's buffer; their count."""
@@ -379,8 +469,15 @@ class GraphExecutor:
         self.spans.append((start, end, len(step.plan.rows), step.kind))
         count = sum(len(query.token_ids) for query in step.labels)
         scores = assemble(list(step.labels), self._label_host[k].numpy()[:count].tolist()) if count else ()
+        logprobs, prompt, extras = (), (), step.extras
+        if extras is not None and extras.logprobs:
+            logprobs = read_logprobs(rows, tokens, self._logprobs_host[k].numpy(), self._extras.top)
+        if extras is not None and extras.prompt.shape[1]:
+            prompt = read_prompt_logprobs(rows, self._prompt_out_host[k].numpy()[:extras.prompt.shape[1]],
+                                          self._extras.top)
         return Completion(step.fence, tuple(map(SLOT, sampled)), tuple(map(GENERATION, sampled)),
-                          tuple(tokens), (end - start) / 1000, scores=scores, accepted=tuple(accepted))
+                          tuple(tokens), (end - start) / 1000, scores=scores, accepted=tuple(accepted),
+                          logprobs=logprobs, prompt_logprobs=prompt)
 
     def _run_eager(self, fence: int, plan: Plan) -> Completion:
         """The eager executor's step (page copies included) on the model stream; its tokens reaching the host end

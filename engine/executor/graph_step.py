@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.frames import Layout, device_views
+from engine.executor.graph_sampling import ExtrasBuffers, extras_sample_step
 from engine.kernels.page_table import apply_patches
 from engine.model.attention import DecodeBatch, ExtendBatch, KernelMetadata
 from engine.model.decoder import CausalLM
@@ -49,35 +50,48 @@ def step_metadata(views: dict[str, torch.Tensor], layout: Layout, page_tables: t
 
 @torch.inference_mode()
 def model_step(model: CausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, layout: Layout,
-               page_size: int) -> None:
-    """Apply the frame's page-table patches, run the model, leave the sequences' logits in buffers.logits."""
+               page_size: int, hidden_out: torch.Tensor | None = None) -> None:
+    """Apply the frame's page-table patches, run the model, leave the sequences' logits in buffers.logits (and
+    every token's final hidden state in `hidden_out`, for prompt logprobs: engine/executor/graph_sampling.py)."""
     views = device_views(buffers.frame, layout)
     apply_patches(buffers.page_tables, buffers.frame[layout.patches:], buffers.frame[:1])
     ids = torch.where(views["token"] >= 0, views["token"], buffers.slot_tokens[views["token_slot"]])
     meta = step_metadata(views, layout, buffers.page_tables, page_size)
     hidden = model(ids, views["position"], kv_cache, meta)
+    if hidden_out is not None:
+        hidden_out[:layout.tokens] = hidden
     buffers.logits[:layout.seqs] = model.logits(hidden[views["sample_row"]])
 
 
-@torch.inference_mode()
-def sample_step(buffers: StaticBuffers, layout: Layout, greedy: bool, masked: bool = False) -> None:
-    """Draw one token per sequence row into buffers.sampled, and into slot_tokens for rows that sample (others
-    write the padding entry). The randomness is the explicit (seed, position) hash of engine/sampling.py.
-    `masked`: the rows' grammar masks, uploaded into buffers.masks before the launch, are applied first."""
-    views = device_views(buffers.frame, layout)
-    logits = buffers.logits[:layout.seqs]
-    if masked:
-        logits = apply_token_mask(logits, buffers.masks[:layout.seqs])
+def draw(views: dict[str, torch.Tensor], logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+    """One token per row: argmax, or the explicit (seed, position) hash of engine/sampling.py."""
     if greedy:
-        tokens = logits.argmax(dim=-1)
+        return logits.argmax(dim=-1)
+    zeros = torch.zeros_like(views["temperature"])
+    return sample(logits, SamplingTensors(
+        temperature=views["temperature"], top_p=views["top_p"], top_k=views["top_k"].long(),
+        min_p=views["min_p"], seed=views["seed"], position=views["output_index"].long(),
+        presence_penalty=zeros, frequency_penalty=zeros, repetition_penalty=zeros + 1,
+        all_greedy=False, any_penalty=False))
+
+
+@torch.inference_mode()
+def sample_step(buffers: StaticBuffers, layout: Layout, greedy: bool, masked: bool = False,
+                extras: ExtrasBuffers | None = None) -> None:
+    """Draw one token per sequence row into buffers.sampled, and into slot_tokens for rows that sample (others
+    write the padding entry).
+    `masked`: the rows' grammar masks, uploaded into buffers.masks before the launch, are applied first.
+    `extras`: penalties, bans and logprobs around the draw (engine/executor/graph_sampling.py); the masks are
+    applied too, so a step without grammar masks sets them to allow everything."""
+    views = device_views(buffers.frame, layout)
+    seqs = layout.seqs
+    logits = buffers.logits[:seqs]
+    if extras is not None:
+        tokens = extras_sample_step(logits, buffers.masks[:seqs], views, extras, seqs,
+                                    lambda processed: draw(views, processed, greedy))
     else:
-        zeros = torch.zeros_like(views["temperature"])
-        tokens = sample(logits, SamplingTensors(
-            temperature=views["temperature"], top_p=views["top_p"], top_k=views["top_k"].long(),
-            min_p=views["min_p"], seed=views["seed"], position=views["output_index"].long(),
-            presence_penalty=zeros, frequency_penalty=zeros, repetition_penalty=zeros + 1,
-            all_greedy=False, any_penalty=False))
-    buffers.sampled[:layout.seqs] = tokens
+        tokens = draw(views, apply_token_mask(logits, buffers.masks[:seqs]) if masked else logits, greedy)
+    buffers.sampled[:seqs] = tokens
     buffers.slot_tokens[views["sample_slot"].long()] = tokens
 
 
