@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from bisect import bisect_left
 from collections.abc import Iterable
 
@@ -23,7 +25,11 @@ def _hash(*parts: bytes) -> bytes:
 
 
 def _pack(tokens: list[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}I", *tokens)
+    """Little-endian uint32s (keys are compared across hosts: frontends route by them)."""
+    packed = array("I", tokens)  # 4 bytes on every platform CPython supports
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 class PrefixHistory:
