@@ -2,7 +2,8 @@
 
     python -m bench.gpu_evidence [--cores DIR] [--out FILE] [--only SECTION ...]
 
-Sections: correctness, decode, smollm (the default), and extras (issue 16 part 5: penalties and logprobs in graphs).
+Sections: correctness, decode, smollm (the default), extras (issue 16 part 5: penalties and logprobs in graphs) and
+prefill (issue 16 part 2: prefill steps of 1024-token prompts at 512 to 8192 tokens a step, and their MFU).
 
 Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
 Llama-3.1-8B with 4 layers (correctness) and with all 32 (speed).
@@ -23,10 +24,11 @@ import torch
 
 from bench.gpu_loop import engine_loop_busy
 from bench.gpu_steps import decode_plan, generate, replay, time_steps
+from common.protocol import SamplingParams
 from engine.executor.eager import EagerExecutor
 from engine.executor.graph import GraphExecutor
 from engine.model.loader import load_model
-from engine.scheduler.plan import Plan
+from engine.scheduler.plan import Plan, Row
 from engine.scheduler.scheduler import RequestScheduler
 from ignition.main import main as ignition
 
@@ -34,6 +36,8 @@ CORES = {"smollm2-135m": ("smollm2-135m", None), "llama-3.1-8b-4l": ("llama-3.1-
          "llama-3.1-8b": ("llama-3.1-8b", None)}
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXT = 512  # tokens each decoding sequence attends over in the step-time sweep
+H200_BF16_TFLOPS = 989.4  # NVIDIA's dense bf16 peak for the H200 SXM (the MFU's denominator)
+PROMPT = 1024  # the 1024-token workload's prompts (bench.gpu_serving row 8b-1024x768)
 LINES: list[str] = []
 
 
@@ -237,6 +241,65 @@ def extras(cores: Path) -> None:
     say()
 
 
+def prefill_plan(tokens: int, page_size: int) -> Plan:
+    """A prefill step of `tokens` prompt tokens: whole 1024-token prompts from position 0 (each sampling its first
+    token), or the first `tokens` of one prompt."""
+    greedy = SamplingParams(temperature=0.0)
+    pages = -(-PROMPT // page_size)
+    rows = []
+    for slot in range(max(tokens // PROMPT, 1)):
+        length = min(tokens, PROMPT)
+        ids = tuple((slot * 7919 + i * 31) % 30000 + 1 for i in range(length))
+        rows.append(Row(slot, 1, 0, length, ids, tuple(range(slot * pages, (slot + 1) * pages)), True, 0, greedy, 0,
+                        length))
+    return Plan(tuple(rows))
+
+
+def prefill_flops(model, plan: Plan) -> float:
+    """Two flops a multiply-add: every linear layer's weights once per token (the LM head once per sampling row),
+    and causal attention's QK^T and PV."""
+    config = model.config
+    embed = model.model.embed_tokens.weight.numel()
+    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2) - embed * (1 + (not config.tie_word_embeddings))
+    tokens = sum(row.length for row in plan.rows)
+    heads_dim = config.num_heads * config.head_dim
+    attention = sum(4 * heads_dim * (row.length * row.start + row.length * (row.length + 1) / 2) for row in plan.rows)
+    return 2 * linear * tokens + 2 * embed * len(plan.rows) + attention * config.num_layers
+
+
+def prefill(cores: Path) -> None:
+    """Prefill steps of the 8B in graphs at the token budgets the engine runs (512 before, 8,192 now on an H200)."""
+    manifest, model = load_model(core(cores, "llama-3.1-8b"), torch.device("cuda"), verify=False)
+    page_size = manifest.capacities.page_size
+    executor = GraphExecutor(model, 8 * -(-PROMPT // page_size) + 16, page_size, 16, torch.device("cuda"),
+                             manifest.context_limit, 8192)
+    gemm_a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    gemm_b = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        gemm_a @ gemm_b
+    start.record()
+    for _ in range(20):
+        gemm_a @ gemm_b
+    end.record()
+    end.synchronize()
+    gemm = 2 * 8192 * 4096 * 14336 * 20 / (start.elapsed_time(end) / 1000) / 1e12
+    say(f"## Prefill steps of {PROMPT}-token prompts, Llama-3.1-8B architecture, bf16, graphs "
+        f"({executor.graph_count} graphs). MFU against {H200_BF16_TFLOPS} TFLOP/s (NVIDIA's dense bf16 peak); "
+        f"a [8192,4096]x[4096,14336] GEMM here: {gemm:.0f} TFLOP/s. Target: MFU >= 60%")
+    say("| tokens a step | prompts | GPU ms/step | prompt tok/s | TFLOP/s | MFU | share of the GEMM's |")
+    say("| --- | --- | --- | --- | --- | --- | --- |")
+    for tokens in (512, 1024, 2048, 4096, 8192):
+        plan = prefill_plan(tokens, page_size)
+        time_steps(executor, plan, 10)
+        ms = statistics.median(end - start for start, end, _, _ in list(executor.spans)[-10:])
+        tflops = prefill_flops(model, plan) / (ms / 1000) / 1e12
+        say(f"| {tokens} | {len(plan.rows)} | {ms:.2f} | {tokens / ms * 1000:,.0f} | {tflops:.0f} | "
+            f"{tflops / H200_BF16_TFLOPS:.1%} | {tflops / gemm:.1%} |")
+    executor.close()
+    say()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--cores", type=Path, default=Path("cores"))
@@ -247,7 +310,8 @@ def main() -> int:
     bandwidth = copy_bandwidth()
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
     sections = {"correctness": lambda: correctness(args.cores), "decode": lambda: decode_sweep(args.cores, bandwidth),
-                "smollm": lambda: smollm(args.cores), "extras": lambda: extras(args.cores)}
+                "smollm": lambda: smollm(args.cores), "extras": lambda: extras(args.cores),
+                "prefill": lambda: prefill(args.cores)}
     run_sections(sections, args.only, args.out)
     return 0
 
