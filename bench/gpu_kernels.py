@@ -15,7 +15,9 @@
 - Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
   the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
-Timing: CUDA events around each call after warm-up calls, the median of the repeats.
+Timing: CUDA events around each call after warm-up calls, the median of the repeats; where a column says "graph",
+CUDA events around 20 calls replayed from one captured graph, as the engine runs them (without the host's launch
+cost, which dominates a call of a few tens of microseconds).
 """
 
 from __future__ import annotations
@@ -59,6 +61,27 @@ def time_ms(fn: Callable[[], object], warmup: int = 3, repeats: int = 20) -> flo
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], replays: int = 20) -> float:
+    """Milliseconds of one call replayed from a CUDA graph, as the engine runs it (no launch cost on the host):
+    `replays` replays between two events, after a warm-up call and the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def max_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -110,9 +133,9 @@ def causal_flops(new: int, context: int) -> float:
 
 def bench_extend() -> None:
     say("## Extend attention (Llama-3.1-8B heads, bf16, paged cache) vs a bf16 GEMM and torch SDPA")
-    say("| context | new tokens | kernel ms | TFLOP/s | SDPA ms (contiguous) | SDPA TFLOP/s | "
+    say("| context | new tokens | kernel ms | TFLOP/s | in a graph ms | TFLOP/s | SDPA ms (contiguous) | SDPA TFLOP/s | "
         f"GEMM [M,4096]x[4096,14336] TFLOP/s | max abs diff |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(1)
     scale = HEAD_DIM**-0.5
     for context in CONTEXTS:
@@ -120,6 +143,7 @@ def bench_extend() -> None:
             q, k_cache, v_cache, meta, blocks = extend_inputs(new, context, g)
             out = torch.empty_like(q)
             kernel = time_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE, scale))
+            replayed = graph_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE, scale))
             ref = extend_attention_reference(q, k_cache, v_cache, *meta, PAGE, scale)
             diff = max_diff(out, ref)
             del ref
@@ -135,7 +159,8 @@ def bench_extend() -> None:
             b = torch.randn(4096, 14336, device=DEVICE, dtype=torch.bfloat16, generator=g)
             gemm = time_ms(lambda: a @ b)
             flops = causal_flops(new, context)
-            say(f"| {context} | {new} | {kernel:.3f} | {flops / kernel / 1e9:.0f} | {sdpa:.3f} | "
+            say(f"| {context} | {new} | {kernel:.3f} | {flops / kernel / 1e9:.0f} | {replayed:.3f} | "
+                f"{flops / replayed / 1e9:.0f} | {sdpa:.3f} | "
                 f"{flops / sdpa / 1e9:.0f} | {2 * new * 4096 * 14336 / gemm / 1e9:.0f} | {diff:.4f} |")
             del q, k_cache, v_cache, keys, values
             torch.cuda.empty_cache()
@@ -209,7 +234,8 @@ def bench_moe_configs() -> None:
 def bench_decode() -> None:
     say("## Decode attention, batch 8, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same "
         "rows through the extend kernel (a mixed step's decode rows)")
-    say("| context | window | decode ms | K/V TB/s | max abs diff | extend kernel ms | K/V TB/s | max abs diff |")
+    say("| context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | K/V TB/s | "
+        "max abs diff |")
     say("| --- | --- | --- | --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(3)
     batch = 8
@@ -228,9 +254,9 @@ def bench_decode() -> None:
         out = torch.empty_like(q)
         for window in (0, 1024):
             ref = decode_attention_reference(*args, window=window)
-            ms = time_ms(lambda: decode_attention(*args, splits=splits, window=window))
+            ms = graph_ms(lambda: decode_attention(*args, splits=splits, window=window))
             diff = max_diff(decode_attention(*args, splits=splits, window=window), ref)
-            extend = time_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
+            extend = graph_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
                                                       *blocks, PAGE, HEAD_DIM**-0.5, window=window))
             read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
             say(f"| {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | {extend:.3f} | "
