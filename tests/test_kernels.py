@@ -117,8 +117,10 @@ def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
     page, head_dim = shape[3], shape[2]
     g = torch.Generator().manual_seed(hash((dtype, shape, "extend")) % 2**31)
     # (new tokens, cached prefix) per sequence: a fresh prompt, a chunk after a cached prefix, decode rows.
-    spans = [(5, 0), (70, page), (1, 2 * page + 3), (130, 7), (1, 0), (3, 300), (12, 2 * page + 5)] if not GPU else \
-        [(512, 0), (300, 1024), (1, 77), (64, 64), (1000, 33), (1, 0), (64, 5000), (1, 9000), (13, 4000)]
+    # Blocks of every size: full (over 64 rows), short (17-64: a prompt's tail, 64 new tokens) and narrow (<= 16).
+    spans = ([(5, 0), (70, page), (1, 2 * page + 3), (130, 7), (1, 0), (3, 300), (12, 2 * page + 5), (40, 300)]
+             if not GPU else
+             [(512, 0), (300, 1024), (1, 77), (64, 64), (1000, 33), (1, 0), (64, 5000), (1, 9000), (13, 4000)])
     q, k_cache, v_cache, meta, blocks = extend_case(shape, dtype, spans, g)
     ref = extend_attention_reference(q, k_cache, v_cache, *meta, page, head_dim**-0.5, window=window)
     if window:

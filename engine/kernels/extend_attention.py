@@ -10,9 +10,13 @@ are never read. When the live blocks are too few to fill the GPU (a short chunk 
 rows of a mixed step), each block's keys are split over several programs and a second kernel merges their partial
 results by log-sum-exp. The split count depends only on the live blocks and each block's own keys, never on the
 grid, so a captured graph and an eager step compute the same numbers. Decode rows of a mixed step are one-token
-sequences here: the narrow launch packs a KV head's whole group of query heads into its 16-row tiles (4 tokens x 4
-heads for Llama-3.1-8B), so each key is read once per group, as decode attention does, instead of once per head with
-15 of 16 rows idle.
+sequences here.
+
+Blocks come in three sizes, each in a launch of its own whose programs exit at once on the others' blocks: full
+blocks (more than MEDIUM rows) take one head per tile; short blocks (a prompt's tail, 64 new tokens after a long
+cached prefix) and narrow ones (at most NARROW rows: decode rows, verify rows) pack a KV head's whole group of query
+heads into each tile (4 tokens x 4 heads in a 16-row tile for Llama-3.1-8B), so each key is read once per group, as
+decode attention does, instead of once per head with most rows idle.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from engine.kernels.decode_attention import LOG2E, NO_WINDOW, dot_precision
 
 BLOCK_M = 128  # new tokens per listed block
 NARROW = 16  # blocks of at most this many rows run in 16-row tiles
+MEDIUM = 64  # blocks of at most this many rows (and more than NARROW) pack their heads into the wide tiles
+SIZES = ("full", "medium", "narrow")
 MAX_SPLITS = 16
 MIN_SPLIT_TILES = 4  # a split walks at least this many key tiles
 
@@ -90,7 +96,8 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
             PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr,
-            MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, IS_NARROW: tl.constexpr, PRECISION: tl.constexpr):
+            MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, MEDIUM: tl.constexpr, SIZE: tl.constexpr,
+            PRECISION: tl.constexpr):
     """One program: TILE_M rows of one block, each row a (new token, query head) pair: TILE_M // PACK tokens times
     PACK heads of one group (PACK 1: one head)."""
     item = tl.program_id(0)
@@ -104,13 +111,14 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
     TOKENS: tl.constexpr = TILE_M // PACK
     row0 = first + tl.program_id(2) * TOKENS
     qlen = tl.load(qlen_ptr + seq)
-    # Blocks of a few rows (decode rows, verify rows, a prompt's tail) take the narrow launch's small tiles.
-    if (row0 >= qlen) | ((qlen - first <= NARROW) != IS_NARROW):
+    rows_in_block = qlen - first
+    size = tl.where(rows_in_block <= NARROW, 2, tl.where(rows_in_block <= MEDIUM, 1, 0))  # an index of SIZES
+    if (row0 >= qlen) | (size != SIZE):
         return
     ctx = tl.load(ctx_ptr + seq)
-    # The key range and its splits are the merge's: for a narrow block, those of its whole block (the merge's tile
-    # holds all of it) even where this program takes only some of its tokens.
-    range_first = first if IS_NARROW else row0
+    # The key range and its splits are the merge's: for a short or narrow block, those of its whole block (the merge's
+    # tile holds all of it) even where this program takes only some of its tokens.
+    range_first = row0 if SIZE == 0 else first
     lo, end, tile_splits, tiles = _tile_range(ctx, qlen, range_first, tl.minimum(qlen - range_first, TILE_M),
                                               window, splits, BLOCK_N, MIN_SPLIT_TILES)
     if split >= tile_splits:
@@ -259,16 +267,17 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   BLOCKS_POW2=triton.next_power_of_2(num_blocks), MAX_SPLITS=MAX_SPLITS,
                   MIN_SPLIT_TILES=MIN_SPLIT_TILES)
     group = heads // k_cache.shape[1]
-    for narrow in (False, True):
-        # Narrow tiles hold a whole group of heads where it divides them (the wide launch's blocks are compute-bound).
-        pack = group if narrow and NARROW % group == 0 else 1
-        _extend[(max(num_blocks, split_items), heads // pack, pack if narrow else BLOCK_M // tile_m)](
+    for size, name in enumerate(SIZES):
+        tile = NARROW if name == "narrow" else tile_m
+        # Tiles of short and narrow blocks hold a whole group of heads where it divides them.
+        pack = group if name != "full" and tile % group == 0 else 1
+        tiles_per_block = {"full": BLOCK_M // tile, "medium": -(-MEDIUM * pack // tile), "narrow": pack}[name]
+        _extend[(max(num_blocks, split_items), heads // pack, tiles_per_block)](
             q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens,
             block_seq, block_first, num_blocks, programs, heads, q.stride(0), q.stride(1), out.stride(0),
             out.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
-            GROUP=group, PACK=pack, PAGE=page_size, TILE_M=NARROW if narrow else tile_m, NARROW=NARROW,
-            IS_NARROW=narrow, PRECISION=dot_precision(q.dtype), num_warps=4 if narrow else warps,
-            num_stages=stages, **common)
+            GROUP=group, PACK=pack, PAGE=page_size, TILE_M=tile, NARROW=NARROW, MEDIUM=MEDIUM, SIZE=size,
+            PRECISION=dot_precision(q.dtype), num_warps=4 if name == "narrow" else warps, num_stages=stages, **common)
     _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
         out, part, lse, query_start, query_len, context_lens, block_seq, block_first, num_blocks, programs,
         out.stride(0), out.stride(1), window, TILE_M=tile_m, num_warps=8, **common)
