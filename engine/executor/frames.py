@@ -9,7 +9,7 @@ capacity reads the fields whichever model graph wrote the logits. Padding rows p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress
 from operator import and_, attrgetter, eq, getitem, is_, not_
@@ -29,8 +29,14 @@ SEQ_FIELDS = (("slot", np.int32), ("query_start", np.int32), ("query_len", np.in
 TOKEN_FIELDS = (("token", np.int32), ("token_slot", np.int32), ("position", np.int32), ("slot_mapping", np.int32))
 BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
 TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
-# Getters of the sampling parameters, for passes over a step's rows at C speed as plan.SLOT and the others.
-TEMPERATURE, TOP_P, TOP_K, MIN_P = (attrgetter(name) for name in ("temperature", "top_p", "top_k", "min_p"))
+TEMPERATURE = attrgetter("temperature")  # for passes over a step's sampling parameters at C speed
+# Per-sequence fields that depend only on the row's request (its sampling settings and seed), with their padding:
+# SlotFields keeps them per slot, so a step gathers them by slot instead of reading every row's. A new such field
+# is one more entry here (its dtype comes from SEQ_FIELDS).
+REQUEST_FIELDS: tuple[tuple[str, Callable[[Row], float | int], float], ...] = (
+    ("temperature", lambda row: row.sampling.temperature, 0.0), ("top_p", lambda row: row.sampling.top_p, 1.0),
+    ("top_k", lambda row: row.sampling.top_k, 0), ("min_p", lambda row: row.sampling.min_p, 0.0),
+    ("seed", SEED, 0))
 
 
 @dataclass(frozen=True)
@@ -63,13 +69,44 @@ def device_views(frame: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]
             for name, first, count, dtype in layout.fields}
 
 
+class SlotFields:
+    """Each slot's REQUEST_FIELDS, as read from the last row seen for it. A row of the same generation with the very
+    SamplingParams seen last (a request keeps both while it holds the slot) takes them from here; only the rows of
+    a request new to its slot are read field by field (a few a step at large batch)."""
+
+    def __init__(self, slots: int) -> None:
+        self._owner = np.full(slots, -1, np.int64)  # the generation whose fields the slot holds; -1: none
+        self._sampling: list[object] = [None] * slots
+        self.values = {name: np.zeros(slots, dict(SEQ_FIELDS)[name]) for name, _, _ in REQUEST_FIELDS}
+
+    def gather(self, rows: tuple[Row, ...], slots: np.ndarray, views: dict[str, np.ndarray]) -> None:
+        """Write the rows' fields into their views, padding after the last row."""
+        count = len(rows)
+        params = list(map(SAMPLING, rows))
+        known = np.fromiter(map(is_, params, map(self._sampling.__getitem__, slots.tolist())), bool, count)
+        known &= np.fromiter(map(GENERATION, rows), np.int64, count) == self._owner[slots]
+        if not known.all():
+            for i in np.flatnonzero(~known).tolist():
+                row, slot = rows[i], rows[i].slot
+                for name, read, _ in REQUEST_FIELDS:
+                    self.values[name][slot] = read(row)
+                self._owner[slot], self._sampling[slot] = row.generation, params[i]
+        for name, _, pad in REQUEST_FIELDS:
+            _fill(views[name], self.values[name][slots], pad)
+
+    def forget(self, slots: list[int]) -> None:
+        self._owner[slots] = -1
+
+
 class PageTableMirror:
-    """What the device's per-slot page tables hold once every frame packed so far has been applied."""
+    """What the device's per-slot page tables hold once every frame packed so far has been applied; and, for pack,
+    the slots' request fields (SlotFields)."""
 
     def __init__(self, slots: int, width: int) -> None:
         self.width = width
         self._owner: list[int | None] = [None] * slots  # the generation whose table the row holds
         self._pages: list[tuple[int, ...]] = [()] * slots
+        self.fields = SlotFields(slots)
 
     def changes(self, rows: tuple[Row, ...]) -> tuple[list[int], list[int]]:
         """(flat indices, pages) to write; a request's table only grows, so usually only its new pages. A row
@@ -100,6 +137,7 @@ class PageTableMirror:
         """After a failed step nothing is known: the next use of these slots rewrites their rows."""
         for slot in slots:
             self._owner[slot] = None
+        self.fields.forget(slots)
 
 
 def _fill(view: np.ndarray, values: Sequence | np.ndarray, pad: float) -> None:
@@ -127,12 +165,7 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     _fill(views["sample_row"], firsts + lengths - 1, 0)
     _fill(views["sample_slot"], np.where(sample, slots, trash), trash)
     _fill(views["output_index"], np.fromiter(map(OUTPUT_INDEX, rows), np.int64, count), 0)
-    _fill(views["seed"], np.fromiter(map(SEED, rows), np.int64, count), 0)
-    params = list(map(SAMPLING, rows))
-    _fill(views["temperature"], np.fromiter(map(TEMPERATURE, params), np.float32, count), 0.0)
-    _fill(views["top_p"], np.fromiter(map(TOP_P, params), np.float32, count), 1.0)
-    _fill(views["top_k"], np.fromiter(map(TOP_K, params), np.int64, count), 0)
-    _fill(views["min_p"], np.fromiter(map(MIN_P, params), np.float32, count), 0.0)
+    mirror.fields.gather(rows, slots, views)
     if layout.kind == "decode":  # a row's input is the slot's last sampled token, unless the host gives it
         if plan.kind == "decode":  # every row's input is on the device (a verify step's rows carry theirs)
             _fill(views["token"], np.full(count, -1), 0)
