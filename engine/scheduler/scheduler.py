@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
@@ -38,11 +40,18 @@ class Finished:
 
 @dataclass
 class StepResult:
-    """What a completion changed: new tokens per request (in order, with logprobs when asked) and requests
-    that ended."""
+    """What a completion changed: new tokens, in order, as columns (the request, the token, its logprobs when
+    asked), and requests that ended."""
 
-    tokens: list[tuple[Request, int, Logprobs | None]]
-    finished: list[Finished]
+    finished: list[Finished] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[tuple[Request, int, Logprobs | None]]:
+        """(request, token, logprobs) per new token."""
+        return list(zip(self.requests, self.token_ids, self.logprobs))
 
 
 class StalePlan(ValueError):
@@ -170,8 +179,9 @@ class RequestScheduler:
                 depths: dict[Request, Choice]) -> Candidate | None:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
-        scale, fairness = config.output_token_value, config.delivery_fairness
-        values = [scale * (1 + price(config, fairness, now - r.last_commit)) for r in decoders]
+        # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
+        waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
+        values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
         decode_value = sum(values)
         candidates = []
         if decoders:
@@ -265,8 +275,10 @@ class RequestScheduler:
     def _decode_candidates(self) -> list[Request]:
         """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
         (its mask depends on that step's token), while free ones keep a second step in flight."""
+        # (Request.outputs_scheduled of a decoding request, whose scheduled positions reach its prefill target,
+        # without a property call per live request and step.)
         return [r for r in self.slots if r is not None and r.phase is DECODE
-                and r.outputs_scheduled < r.max_outputs and not (r.grammar is not None and r.in_flight)]
+                and r.scheduled - r.prompt_len + 1 < r.max_outputs and not (r.grammar is not None and r.in_flight)]
 
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL]
@@ -370,7 +382,7 @@ class RequestScheduler:
                 self.speculation.earn(completion.duration)
         self.pages.advance_completed(fence)
         self.prefix.cache.advance_completed(fence)
-        result = StepResult([], [])
+        result = StepResult()
         size = self.page_size
         for row in plan.rows:
             request = slots[row.slot]
@@ -399,8 +411,11 @@ class RequestScheduler:
                 request.prompt_logprobs.append(logprobs)
         self._complete_scores(completion, plan, result)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
-        accepted = completion.accepted or (0,) * len(completion.tokens)
         now = time.monotonic()  # every token of the step is committed now
+        if plan.kind != "verify":
+            self._commit_tokens(sampled, completion.tokens, logprobs, result, now)
+            return result
+        accepted = completion.accepted or (0,) * len(completion.tokens)
         for row, token, lp, k in zip(sampled, completion.tokens, logprobs, accepted):
             request = slots[row.slot]
             if request is None or request.generation != row.generation or request.phase is FINISHED:
@@ -418,6 +433,28 @@ class RequestScheduler:
                 result.finished.append(self._finish(request, reason))
         return result
 
+    def _commit_tokens(self, sampled: list[Row], tokens: tuple[int, ...], logprobs: tuple[Logprobs | None, ...],
+                       result: StepResult, now: float) -> None:
+        """A step without drafts: one token per sampled row, committed in passes over the rows (what _commit_token
+        does per token) to the requests that still hold their rows' slots; then those whose token ends them end,
+        in row order."""
+        requests = list(map(self.slots.__getitem__, map(SLOT, sampled)))
+        if None in requests or [r.generation for r in requests] != list(map(GENERATION, sampled)) or \
+                FINISHED in [r.phase for r in requests]:  # some ended while this step was in flight
+            live = [r is not None and r.generation == row.generation and r.phase is not FINISHED
+                    for r, row in zip(requests, sampled)]
+            requests, tokens, logprobs = (list(compress(column, live)) for column in (requests, tokens, logprobs))
+        histories = [r.tokens for r in requests]
+        deque(map(list.append, histories, tokens), 0)  # (its prefix keys catch up when the prefix cache reads them)
+        for request in requests:
+            request.last_commit = now
+        result.requests, result.token_ids, result.logprobs = requests, list(tokens), list(logprobs)
+        ended = [token in r.stop_ids or len(history) - r.prompt_len >= r.max_outputs
+                 for r, token, history in zip(requests, tokens, histories)]
+        if True in ended:
+            for request, token in compress(zip(requests, tokens), ended):
+                result.finished.append(self._finish(request, self._end_reason(request, token)))
+
     def _emit(self, request: Request, tokens: tuple[int, ...], lp: Logprobs | None, result: StepResult,
               now: float) -> tuple[int, str | None]:
         """Commit tokens in order up to the first that ends the request: (tokens committed, finish reason)."""
@@ -431,7 +468,14 @@ class RequestScheduler:
         """Commit one output token; the finish reason when it ends the request."""
         request.tokens.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
         request.last_commit = now
-        result.tokens.append((request, token, lp))
+        result.requests.append(request)
+        result.token_ids.append(token)
+        result.logprobs.append(lp)
+        return self._end_reason(request, token)
+
+    @staticmethod
+    def _end_reason(request: Request, token: int) -> str | None:
+        """Why `token`, just committed, ends the request; None when it does not."""
         if token in request.stop_ids:
             return "stop"
         # (request.outputs, without a property call per token)
