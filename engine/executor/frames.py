@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import and_, attrgetter, eq, getitem, is_, not_
+from operator import attrgetter, getitem, is_
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
 TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
 TEMPERATURE = attrgetter("temperature")  # for passes over a step's sampling parameters at C speed
 # Per-sequence fields that depend only on the row's request (its sampling settings and seed), with their padding:
-# SlotFields keeps them per slot, so a step gathers them by slot instead of reading every row's. A new such field
+# PageTableMirror keeps them per slot, so a step gathers them by slot instead of reading every row's. A new such field
 # is one more entry here (its dtype comes from SEQ_FIELDS).
 REQUEST_FIELDS: tuple[tuple[str, Callable[[Row], float | int], float], ...] = (
     ("temperature", lambda row: row.sampling.temperature, 0.0), ("top_p", lambda row: row.sampling.top_p, 1.0),
@@ -69,75 +68,54 @@ def device_views(frame: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]
             for name, first, count, dtype in layout.fields}
 
 
-class SlotFields:
-    """Each slot's REQUEST_FIELDS, as read from the last row seen for it. A row of the same generation with the very
-    SamplingParams seen last (a request keeps both while it holds the slot) takes them from here; only the rows of
-    a request new to its slot are read field by field (a few a step at large batch)."""
-
-    def __init__(self, slots: int) -> None:
-        self._owner = np.full(slots, -1, np.int64)  # the generation whose fields the slot holds; -1: none
-        self._sampling: list[object] = [None] * slots
-        self.values = {name: np.zeros(slots, dict(SEQ_FIELDS)[name]) for name, _, _ in REQUEST_FIELDS}
-
-    def gather(self, rows: tuple[Row, ...], slots: np.ndarray, views: dict[str, np.ndarray]) -> None:
-        """Write the rows' fields into their views, padding after the last row."""
-        count = len(rows)
-        params = list(map(SAMPLING, rows))
-        known = np.fromiter(map(is_, params, map(self._sampling.__getitem__, slots.tolist())), bool, count)
-        known &= np.fromiter(map(GENERATION, rows), np.int64, count) == self._owner[slots]
-        if not known.all():
-            for i in np.flatnonzero(~known).tolist():
-                row, slot = rows[i], rows[i].slot
-                for name, read, _ in REQUEST_FIELDS:
-                    self.values[name][slot] = read(row)
-                self._owner[slot], self._sampling[slot] = row.generation, params[i]
-        for name, _, pad in REQUEST_FIELDS:
-            _fill(views[name], self.values[name][slots], pad)
-
-    def forget(self, slots: list[int]) -> None:
-        self._owner[slots] = -1
-
-
 class PageTableMirror:
-    """What the device's per-slot page tables hold once every frame packed so far has been applied; and, for pack,
-    the slots' request fields (SlotFields)."""
+    """What the device's per-slot page tables hold once every frame packed so far has been applied; and each slot's
+    REQUEST_FIELDS as its last row had them, which pack gathers by slot."""
 
     def __init__(self, slots: int, width: int) -> None:
         self.width = width
-        self._owner: list[int | None] = [None] * slots  # the generation whose table the row holds
+        self._owner = np.full(slots, -1, np.int64)  # the generation whose table and fields the slot holds; -1: none
         self._pages: list[tuple[int, ...]] = [()] * slots
-        self.fields = SlotFields(slots)
+        self._sampling: list[object] = [None] * slots  # the SamplingParams its fields were read from
+        self.fields = {name: np.zeros(slots, dict(SEQ_FIELDS)[name]) for name, _, _ in REQUEST_FIELDS}
 
-    def changes(self, rows: tuple[Row, ...]) -> tuple[list[int], list[int]]:
-        """(flat indices, pages) to write; a request's table only grows, so usually only its new pages. A row
-        whose known pages changed (another generation, or a page replaced) is rewritten whole.
+    def changes(self, rows: tuple[Row, ...], slots: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """(flat indices, pages) to write, the rows' fields kept; `slots`: the rows' (a pass saved when the caller
+        has them). A request's table only grows, so usually only its new pages are written. A row whose known pages
+        changed (another generation, or a page replaced) is rewritten whole.
 
-        A row whose table is the very tuple last seen for its slot, of the same generation, changes nothing: the
-        scheduler shares a decode row's table from step to step until a page is added, so at large batch only the
-        few rows that gained a page are looked at one by one (the others in passes at C speed)."""
+        A row of the same generation as its slot's last, with the very table and SamplingParams tuple seen then,
+        changes nothing: the scheduler shares a decode row's table from step to step until a page is added, so at
+        large batch only the few rows that gained a page, or are new to their slot, are looked at one by one (the
+        others in passes at C speed)."""
+        count = len(rows)
+        slots = list(map(SLOT, rows)) if slots is None else slots
+        seen = np.fromiter(map(GENERATION, rows), np.int64, count) == self._owner[slots]
+        seen &= np.fromiter(map(is_, map(PAGE_TABLE, rows), map(self._pages.__getitem__, slots)), bool, count)
+        seen &= np.fromiter(map(is_, map(SAMPLING, rows), map(self._sampling.__getitem__, slots)), bool, count)
         index: list[int] = []
         pages: list[int] = []
-        slots = list(map(SLOT, rows))
-        seen = map(and_, map(is_, map(PAGE_TABLE, rows), map(self._pages.__getitem__, slots)),
-                   map(eq, map(GENERATION, rows), map(self._owner.__getitem__, slots)))
-        for row in compress(rows, map(not_, seen)):
-            table, known = row.page_table, self._pages[row.slot]
+        if seen.all():
+            return index, pages
+        for i in np.flatnonzero(~seen).tolist():
+            row = rows[i]
+            slot, table, known = row.slot, row.page_table, self._pages[row.slot]
             if len(table) > self.width:
                 raise ValueError(f"a page table of {len(table)} pages exceeds the context's {self.width}")
-            keep = len(known) if self._owner[row.slot] == row.generation and known and \
+            keep = len(known) if self._owner[slot] == row.generation and known and \
                 len(table) >= len(known) and table[len(known) - 1] == known[-1] else 0
             if len(table) > keep:
-                base = row.slot * self.width
+                base = slot * self.width
                 index.extend(range(base + keep, base + len(table)))
                 pages.extend(table[keep:])
-            self._owner[row.slot], self._pages[row.slot] = row.generation, table
+            for name, read, _ in REQUEST_FIELDS:
+                self.fields[name][slot] = read(row)
+            self._owner[slot], self._pages[slot], self._sampling[slot] = row.generation, table, row.sampling
         return index, pages
 
     def forget(self, slots: list[int]) -> None:
         """After a failed step nothing is known: the next use of these slots rewrites their rows."""
-        for slot in slots:
-            self._owner[slot] = None
-        self.fields.forget(slots)
+        self._owner[slots] = -1
 
 
 def _fill(view: np.ndarray, values: Sequence | np.ndarray, pad: float) -> None:
@@ -153,7 +131,9 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     Python loop over the rows per field was the larger part of the host's step."""
     rows = plan.rows
     count = len(rows)
-    slots = np.fromiter(map(SLOT, rows), np.int64, count)
+    slot_list = list(map(SLOT, rows))
+    patch_index, patch_pages = mirror.changes(rows, slot_list)
+    slots = np.array(slot_list, np.int64)
     starts = np.fromiter(map(START, rows), np.int64, count)
     lengths = np.fromiter(map(LENGTH, rows), np.int64, count)
     firsts = np.cumsum(lengths) - lengths  # each row's first token in the step
@@ -165,7 +145,8 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     _fill(views["sample_row"], firsts + lengths - 1, 0)
     _fill(views["sample_slot"], np.where(sample, slots, trash), trash)
     _fill(views["output_index"], np.fromiter(map(OUTPUT_INDEX, rows), np.int64, count), 0)
-    mirror.fields.gather(rows, slots, views)
+    for name, _, pad in REQUEST_FIELDS:
+        _fill(views[name], mirror.fields[name][slots], pad)
     if layout.kind == "decode":  # a row's input is the slot's last sampled token, unless the host gives it
         if plan.kind == "decode":  # every row's input is on the device (a verify step's rows carry theirs)
             _fill(views["token"], np.full(count, -1), 0)
@@ -180,12 +161,11 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
         block_seq, block_first = extend_blocks(lengths.tolist())
         _fill(views["block_seq"], block_seq, -1)
         _fill(views["block_first"], block_first, 0)
-    index, pages = mirror.changes(rows)
-    frame[0] = len(index)
-    patches = frame[layout.patches:layout.patches + 2 * len(index)]
-    patches[0::2] = index
-    patches[1::2] = pages
-    return layout.patches + 2 * len(index)
+    frame[0] = len(patch_index)
+    patches = frame[layout.patches:layout.patches + 2 * len(patch_index)]
+    patches[0::2] = patch_index
+    patches[1::2] = patch_pages
+    return layout.patches + 2 * len(patch_index)
 
 
 def _pack_tokens(rows: tuple[Row, ...], views: dict[str, np.ndarray], page_size: int, trash: int) -> None:
