@@ -299,16 +299,8 @@ class Engine:
         # Passes over the step's columns; a column nobody has anything for this step (no finishes, no logprobs) is
         # filled without a call per request: at 256 live requests these loops are the engine's per-step host cost.
         now = time.monotonic()
-        news: dict[Request, list[int]] = {}  # requests in the order of their first news
-        if len(set(result.requests)) == len(result.requests):  # a token per request: a step without drafts
-            news = dict(zip(result.requests, [[token] for token in result.token_ids]))
-        else:
-            for request, token in zip(result.requests, result.token_ids):
-                if (tokens := news.get(request)) is None:
-                    news[request] = [token]
-                else:
-                    tokens.append(token)
-        for request in news:
+        requests, news = news_of(result)
+        for request in requests:
             request.last_publish = now
             request.bursts += 1
         logprobs: dict[Request, list[wire.Logprobs]] = {}
@@ -317,19 +309,21 @@ class Engine:
                 if lp is not None:
                     logprobs.setdefault(request, []).append(lp)
         finished: dict[Request, Finished] = {f.request: f for f in result.finished}
-        for request in finished:
-            if request not in news:
-                news[request] = []
+        if finished:
+            told = set(requests)
+            ended = [r for r in finished if r not in told]
+            requests, news = requests + ended, news + [[] for _ in ended]
         self.counters["output_tokens"] += len(result.token_ids)
-        owners = {r.owner for r in news}
+        owners = {r.owner for r in requests}
         if len(owners) == 1:
-            by_owner = {owners.pop(): list(news)}
+            groups = {owners.pop(): (requests, news)}
         else:
-            by_owner = defaultdict(list)
-            for request in news:
-                by_owner[request.owner].append(request)
-        for owner, requests in by_owner.items():
-            token_ids = list(news.values()) if len(by_owner) == 1 else [news[r] for r in requests]
+            groups = defaultdict(lambda: ([], []))
+            for request, tokens in zip(requests, news):
+                group = groups[request.owner]
+                group[0].append(request)
+                group[1].append(tokens)
+        for owner, (requests, token_ids) in groups.items():
             nothing = [None] * len(requests)
             ends = [finished.get(r) for r in requests] if finished else nothing
             labels = [label_logits(r, end) for r, end in zip(requests, ends)] if finished else []
@@ -365,6 +359,20 @@ class Engine:
                 del self._frontends[identity]
             else:
                 self._send(identity, wire.Heartbeat(self.engine_id, self.draining))
+
+
+def news_of(result: StepResult) -> tuple[list[Request], list[list[int]]]:
+    """The requests with new tokens, in the order of their first, and each one's tokens. A step without drafts has
+    at most one per request: its columns as they are."""
+    if len(set(result.requests)) == len(result.requests):
+        return result.requests, [[token] for token in result.token_ids]
+    news: dict[Request, list[int]] = {}
+    for request, token in zip(result.requests, result.token_ids):
+        if (tokens := news.get(request)) is None:
+            news[request] = [token]
+        else:
+            tokens.append(token)
+    return list(news), list(news.values())
 
 
 def join_logprobs(pieces: list[wire.Logprobs]) -> wire.Logprobs | None:
