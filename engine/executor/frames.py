@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, getitem, is_
+from itertools import compress
+from operator import attrgetter, getitem, itemgetter, ne
 
 import numpy as np
 import torch
 
 from engine.kernels.extend_attention import extend_blocks, max_blocks
-from engine.scheduler.plan import (GENERATION, LENGTH, OUTPUT_INDEX, PAGE_TABLE, ROPE_SHIFT, SAMPLE, SAMPLING, SEED,
-                                   SLOT, START, TOKENS, Plan, Row)
+from engine.scheduler.plan import (LENGTH, OUTPUT_INDEX, PAGE_TABLE, ROPE_SHIFT, SAMPLE, SEED, SLOT, START, TOKENS,
+                                   Plan, Row)
 
 HEADER = 16  # words; word 0 is the number of page-table patches
 ALIGN = 16  # words: 64-byte sections keep every view aligned for the kernels and for int64 fields
@@ -29,6 +30,7 @@ TOKEN_FIELDS = (("token", np.int32), ("token_slot", np.int32), ("position", np.i
 BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
 TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
 TEMPERATURE = attrgetter("temperature")  # for passes over a step's sampling parameters at C speed
+SEEN_KEY = itemgetter(*(Row._fields.index(name) for name in ("generation", "page_table", "sampling", "seed")))
 # Per-sequence fields that depend only on the row's request (its sampling settings and seed), with their padding:
 # PageTableMirror keeps them per slot, so a step gathers them by slot instead of reading every row's. A new such field
 # is one more entry here (its dtype comes from SEQ_FIELDS).
@@ -74,9 +76,9 @@ class PageTableMirror:
 
     def __init__(self, slots: int, width: int) -> None:
         self.width = width
-        self._owner = np.full(slots, -1, np.int64)  # the generation whose table and fields the slot holds; -1: none
-        self._pages: list[tuple[int, ...]] = [()] * slots
-        self._sampling: list[object] = [None] * slots  # the SamplingParams its fields were read from
+        # Per slot, the (generation, page table, SamplingParams, seed) of the last row seen: what the device's table
+        # row and the kept fields hold. None: nothing known.
+        self._seen: list[tuple | None] = [None] * slots
         self.fields = {name: np.zeros(slots, dict(SEQ_FIELDS)[name]) for name, _, _ in REQUEST_FIELDS}
 
     def changes(self, rows: tuple[Row, ...], slots: list[int] | None = None) -> tuple[list[int], list[int]]:
@@ -84,38 +86,34 @@ class PageTableMirror:
         has them). A request's table only grows, so usually only its new pages are written. A row whose known pages
         changed (another generation, or a page replaced) is rewritten whole.
 
-        A row of the same generation as its slot's last, with the very table and SamplingParams tuple seen then,
-        changes nothing: the scheduler shares a decode row's table from step to step until a page is added, so at
-        large batch only the few rows that gained a page, or are new to their slot, are looked at one by one (the
-        others in passes at C speed)."""
-        count = len(rows)
+        A row whose generation, table, SamplingParams and seed equal those last seen for its slot changes nothing
+        (the scheduler shares a decode row's table, and always its SamplingParams, from step to step, so the
+        comparison is mostly of identical objects): at large batch only the few rows that gained a page, or are new
+        to their slot, are looked at one by one, the others in two passes at C speed."""
         slots = list(map(SLOT, rows)) if slots is None else slots
-        seen = np.fromiter(map(GENERATION, rows), np.int64, count) == self._owner[slots]
-        seen &= np.fromiter(map(is_, map(PAGE_TABLE, rows), map(self._pages.__getitem__, slots)), bool, count)
-        seen &= np.fromiter(map(is_, map(SAMPLING, rows), map(self._sampling.__getitem__, slots)), bool, count)
+        keys = list(map(SEEN_KEY, rows))
         index: list[int] = []
         pages: list[int] = []
-        if seen.all():
-            return index, pages
-        for i in np.flatnonzero(~seen).tolist():
+        for i in compress(range(len(rows)), map(ne, keys, map(self._seen.__getitem__, slots))):
             row = rows[i]
-            slot, table, known = row.slot, row.page_table, self._pages[row.slot]
+            slot, table, seen = row.slot, row.page_table, self._seen[row.slot]
             if len(table) > self.width:
                 raise ValueError(f"a page table of {len(table)} pages exceeds the context's {self.width}")
-            keep = len(known) if self._owner[slot] == row.generation and known and \
-                len(table) >= len(known) and table[len(known) - 1] == known[-1] else 0
+            known = seen[1] if seen is not None and seen[0] == row.generation else ()
+            keep = len(known) if known and len(table) >= len(known) and table[len(known) - 1] == known[-1] else 0
             if len(table) > keep:
                 base = slot * self.width
                 index.extend(range(base + keep, base + len(table)))
                 pages.extend(table[keep:])
             for name, read, _ in REQUEST_FIELDS:
                 self.fields[name][slot] = read(row)
-            self._owner[slot], self._pages[slot], self._sampling[slot] = row.generation, table, row.sampling
+            self._seen[slot] = keys[i]
         return index, pages
 
     def forget(self, slots: list[int]) -> None:
         """After a failed step nothing is known: the next use of these slots rewrites their rows."""
-        self._owner[slots] = -1
+        for slot in slots:
+            self._seen[slot] = None
 
 
 def _fill(view: np.ndarray, values: Sequence | np.ndarray, pad: float) -> None:
