@@ -103,11 +103,3 @@ class Request:
     @property
     def outputs(self) -> int:
         return len(self.tokens) - self.prompt_len
-
-    @property
-    def outputs_scheduled(self) -> int:
-        """Output tokens that committed or submitted steps will have produced."""
-        if self.scheduled < self.prefill_target:
-            return len(self.tokens) - self.prompt_len
-        ahead = self.scheduled - self.prompt_len + 1  # (no max(): a builtin call per live request and step)
-        return ahead if ahead > 0 else 0

@@ -280,8 +280,9 @@ class RequestScheduler:
     def _decode_candidates(self) -> list[Request]:
         """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
         (its mask depends on that step's token), while free ones keep a second step in flight."""
-        # (Request.outputs_scheduled of a decoding request, whose scheduled positions reach its prefill target,
-        # without a property call per live request and step.)
+        # The output tokens that committed or submitted steps will have produced: a decoding request's scheduled
+        # positions reach its prefill target (prompt and earlier outputs), and each position past the prompt's last
+        # yields one.
         return [r for r in self.slots if r is not None and r.phase is DECODE
                 and r.scheduled - r.prompt_len + 1 < r.max_outputs and not (r.grammar is not None and r.in_flight)]
 
