@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
 WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
+# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step, and what says whether
+# it may move on: the next row is that list with two or three items replaced, made a Row in one copy.
+AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_EPOCH, AT_BANNED = (
+    Row._fields.index(name) for name in ("start", "page_table", "output_index", "epoch", "banned"))
 
 
 @dataclass(frozen=True)
@@ -140,16 +144,13 @@ class RequestScheduler:
         for request in decoders:
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
-            previous = request.decode_row
+            fields = request.decode_row
             start = request.scheduled
-            if previous is not None and previous.epoch == request.epoch and not previous.banned and \
-                    start < len(previous.page_table) * size and request not in drafts:
+            if fields is not None and fields[AT_EPOCH] == request.epoch and not fields[AT_BANNED] and \
+                    start < len(fields[AT_PAGE_TABLE]) * size and request not in drafts:
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
-                # Row.moved inlined (start, output index; the rest shared): its call would cost a third of the row.
-                head = (previous[0], previous[1], start, previous[3], previous[4], previous[5], previous[6],
-                        start + 1 - request.prompt_len)
-                row = request.decode_row = tuple.__new__(Row, head + previous[8:])
-                rows.append(row)
+                fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
+                rows.append(tuple.__new__(Row, fields))
                 continue
             draft = drafts.get(request, ()) if drafts else ()
             end = request.scheduled + 1 + len(draft)
@@ -347,16 +348,17 @@ class RequestScheduler:
         went back), and while min_tokens bans the stop ids (`banned` depends on the position). Its other
         position-dependent fields are constant past the prompt: no prompt targets, label queries or image spans
         lie there, so `scores` is () and `rope_shift` is the shift after the last image."""
-        previous = request.decode_row
-        if previous is None or previous.epoch != request.epoch or previous.banned:
+        fields = request.decode_row
+        if fields is None or fields[AT_EPOCH] != request.epoch or fields[AT_BANNED]:
             row = self._row(request, 1)
-        else:
-            end = request.scheduled + 1
-            pages = -(-end // self.page_size)
-            table = previous.page_table if len(previous.page_table) == pages else tuple(request.pages[:pages])
-            row = previous.moved(end - 1, end - request.prompt_len, table)
-        request.decode_row = row
-        return row
+            request.decode_row = list(row)
+            return row
+        end = request.scheduled + 1
+        pages = -(-end // self.page_size)
+        if len(fields[AT_PAGE_TABLE]) != pages:
+            fields[AT_PAGE_TABLE] = tuple(request.pages[:pages])
+        fields[AT_START], fields[AT_OUTPUT_INDEX] = end - 1, end - request.prompt_len
+        return tuple.__new__(Row, fields)
 
     def _row(self, request: Request, length: int) -> Row:
         start = request.scheduled
