@@ -391,6 +391,14 @@ class RequestScheduler:
         self.pages.advance_completed(fence)
         self.prefix.cache.advance_completed(fence)
         result = StepResult()
+        if error is None and plan.kind != "verify":
+            ending = self._complete_rows(plan.rows, completion, fence, result)
+            self._retire(fence)
+            self._complete_prompt_logprobs(completion)
+            self._complete_scores(completion, plan, result)
+            for request, token in ending:
+                result.finished.append(self._finish(request, self._end_reason(request, token)))
+            return result
         size = self.page_size
         for row in plan.rows:
             request = slots[row.slot]
@@ -404,26 +412,18 @@ class RequestScheduler:
                 # PrefixReuse.publish has work only when a block completed or a message end may be pending.
                 if computed // size > len(request.block_chain) or request.message_ends:
                     self.prefix.publish(request, computed, fence, self._try_allocate)
-        if self._retiring:
-            for request in [r for r in self._retiring if r.last_fence <= fence]:
-                self._retiring.discard(request)
+        self._retire(fence)
         if error is not None:
             for row in plan.rows:
                 request = slots[row.slot]
                 if request is not None and request.generation == row.generation:
                     result.finished.append(self._finish(request, "error", error))
             return result
-        for slot, generation, logprobs in completion.prompt_logprobs:
-            request = slots[slot]
-            if request is not None and request.generation == generation:
-                request.prompt_logprobs.append(logprobs)
+        self._complete_prompt_logprobs(completion)
         self._complete_scores(completion, plan, result)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
-        now = time.monotonic()  # every token of the step is committed now
-        if plan.kind != "verify":
-            self._commit_tokens(sampled, completion.tokens, logprobs, result, now)
-            return result
         accepted = completion.accepted or (0,) * len(completion.tokens)
+        now = time.monotonic()  # every token of the step is committed now
         for row, token, lp, k in zip(sampled, completion.tokens, logprobs, accepted):
             request = slots[row.slot]
             if request is None or request.generation != row.generation or request.phase is FINISHED:
@@ -441,31 +441,55 @@ class RequestScheduler:
                 result.finished.append(self._finish(request, reason))
         return result
 
-    def _commit_tokens(self, sampled: list[Row], tokens: tuple[int, ...], logprobs: tuple[Logprobs | None, ...],
-                       result: StepResult, now: float) -> None:
-        """A step without drafts: one token per sampled row, committed as _commit_token does, to the requests that
-        still hold their rows' slots; then those whose token ends them end, in row order. One loop without a call
-        per row, and the result's columns built whole."""
-        slots = self.slots
-        requests: list[Request | None] = []
+    def _complete_rows(self, rows: tuple[Row, ...], completion: Completion, fence: int,
+                       result: StepResult) -> list[tuple[Request, int]]:
+        """A step without drafts or error, in one loop over its rows without a call per row: each row's request has
+        one step fewer in flight and publishes the blocks it completed (PrefixReuse.publish, for a few rows a step),
+        and a sampling row commits its token as _commit_token does. The rows' requests that ended while the step
+        was in flight are left out. Returns the requests whose token ends them, with that token, in row order: they
+        end once the step's other news is in."""
+        slots, size, tokens = self.slots, self.page_size, completion.tokens
+        now = time.monotonic()  # every token of the step is committed now
+        committed: list[Request | None] = []  # per sampling row
         ending: list[tuple[Request, int]] = []
-        for row, token in zip(sampled, tokens):
+        for row in rows:
             request = slots[row.slot]
-            if request is None or request.generation != row.generation or request.phase is FINISHED:
-                requests.append(None)  # the request ended while this step was in flight
+            if request is None or request.generation != row.generation:
+                if row.sample:
+                    committed.append(None)
                 continue
+            request.in_flight -= 1
+            computed = row.start + row.length
+            # PrefixReuse.publish has work only when a block completed or a message end may be pending.
+            if computed // size > len(request.block_chain) or request.message_ends:
+                self.prefix.publish(request, computed, fence, self._try_allocate)
+            if not row.sample:
+                continue
+            token = tokens[len(committed)]
             history = request.tokens
             history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
             request.last_commit = now
-            requests.append(request)
+            committed.append(request)
             if token in request.stop_ids or len(history) - request.prompt_len >= request.max_outputs:
                 ending.append((request, token))
-        if None in requests:
-            live = [request is not None for request in requests]
-            requests, tokens, logprobs = (list(compress(column, live)) for column in (requests, tokens, logprobs))
-        result.requests, result.token_ids, result.logprobs = requests, list(tokens), list(logprobs)
-        for request, token in ending:
-            result.finished.append(self._finish(request, self._end_reason(request, token)))
+        logprobs = completion.logprobs or (None,) * len(tokens)
+        if None in committed:
+            live = [request is not None for request in committed]
+            committed, tokens, logprobs = (list(compress(column, live)) for column in (committed, tokens, logprobs))
+        result.requests, result.token_ids, result.logprobs = committed, list(tokens), list(logprobs)
+        return ending
+
+    def _retire(self, fence: int) -> None:
+        """Requests that ended with steps in flight are gone once the last of those steps completed."""
+        if self._retiring:
+            for request in [r for r in self._retiring if r.last_fence <= fence]:
+                self._retiring.discard(request)
+
+    def _complete_prompt_logprobs(self, completion: Completion) -> None:
+        for slot, generation, logprobs in completion.prompt_logprobs:
+            request = self.slots[slot]
+            if request is not None and request.generation == generation:
+                request.prompt_logprobs.append(logprobs)
 
     def _emit(self, request: Request, tokens: tuple[int, ...], lp: Logprobs | None, result: StepResult,
               now: float) -> tuple[int, str | None]:
