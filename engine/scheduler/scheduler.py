@@ -79,7 +79,10 @@ class RequestScheduler:
         self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
-        self._planned: tuple[Plan | None, tuple] = (None, ())
+        # The latest plan, its copies, and the epoch bumps (placements, preemptions, ends) made before it was: a plan
+        # whose requests no epoch bump touched since is current without looking at each.
+        self._planned: tuple[Plan | None, tuple, int] = (None, (), 0)
+        self._epoch_bumps = 0
         self.policy = policy
         self.costs = GraphCostModel(policy)
         self.speculation = None
@@ -176,7 +179,7 @@ class RequestScheduler:
         if shape[0] == "verify" and not drafts:  # no proposal came: a plain decode step after all
             shape = ("decode", shape[1])
         plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
-        self._planned = (plan, copies)
+        self._planned = (plan, copies, self._epoch_bumps)
         return plan
 
     def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
@@ -255,16 +258,17 @@ class RequestScheduler:
 
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
-        planned, copies = self._planned
+        planned, copies, epoch_bumps = self._planned
         if planned is not plan:
             raise StalePlan("commit of a plan that is not the latest one planned")
         rows, slots = plan.rows, self.slots
         requests = [slots[row.slot] for row in rows]
-        for row, request in zip(rows, requests):
-            if request is None or request.generation != row.generation or request.epoch != row.epoch:
-                self._planned = (None, ())
-                raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
-        self._planned = (None, ())
+        if epoch_bumps != self._epoch_bumps:  # some request was placed, preempted or ended since: which?
+            for row, request in zip(rows, requests):
+                if request is None or request.generation != row.generation or request.epoch != row.epoch:
+                    self._planned = (None, (), 0)
+                    raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
+        self._planned = (None, (), 0)
         self.prefix.copies_committed(copies, fence)
         for row, request in zip(rows, requests):
             request.scheduled = row.start + row.length
@@ -304,6 +308,7 @@ class RequestScheduler:
         request.scheduled = 0
         request.fresh = True
         request.epoch += 1
+        self._epoch_bumps += 1
         self.slots[slot] = request
         self.prefix.reuse(request, self._try_allocate)
 
@@ -333,6 +338,7 @@ class RequestScheduler:
             return False
         victim = max(victims, key=lambda r: r.arrival)
         victim.epoch += 1
+        self._epoch_bumps += 1
         self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
@@ -559,6 +565,7 @@ class RequestScheduler:
         request.phase = FINISHED
         request.finish_reason = reason
         request.epoch += 1
+        self._epoch_bumps += 1
         if request.in_flight:
             self._retiring.add(request)
         self.prefix.release(request)
