@@ -67,8 +67,8 @@ class Request:
     # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
     grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
-    # The fields of the last decode row planned for it, as a list: the next one is this list with its position moved
-    # on (RequestScheduler._decode_row), copied into a Row.
+    # The fields of the last decode row planned for it in this epoch, as a list: the next one is this list with its
+    # position moved on (RequestScheduler._decode_row), copied into a Row. None at each new epoch.
     decode_row: list | None = None
 
     @property

@@ -29,10 +29,10 @@ if TYPE_CHECKING:
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
 WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
-# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step, and what says whether
-# it may move on: the next row is that list with two or three items replaced, made a Row in one copy.
-AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_EPOCH, AT_BANNED = (
-    Row._fields.index(name) for name in ("start", "page_table", "output_index", "epoch", "banned"))
+# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step, and whether it may move
+# on: the next row is that list with two or three items replaced, made a Row in one copy.
+AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_BANNED = (
+    Row._fields.index(name) for name in ("start", "page_table", "output_index", "banned"))
 
 
 @dataclass(frozen=True)
@@ -145,16 +145,16 @@ class RequestScheduler:
         rows: list[Row] = []  # their slots are never preempted by this plan
         size = self.page_size
         for request in decoders:
-            if request.slot < 0:
-                continue  # preempted by an earlier reservation of this plan
-            fields = request.decode_row
+            fields = request.decode_row  # None once preempted, by an earlier reservation of this plan too
             start = request.scheduled
-            if fields is not None and fields[AT_EPOCH] == request.epoch and not fields[AT_BANNED] and \
-                    start < len(fields[AT_PAGE_TABLE]) * size and request not in drafts:
+            if fields is not None and not fields[AT_BANNED] and start < len(fields[AT_PAGE_TABLE]) * size and \
+                    request not in drafts:
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
                 fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
                 rows.append(tuple.__new__(Row, fields))
                 continue
+            if request.slot < 0:
+                continue  # preempted by an earlier reservation of this plan
             draft = drafts.get(request, ()) if drafts else ()
             end = request.scheduled + 1 + len(draft)
             # _reserve (and the prefix cache's eviction) only when a page is missing.
@@ -307,8 +307,7 @@ class RequestScheduler:
         request.phase = PREFILL
         request.scheduled = 0
         request.fresh = True
-        request.epoch += 1
-        self._epoch_bumps += 1
+        self._bump_epoch(request)
         self.slots[slot] = request
         self.prefix.reuse(request, self._try_allocate)
 
@@ -337,8 +336,7 @@ class RequestScheduler:
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival)
-        victim.epoch += 1
-        self._epoch_bumps += 1
+        self._bump_epoch(victim)
         self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
@@ -348,6 +346,13 @@ class RequestScheduler:
         self.waiting.appendleft(victim)
         return True
 
+    def _bump_epoch(self, request: Request) -> None:
+        """The request was placed, preempted or ended: plans made before touch it no more, and its next decode row
+        is built anew."""
+        request.epoch += 1
+        request.decode_row = None
+        self._epoch_bumps += 1
+
     def _decode_row(self, request: Request) -> Row:
         """A decode row. Between two decode steps of one epoch only its position and page table move: the
         previous decode row is moved on. Rebuilt whole on the epoch's first, after a verify round's rewind (pages
@@ -355,7 +360,7 @@ class RequestScheduler:
         position-dependent fields are constant past the prompt: no prompt targets, label queries or image spans
         lie there, so `scores` is () and `rope_shift` is the shift after the last image."""
         fields = request.decode_row
-        if fields is None or fields[AT_EPOCH] != request.epoch or fields[AT_BANNED]:
+        if fields is None or fields[AT_BANNED]:
             row = self._row(request, 1)
             request.decode_row = list(row)
             return row
@@ -564,8 +569,7 @@ class RequestScheduler:
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
         request.phase = FINISHED
         request.finish_reason = reason
-        request.epoch += 1
-        self._epoch_bumps += 1
+        self._bump_epoch(request)
         if request.in_flight:
             self._retiring.add(request)
         self.prefix.release(request)
