@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import attrgetter, getitem, itemgetter, ne
+from operator import attrgetter, itemgetter, ne
 
 import numpy as np
 import torch
 
 from engine.kernels.extend_attention import extend_blocks, max_blocks
-from engine.scheduler.plan import (LENGTH, OUTPUT_INDEX, PAGE_TABLE, ROPE_SHIFT, SAMPLE, SEED, SLOT, START, TOKENS,
-                                   Plan, Row)
+from engine.scheduler.plan import (LENGTH, OUTPUT_INDEX, ROPE_SHIFT, SAMPLE, SEED, SLOT, START, TOKENS, Plan,
+                                   Row)
 
 HEADER = 16  # words; word 0 is the number of page-table patches
 ALIGN = 16  # words: 64-byte sections keep every view aligned for the kernels and for int64 fields
@@ -80,6 +80,10 @@ class PageTableMirror:
         # row and the kept fields hold. None: nothing known.
         self._seen: list[tuple | None] = [None] * slots
         self.fields = {name: np.zeros(slots, dict(SEQ_FIELDS)[name]) for name, _, _ in REQUEST_FIELDS}
+        # The slots' tables as the last rows seen have them (the first `lengths` pages of each row are the row's):
+        # a decode frame's cache slots are one gather from here.
+        self.tables = np.zeros((slots, width), np.int64)
+        self.lengths = np.zeros(slots, np.int64)
 
     def changes(self, rows: tuple[Row, ...], slots: list[int] | None = None) -> tuple[list[int], list[int]]:
         """(flat indices, pages) to write, the rows' fields kept; `slots`: the rows' (a pass saved when the caller
@@ -105,6 +109,8 @@ class PageTableMirror:
                 base = slot * self.width
                 index.extend(range(base + keep, base + len(table)))
                 pages.extend(table[keep:])
+                self.tables[slot, keep:len(table)] = table[keep:]
+            self.lengths[slot] = len(table)
             for name, read, _ in REQUEST_FIELDS:
                 self.fields[name][slot] = read(row)
             self._seen[slot] = keys[i]
@@ -131,7 +137,7 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     count = len(rows)
     slot_list = list(map(SLOT, rows))
     patch_index, patch_pages = mirror.changes(rows, slot_list)
-    slots = np.array(slot_list, np.int64)
+    slots = np.fromiter(slot_list, np.int64, count)
     starts = np.fromiter(map(START, rows), np.int64, count)
     lengths = np.fromiter(map(LENGTH, rows), np.int64, count)
     firsts = np.cumsum(lengths) - lengths  # each row's first token in the step
@@ -152,8 +158,10 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
             _fill(views["token"], [tokens[0] if tokens else -1 for tokens in map(TOKENS, rows)], 0)
         _fill(views["token_slot"], slots, trash)
         _fill(views["position"], starts + np.fromiter(map(ROPE_SHIFT, rows), np.int64, count), 0)
-        pages = np.fromiter(map(getitem, map(PAGE_TABLE, rows), (starts // page_size).tolist()), np.int64, count)
-        _fill(views["slot_mapping"], pages * page_size + starts % page_size, -1)
+        index = starts // page_size  # (PageTableMirror.changes has brought the mirror's tables to the rows')
+        if (index >= mirror.lengths[slots]).any():
+            raise ValueError("a decode row's position lies past its page table")
+        _fill(views["slot_mapping"], mirror.tables[slots, index] * page_size + starts % page_size, -1)
     else:
         _pack_tokens(rows, views, page_size, trash)
         block_seq, block_first = extend_blocks(lengths.tolist())
