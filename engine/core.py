@@ -129,7 +129,7 @@ class Engine:
         self.draining = True
         self.stopping = True
         for request in [r for r in self.scheduler.slots if r is not None] + list(self.scheduler.waiting):
-            self._publish(StepResult([], [replace(self.scheduler.cancel(request, reason), error=error)]))
+            self._publish(StepResult([replace(self.scheduler.cancel(request, reason), error=error)]))
         for request_id, (identity, _) in list(self._compiling.items()):
             self._send(identity, wire.Rejected(request_id, 503, "the engine is shutting down"))
         self._compiling.clear()
@@ -262,7 +262,7 @@ class Engine:
                            self.grammars.executor)
         for request in constrained.values():
             if request.grammar.is_error():
-                self._publish(StepResult([], [self._grammar_failed(request)]))
+                self._publish(StepResult([self._grammar_failed(request)]))
         return replace(plan, masks=masks)
 
     def _grammar_failed(self, request: Request) -> Finished:
@@ -273,7 +273,7 @@ class Engine:
         """Every committed token advances its request's matcher. A grammar that is complete ends its request
         ("stop"); a token the matcher refuses (only possible if the mask was overridden, e.g. min_tokens banning
         the end of sequence a complete grammar needs) ends it with an error, never a hang."""
-        for request, token, _ in result.tokens:
+        for request, token in zip(result.requests, result.token_ids):
             if request.grammar is None or token in request.stop_ids and request.finish_reason == "stop":
                 continue
             matcher = request.grammar
@@ -292,45 +292,49 @@ class Engine:
                 continue
             request = self.scheduler.get(request_id)
             if request is not None and request.owner == identity:
-                self._publish(StepResult([], [self.scheduler.cancel(request)]))
+                self._publish(StepResult([self.scheduler.cancel(request)]))
 
     # --- output -------------------------------------------------------------------------------------------------
     def _publish(self, result: StepResult) -> None:
-        # One pass over the step's tokens; a column nobody has anything for this step (no finishes, no logprobs) is
+        # Passes over the step's columns; a column nobody has anything for this step (no finishes, no logprobs) is
         # filled without a call per request: at 256 live requests these loops are the engine's per-step host cost.
         now = time.monotonic()
-        news: dict[Request, list[int]] = {}
+        requests, news = news_of(result)
+        for request in requests:
+            request.last_publish = now
+            request.bursts += 1
         logprobs: dict[Request, list[wire.Logprobs]] = {}
-        by_owner: dict[bytes, list[Request]] = defaultdict(list)  # requests in the order of their first news
-        for request, token, lp in result.tokens:
-            tokens = news.get(request)
-            if tokens is None:
-                news[request] = [token]
-                by_owner[request.owner].append(request)
-                request.last_publish = now
-                request.bursts += 1
-            else:
-                tokens.append(token)
-            if lp is not None:
-                logprobs.setdefault(request, []).append(lp)
+        if result.logprobs.count(None) != len(result.logprobs):
+            for request, lp in zip(result.requests, result.logprobs):
+                if lp is not None:
+                    logprobs.setdefault(request, []).append(lp)
         finished: dict[Request, Finished] = {f.request: f for f in result.finished}
-        for request in finished:
-            if request not in news:
-                news[request] = []
-                by_owner[request.owner].append(request)
-        self.counters["output_tokens"] += len(result.tokens)
-        for owner, requests in by_owner.items():
+        if finished:
+            told = set(requests)
+            ended = [r for r in finished if r not in told]
+            requests, news = requests + ended, news + [[] for _ in ended]
+        self.counters["output_tokens"] += len(result.token_ids)
+        owners = {r.owner for r in requests}
+        if len(owners) == 1:
+            groups = {owners.pop(): (requests, news)}
+        else:
+            groups = defaultdict(lambda: ([], []))
+            for request, tokens in zip(requests, news):
+                group = groups[request.owner]
+                group[0].append(request)
+                group[1].append(tokens)
+        for owner, (requests, token_ids) in groups.items():
             nothing = [None] * len(requests)
             ends = [finished.get(r) for r in requests] if finished else nothing
             labels = [label_logits(r, end) for r, end in zip(requests, ends)] if finished else []
             self._send(owner, wire.Outputs(
-                request_ids=[r.request_id for r in requests], token_ids=[news[r] for r in requests],
+                request_ids=[r.request_id for r in requests], token_ids=token_ids,
                 finish_reasons=[f.reason if f else None for f in ends] if finished else nothing,
                 errors=[f.error if f else None for f in ends] if finished else nothing,
                 prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests],
                 logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests] if logprobs else nothing,
-                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if news[r] and r.prompt_logprobs else None
-                                 for r in requests],
+                prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if tokens and r.prompt_logprobs else None
+                                 for r, tokens in zip(requests, token_ids)],
                 label_logits=labels if any(labels) else []))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
@@ -355,6 +359,20 @@ class Engine:
                 del self._frontends[identity]
             else:
                 self._send(identity, wire.Heartbeat(self.engine_id, self.draining))
+
+
+def news_of(result: StepResult) -> tuple[list[Request], list[list[int]]]:
+    """The requests with new tokens, in the order of their first, and each one's tokens. A step without drafts has
+    at most one per request: its columns as they are."""
+    if len(set(result.requests)) == len(result.requests):
+        return result.requests, [[token] for token in result.token_ids]
+    news: dict[Request, list[int]] = {}
+    for request, token in zip(result.requests, result.token_ids):
+        if (tokens := news.get(request)) is None:
+            news[request] = [token]
+        else:
+            tokens.append(token)
+    return list(news), list(news.values())
 
 
 def join_logprobs(pieces: list[wire.Logprobs]) -> wire.Logprobs | None:

@@ -90,3 +90,17 @@ def test_pack_writes_each_rows_fields_and_patches_the_page_tables(kind: str) -> 
         device.reshape(-1)[patches[0::2]] = patches[1::2]
         for row in rows:
             assert device[row.slot, :len(row.page_table)].tolist() == list(row.page_table)
+
+
+def test_a_slots_request_fields_follow_its_request() -> None:
+    """The fields pack keeps per slot are those of the slot's current request: a new generation with the very same
+    SamplingParams (another seed) and new SamplingParams within a generation are read afresh."""
+    layout = make_layout("decode", SLOTS, SLOTS)
+    frame = np.zeros(layout.patches + 2 * SLOTS * WIDTH, dtype=np.int32)
+    views, mirror = host_views(frame, layout), PageTableMirror(SLOTS, WIDTH)
+    shared = SamplingParams(temperature=0.5, top_k=3)
+    for generation, params, seed in [(1, shared, 11), (1, shared, 11), (2, shared, 22),
+                                     (2, SamplingParams(temperature=0.9, top_p=0.5, min_p=0.1), 22)]:
+        row = Row(1, generation, 0, 1, None, (3,), True, 0, params, seed, 1)
+        pack(Plan((row,)), layout, frame, views, mirror, PAGE, TRASH)
+        check_fields([row], views, "decode")

@@ -9,17 +9,17 @@ capacity reads the fields whichever model graph wrote the logits. Padding rows p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress
-from operator import and_, attrgetter, eq, getitem, is_, not_
+from operator import attrgetter, itemgetter, ne
 
 import numpy as np
 import torch
 
 from engine.kernels.extend_attention import extend_blocks, max_blocks
-from engine.scheduler.plan import (GENERATION, LENGTH, OUTPUT_INDEX, PAGE_TABLE, ROPE_SHIFT, SAMPLE, SAMPLING, SEED,
-                                   SLOT, START, TOKENS, Plan, Row)
+from engine.scheduler.plan import (LENGTH, OUTPUT_INDEX, ROPE_SHIFT, SAMPLE, SEED, SLOT, START, TOKENS, Plan,
+                                   Row)
 
 HEADER = 16  # words; word 0 is the number of page-table patches
 ALIGN = 16  # words: 64-byte sections keep every view aligned for the kernels and for int64 fields
@@ -29,8 +29,15 @@ SEQ_FIELDS = (("slot", np.int32), ("query_start", np.int32), ("query_len", np.in
 TOKEN_FIELDS = (("token", np.int32), ("token_slot", np.int32), ("position", np.int32), ("slot_mapping", np.int32))
 BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
 TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
-# Getters of the sampling parameters, for passes over a step's rows at C speed as plan.SLOT and the others.
-TEMPERATURE, TOP_P, TOP_K, MIN_P = (attrgetter(name) for name in ("temperature", "top_p", "top_k", "min_p"))
+TEMPERATURE = attrgetter("temperature")  # for passes over a step's sampling parameters at C speed
+SEEN_KEY = itemgetter(*(Row._fields.index(name) for name in ("generation", "page_table", "sampling", "seed")))
+# Per-sequence fields that depend only on the row's request (its sampling settings and seed), with their padding:
+# PageTableMirror keeps them per slot, so a step gathers them by slot instead of reading every row's. A new such field
+# is one more entry here (its dtype comes from SEQ_FIELDS).
+REQUEST_FIELDS: tuple[tuple[str, Callable[[Row], float | int], float], ...] = (
+    ("temperature", lambda row: row.sampling.temperature, 0.0), ("top_p", lambda row: row.sampling.top_p, 1.0),
+    ("top_k", lambda row: row.sampling.top_k, 0), ("min_p", lambda row: row.sampling.min_p, 0.0),
+    ("seed", SEED, 0))
 
 
 @dataclass(frozen=True)
@@ -64,42 +71,55 @@ def device_views(frame: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]
 
 
 class PageTableMirror:
-    """What the device's per-slot page tables hold once every frame packed so far has been applied."""
+    """What the device's per-slot page tables hold once every frame packed so far has been applied; and each slot's
+    REQUEST_FIELDS as its last row had them, which pack gathers by slot."""
 
     def __init__(self, slots: int, width: int) -> None:
         self.width = width
-        self._owner: list[int | None] = [None] * slots  # the generation whose table the row holds
-        self._pages: list[tuple[int, ...]] = [()] * slots
+        # Per slot, the (generation, page table, SamplingParams, seed) of the last row seen: what the device's table
+        # row and the kept fields hold. None: nothing known.
+        self._seen: list[tuple | None] = [None] * slots
+        self.fields = {name: np.zeros(slots, dict(SEQ_FIELDS)[name]) for name, _, _ in REQUEST_FIELDS}
+        # The slots' tables as the last rows seen have them (the first `lengths` pages of each row are the row's):
+        # a decode frame's cache slots are one gather from here.
+        self.tables = np.zeros((slots, width), np.int64)
+        self.lengths = np.zeros(slots, np.int64)
 
-    def changes(self, rows: tuple[Row, ...]) -> tuple[list[int], list[int]]:
-        """(flat indices, pages) to write; a request's table only grows, so usually only its new pages. A row
-        whose known pages changed (another generation, or a page replaced) is rewritten whole.
+    def changes(self, rows: tuple[Row, ...], slots: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """(flat indices, pages) to write, the rows' fields kept; `slots`: the rows' (a pass saved when the caller
+        has them). A request's table only grows, so usually only its new pages are written. A row whose known pages
+        changed (another generation, or a page replaced) is rewritten whole.
 
-        A row whose table is the very tuple last seen for its slot, of the same generation, changes nothing: the
-        scheduler shares a decode row's table from step to step until a page is added, so at large batch only the
-        few rows that gained a page are looked at one by one (the others in passes at C speed)."""
+        A row whose generation, table, SamplingParams and seed equal those last seen for its slot changes nothing
+        (the scheduler shares a decode row's table, and always its SamplingParams, from step to step, so the
+        comparison is mostly of identical objects): at large batch only the few rows that gained a page, or are new
+        to their slot, are looked at one by one, the others in two passes at C speed."""
+        slots = list(map(SLOT, rows)) if slots is None else slots
+        keys = list(map(SEEN_KEY, rows))
         index: list[int] = []
         pages: list[int] = []
-        slots = list(map(SLOT, rows))
-        seen = map(and_, map(is_, map(PAGE_TABLE, rows), map(self._pages.__getitem__, slots)),
-                   map(eq, map(GENERATION, rows), map(self._owner.__getitem__, slots)))
-        for row in compress(rows, map(not_, seen)):
-            table, known = row.page_table, self._pages[row.slot]
+        for i in compress(range(len(rows)), map(ne, keys, map(self._seen.__getitem__, slots))):
+            row = rows[i]
+            slot, table, seen = row.slot, row.page_table, self._seen[row.slot]
             if len(table) > self.width:
                 raise ValueError(f"a page table of {len(table)} pages exceeds the context's {self.width}")
-            keep = len(known) if self._owner[row.slot] == row.generation and known and \
-                len(table) >= len(known) and table[len(known) - 1] == known[-1] else 0
+            known = seen[1] if seen is not None and seen[0] == row.generation else ()
+            keep = len(known) if known and len(table) >= len(known) and table[len(known) - 1] == known[-1] else 0
             if len(table) > keep:
-                base = row.slot * self.width
+                base = slot * self.width
                 index.extend(range(base + keep, base + len(table)))
                 pages.extend(table[keep:])
-            self._owner[row.slot], self._pages[row.slot] = row.generation, table
+                self.tables[slot, keep:len(table)] = table[keep:]
+            self.lengths[slot] = len(table)
+            for name, read, _ in REQUEST_FIELDS:
+                self.fields[name][slot] = read(row)
+            self._seen[slot] = keys[i]
         return index, pages
 
     def forget(self, slots: list[int]) -> None:
         """After a failed step nothing is known: the next use of these slots rewrites their rows."""
         for slot in slots:
-            self._owner[slot] = None
+            self._seen[slot] = None
 
 
 def _fill(view: np.ndarray, values: Sequence | np.ndarray, pad: float) -> None:
@@ -115,7 +135,9 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     Python loop over the rows per field was the larger part of the host's step."""
     rows = plan.rows
     count = len(rows)
-    slots = np.fromiter(map(SLOT, rows), np.int64, count)
+    slot_list = list(map(SLOT, rows))
+    patch_index, patch_pages = mirror.changes(rows, slot_list)
+    slots = np.fromiter(slot_list, np.int64, count)
     starts = np.fromiter(map(START, rows), np.int64, count)
     lengths = np.fromiter(map(LENGTH, rows), np.int64, count)
     firsts = np.cumsum(lengths) - lengths  # each row's first token in the step
@@ -127,12 +149,8 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     _fill(views["sample_row"], firsts + lengths - 1, 0)
     _fill(views["sample_slot"], np.where(sample, slots, trash), trash)
     _fill(views["output_index"], np.fromiter(map(OUTPUT_INDEX, rows), np.int64, count), 0)
-    _fill(views["seed"], np.fromiter(map(SEED, rows), np.int64, count), 0)
-    params = list(map(SAMPLING, rows))
-    _fill(views["temperature"], np.fromiter(map(TEMPERATURE, params), np.float32, count), 0.0)
-    _fill(views["top_p"], np.fromiter(map(TOP_P, params), np.float32, count), 1.0)
-    _fill(views["top_k"], np.fromiter(map(TOP_K, params), np.int64, count), 0)
-    _fill(views["min_p"], np.fromiter(map(MIN_P, params), np.float32, count), 0.0)
+    for name, _, pad in REQUEST_FIELDS:
+        _fill(views[name], mirror.fields[name][slots], pad)
     if layout.kind == "decode":  # a row's input is the slot's last sampled token, unless the host gives it
         if plan.kind == "decode":  # every row's input is on the device (a verify step's rows carry theirs)
             _fill(views["token"], np.full(count, -1), 0)
@@ -140,19 +158,20 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
             _fill(views["token"], [tokens[0] if tokens else -1 for tokens in map(TOKENS, rows)], 0)
         _fill(views["token_slot"], slots, trash)
         _fill(views["position"], starts + np.fromiter(map(ROPE_SHIFT, rows), np.int64, count), 0)
-        pages = np.fromiter(map(getitem, map(PAGE_TABLE, rows), (starts // page_size).tolist()), np.int64, count)
-        _fill(views["slot_mapping"], pages * page_size + starts % page_size, -1)
+        index = starts // page_size  # (PageTableMirror.changes has brought the mirror's tables to the rows')
+        if (index >= mirror.lengths[slots]).any():
+            raise ValueError("a decode row's position lies past its page table")
+        _fill(views["slot_mapping"], mirror.tables[slots, index] * page_size + starts % page_size, -1)
     else:
         _pack_tokens(rows, views, page_size, trash)
         block_seq, block_first = extend_blocks(lengths.tolist())
         _fill(views["block_seq"], block_seq, -1)
         _fill(views["block_first"], block_first, 0)
-    index, pages = mirror.changes(rows)
-    frame[0] = len(index)
-    patches = frame[layout.patches:layout.patches + 2 * len(index)]
-    patches[0::2] = index
-    patches[1::2] = pages
-    return layout.patches + 2 * len(index)
+    frame[0] = len(patch_index)
+    patches = frame[layout.patches:layout.patches + 2 * len(patch_index)]
+    patches[0::2] = patch_index
+    patches[1::2] = patch_pages
+    return layout.patches + 2 * len(patch_index)
 
 
 def _pack_tokens(rows: tuple[Row, ...], views: dict[str, np.ndarray], page_size: int, trash: int) -> None:

@@ -49,13 +49,6 @@ class Row(NamedTuple):
     draft: tuple[int, ...] = ()
     proposer: str = ""
 
-    def moved(self, start: int, output_index: int, page_table: tuple[int, ...]) -> Row:
-        """This row at another position, every other field shared: the scheduler's next decode row for the same
-        request (what _replace does, at a third of its cost)."""
-        # (slot, generation, start, length, tokens, page_table, sample, output_index, then the rest unchanged)
-        return tuple.__new__(Row, (self[0], self[1], start, self[3], self[4], page_table, self[6], output_index)
-                             + self[8:])
-
 
 # Getters of Row fields, for passes over a step's rows at C speed (map(SLOT, rows)): at 256 rows a Python loop per
 # field costs several times more.

@@ -11,7 +11,6 @@ from engine.cache.checkpoint_cache import Checkpoint
 from common.prefix_history import PrefixHistory
 
 if TYPE_CHECKING:
-    from engine.scheduler.plan import Row
     from engine.speculative.planner import SpeculationState
 
 
@@ -68,8 +67,9 @@ class Request:
     # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
     grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
-    # The last decode row planned for it: the next one is this row moved on (RequestScheduler._decode_row).
-    decode_row: Row | None = None
+    # The fields of the last decode row planned for it in this epoch, as a list: the next one is this list with its
+    # position moved on (RequestScheduler._decode_row), copied into a Row. None at each new epoch.
+    decode_row: list | None = None
 
     @property
     def scored(self) -> bool:
@@ -103,11 +103,3 @@ class Request:
     @property
     def outputs(self) -> int:
         return len(self.tokens) - self.prompt_len
-
-    @property
-    def outputs_scheduled(self) -> int:
-        """Output tokens that committed or submitted steps will have produced."""
-        if self.scheduled < self.prefill_target:
-            return len(self.tokens) - self.prompt_len
-        ahead = self.scheduled - self.prompt_len + 1  # (no max(): a builtin call per live request and step)
-        return ahead if ahead > 0 else 0

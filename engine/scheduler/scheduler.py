@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import compress
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
 WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
+# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step, and whether it may move
+# on: the next row is that list with two or three items replaced, made a Row in one copy.
+AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_BANNED = (
+    Row._fields.index(name) for name in ("start", "page_table", "output_index", "banned"))
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,18 @@ class Finished:
 
 @dataclass
 class StepResult:
-    """What a completion changed: new tokens per request (in order, with logprobs when asked) and requests
-    that ended."""
+    """What a completion changed: new tokens, in order, as columns (the request, the token, its logprobs when
+    asked), and requests that ended."""
 
-    tokens: list[tuple[Request, int, Logprobs | None]]
-    finished: list[Finished]
+    finished: list[Finished] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprobs | None] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[tuple[Request, int, Logprobs | None]]:
+        """(request, token, logprobs) per new token."""
+        return list(zip(self.requests, self.token_ids, self.logprobs))
 
 
 class StalePlan(ValueError):
@@ -66,7 +79,10 @@ class RequestScheduler:
         self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
-        self._planned: tuple[Plan | None, tuple] = (None, ())
+        # The latest plan, its copies, and the epoch bumps (placements, preemptions, ends) made before it was: a plan
+        # whose requests no epoch bump touched since is current without looking at each.
+        self._planned: tuple[Plan | None, tuple, int] = (None, (), 0)
+        self._epoch_bumps = 0
         self.policy = policy
         self.costs = GraphCostModel(policy)
         self.speculation = None
@@ -129,16 +145,16 @@ class RequestScheduler:
         rows: list[Row] = []  # their slots are never preempted by this plan
         size = self.page_size
         for request in decoders:
+            fields = request.decode_row  # None once preempted, by an earlier reservation of this plan too
+            start = request.scheduled
+            if fields is not None and not fields[AT_BANNED] and start < len(fields[AT_PAGE_TABLE]) * size and \
+                    request not in drafts:
+                # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
+                fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
+                rows.append(tuple.__new__(Row, fields))
+                continue
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
-            previous = request.decode_row
-            if previous is not None and previous.epoch == request.epoch and not previous.banned and \
-                    request.scheduled < len(previous.page_table) * size and request not in drafts:
-                # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
-                row = request.decode_row = previous.moved(request.scheduled, request.scheduled + 1 -
-                                                          request.prompt_len, previous.page_table)
-                rows.append(row)
-                continue
             draft = drafts.get(request, ()) if drafts else ()
             end = request.scheduled + 1 + len(draft)
             # _reserve (and the prefix cache's eviction) only when a page is missing.
@@ -163,15 +179,16 @@ class RequestScheduler:
         if shape[0] == "verify" and not drafts:  # no proposal came: a plain decode step after all
             shape = ("decode", shape[1])
         plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
-        self._planned = (plan, copies)
+        self._planned = (plan, copies, self._epoch_bumps)
         return plan
 
     def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
                 depths: dict[Request, Choice]) -> Candidate | None:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
-        scale, fairness = config.output_token_value, config.delivery_fairness
-        values = [scale * (1 + price(config, fairness, now - r.last_commit)) for r in decoders]
+        # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
+        waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
+        values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
         decode_value = sum(values)
         candidates = []
         if decoders:
@@ -241,32 +258,38 @@ class RequestScheduler:
 
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
-        planned, copies = self._planned
+        planned, copies, epoch_bumps = self._planned
         if planned is not plan:
             raise StalePlan("commit of a plan that is not the latest one planned")
-        slots = self.slots
-        requests = [slots[row.slot] for row in plan.rows]
-        for row, request in zip(plan.rows, requests):
-            if request is None or request.generation != row.generation or request.epoch != row.epoch:
-                self._planned = (None, ())
-                raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
-        self._planned = (None, ())
+        rows, slots = plan.rows, self.slots
+        requests = [slots[row.slot] for row in rows]
+        if epoch_bumps != self._epoch_bumps:  # some request was placed, preempted or ended since: which?
+            for row, request in zip(rows, requests):
+                if request is None or request.generation != row.generation or request.epoch != row.epoch:
+                    self._planned = (None, (), 0)
+                    raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
+        self._planned = (None, (), 0)
         self.prefix.copies_committed(copies, fence)
-        for row, request in zip(plan.rows, requests):
+        for row, request in zip(rows, requests):
             request.scheduled = row.start + row.length
             request.last_fence = fence
             request.in_flight += 1
-            request.fresh = False
-            if row.draft:
-                request.speculation.verifying = True
-            if request.phase is PREFILL and request.scheduled == request.prefill_target:
-                request.phase = DECODE
+        if plan.kind != "decode":  # (a decode row's request is decoding, and was placed steps ago)
+            for row, request in zip(rows, requests):
+                request.fresh = False
+                if row.draft:
+                    request.speculation.verifying = True
+                if request.phase is PREFILL and request.scheduled == request.prefill_target:
+                    request.phase = DECODE
 
     def _decode_candidates(self) -> list[Request]:
         """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
         (its mask depends on that step's token), while free ones keep a second step in flight."""
+        # The output tokens that committed or submitted steps will have produced: a decoding request's scheduled
+        # positions reach its prefill target (prompt and earlier outputs), and each position past the prompt's last
+        # yields one.
         return [r for r in self.slots if r is not None and r.phase is DECODE
-                and r.outputs_scheduled < r.max_outputs and not (r.grammar is not None and r.in_flight)]
+                and r.scheduled - r.prompt_len + 1 < r.max_outputs and not (r.grammar is not None and r.in_flight)]
 
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL]
@@ -284,7 +307,7 @@ class RequestScheduler:
         request.phase = PREFILL
         request.scheduled = 0
         request.fresh = True
-        request.epoch += 1
+        self._bump_epoch(request)
         self.slots[slot] = request
         self.prefix.reuse(request, self._try_allocate)
 
@@ -313,7 +336,7 @@ class RequestScheduler:
         if not victims:
             return False
         victim = max(victims, key=lambda r: r.arrival)
-        victim.epoch += 1
+        self._bump_epoch(victim)
         self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
@@ -323,22 +346,30 @@ class RequestScheduler:
         self.waiting.appendleft(victim)
         return True
 
+    def _bump_epoch(self, request: Request) -> None:
+        """The request was placed, preempted or ended: plans made before touch it no more, and its next decode row
+        is built anew."""
+        request.epoch += 1
+        request.decode_row = None
+        self._epoch_bumps += 1
+
     def _decode_row(self, request: Request) -> Row:
         """A decode row. Between two decode steps of one epoch only its position and page table move: the
         previous decode row is moved on. Rebuilt whole on the epoch's first, after a verify round's rewind (pages
         went back), and while min_tokens bans the stop ids (`banned` depends on the position). Its other
         position-dependent fields are constant past the prompt: no prompt targets, label queries or image spans
         lie there, so `scores` is () and `rope_shift` is the shift after the last image."""
-        previous = request.decode_row
-        if previous is None or previous.epoch != request.epoch or previous.banned:
+        fields = request.decode_row
+        if fields is None or fields[AT_BANNED]:
             row = self._row(request, 1)
-        else:
-            end = request.scheduled + 1
-            pages = -(-end // self.page_size)
-            table = previous.page_table if len(previous.page_table) == pages else tuple(request.pages[:pages])
-            row = previous.moved(end - 1, end - request.prompt_len, table)
-        request.decode_row = row
-        return row
+            request.decode_row = list(row)
+            return row
+        end = request.scheduled + 1
+        pages = -(-end // self.page_size)
+        if len(fields[AT_PAGE_TABLE]) != pages:
+            fields[AT_PAGE_TABLE] = tuple(request.pages[:pages])
+        fields[AT_START], fields[AT_OUTPUT_INDEX] = end - 1, end - request.prompt_len
+        return tuple.__new__(Row, fields)
 
     def _row(self, request: Request, length: int) -> Row:
         start = request.scheduled
@@ -370,7 +401,15 @@ class RequestScheduler:
                 self.speculation.earn(completion.duration)
         self.pages.advance_completed(fence)
         self.prefix.cache.advance_completed(fence)
-        result = StepResult([], [])
+        result = StepResult()
+        if error is None and plan.kind != "verify":
+            ending = self._complete_rows(plan.rows, completion, fence, result)
+            self._retire(fence)
+            self._complete_prompt_logprobs(completion)
+            self._complete_scores(completion, plan, result)
+            for request, token in ending:
+                result.finished.append(self._finish(request, self._end_reason(request, token)))
+            return result
         size = self.page_size
         for row in plan.rows:
             request = slots[row.slot]
@@ -384,19 +423,14 @@ class RequestScheduler:
                 # PrefixReuse.publish has work only when a block completed or a message end may be pending.
                 if computed // size > len(request.block_chain) or request.message_ends:
                     self.prefix.publish(request, computed, fence, self._try_allocate)
-        if self._retiring:
-            for request in [r for r in self._retiring if r.last_fence <= fence]:
-                self._retiring.discard(request)
+        self._retire(fence)
         if error is not None:
             for row in plan.rows:
                 request = slots[row.slot]
                 if request is not None and request.generation == row.generation:
                     result.finished.append(self._finish(request, "error", error))
             return result
-        for slot, generation, logprobs in completion.prompt_logprobs:
-            request = slots[slot]
-            if request is not None and request.generation == generation:
-                request.prompt_logprobs.append(logprobs)
+        self._complete_prompt_logprobs(completion)
         self._complete_scores(completion, plan, result)
         logprobs = completion.logprobs or (None,) * len(completion.tokens)
         accepted = completion.accepted or (0,) * len(completion.tokens)
@@ -418,6 +452,56 @@ class RequestScheduler:
                 result.finished.append(self._finish(request, reason))
         return result
 
+    def _complete_rows(self, rows: tuple[Row, ...], completion: Completion, fence: int,
+                       result: StepResult) -> list[tuple[Request, int]]:
+        """A step without drafts or error, in one loop over its rows without a call per row: each row's request has
+        one step fewer in flight and publishes the blocks it completed (PrefixReuse.publish, for a few rows a step),
+        and a sampling row commits its token as _commit_token does. The rows' requests that ended while the step
+        was in flight are left out. Returns the requests whose token ends them, with that token, in row order: they
+        end once the step's other news is in."""
+        slots, size, tokens = self.slots, self.page_size, completion.tokens
+        now = time.monotonic()  # every token of the step is committed now
+        committed: list[Request | None] = []  # per sampling row
+        ending: list[tuple[Request, int]] = []
+        for row in rows:
+            request = slots[row.slot]
+            if request is None or request.generation != row.generation:
+                if row.sample:
+                    committed.append(None)
+                continue
+            request.in_flight -= 1
+            computed = row.start + row.length
+            # PrefixReuse.publish has work only when a block completed or a message end may be pending.
+            if computed // size > len(request.block_chain) or request.message_ends:
+                self.prefix.publish(request, computed, fence, self._try_allocate)
+            if not row.sample:
+                continue
+            token = tokens[len(committed)]
+            history = request.tokens
+            history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
+            request.last_commit = now
+            committed.append(request)
+            if token in request.stop_ids or len(history) - request.prompt_len >= request.max_outputs:
+                ending.append((request, token))
+        logprobs = completion.logprobs or (None,) * len(tokens)
+        if None in committed:
+            live = [request is not None for request in committed]
+            committed, tokens, logprobs = (list(compress(column, live)) for column in (committed, tokens, logprobs))
+        result.requests, result.token_ids, result.logprobs = committed, list(tokens), list(logprobs)
+        return ending
+
+    def _retire(self, fence: int) -> None:
+        """Requests that ended with steps in flight are gone once the last of those steps completed."""
+        if self._retiring:
+            for request in [r for r in self._retiring if r.last_fence <= fence]:
+                self._retiring.discard(request)
+
+    def _complete_prompt_logprobs(self, completion: Completion) -> None:
+        for slot, generation, logprobs in completion.prompt_logprobs:
+            request = self.slots[slot]
+            if request is not None and request.generation == generation:
+                request.prompt_logprobs.append(logprobs)
+
     def _emit(self, request: Request, tokens: tuple[int, ...], lp: Logprobs | None, result: StepResult,
               now: float) -> tuple[int, str | None]:
         """Commit tokens in order up to the first that ends the request: (tokens committed, finish reason)."""
@@ -431,7 +515,14 @@ class RequestScheduler:
         """Commit one output token; the finish reason when it ends the request."""
         request.tokens.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
         request.last_commit = now
-        result.tokens.append((request, token, lp))
+        result.requests.append(request)
+        result.token_ids.append(token)
+        result.logprobs.append(lp)
+        return self._end_reason(request, token)
+
+    @staticmethod
+    def _end_reason(request: Request, token: int) -> str | None:
+        """Why `token`, just committed, ends the request; None when it does not."""
         if token in request.stop_ids:
             return "stop"
         # (request.outputs, without a property call per token)
@@ -478,7 +569,7 @@ class RequestScheduler:
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
         request.phase = FINISHED
         request.finish_reason = reason
-        request.epoch += 1
+        self._bump_epoch(request)
         if request.in_flight:
             self._retiring.add(request)
         self.prefix.release(request)
