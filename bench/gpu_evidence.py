@@ -256,15 +256,15 @@ def prefill_plan(tokens: int, page_size: int) -> Plan:
 
 
 def prefill_flops(model, plan: Plan) -> float:
-    """Two flops a multiply-add: every linear layer's weights once per token (the LM head once per sampling row),
-    and causal attention's QK^T and PV."""
-    config = model.config
-    embed = model.model.embed_tokens.weight.numel()
-    linear = sum(p.numel() for p in model.parameters() if p.dim() == 2) - embed * (1 + (not config.tie_word_embeddings))
+    """Two flops a multiply-add: a dense decoder layer's projections once per token (from the config: the model's
+    parameters also hold the kernel path's fused views of them), the LM head once per sampling row, and causal
+    attention's QK^T and PV."""
+    c = model.config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_token = c.num_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
     tokens = sum(row.length for row in plan.rows)
-    heads_dim = config.num_heads * config.head_dim
-    attention = sum(4 * heads_dim * (row.length * row.start + row.length * (row.length + 1) / 2) for row in plan.rows)
-    return 2 * linear * tokens + 2 * embed * len(plan.rows) + attention * config.num_layers
+    attention = sum(4 * q * (row.length * row.start + row.length * (row.length + 1) / 2) for row in plan.rows)
+    return 2 * per_token * tokens + 2 * c.hidden_size * c.vocab_size * len(plan.rows) + attention * c.num_layers
 
 
 def prefill(cores: Path) -> None:

@@ -69,14 +69,16 @@ ROWS = [
         ("median_ttft_ms", "median_tpot_ms"), "(--speculative ngram: no slower than 8b-sharegpt)"),
     Row("8b-c64-ngram", "llama-8b", ("--speculative", "ngram", *MAX256), C64,
         ("output_throughput",), "(--speculative ngram: no slower than 8b-c64)"),
-    # Sampling extras inside the graphs (engine/executor/graph_sampling.py): every 10th request of 8b-c64 asks.
-    *[Row(f"8b-c64-{name}", "llama-8b", MAX256, (*C64, "--extra-body", json.dumps(body), "--extra-body-every", "10"),
+    # Sampling extras inside the graphs (engine/executor/graph_sampling.py): every 10th request of 8b-c64 asks. Each
+    # row draws prompts of its own (--seed): on the server 8b-c64 ran on, its prompts would come from the prefix cache.
+    *[Row(f"8b-c64-{name}", "llama-8b", MAX256, (*C64, "--seed", seed, "--extra-body", json.dumps(body),
+                                                 "--extra-body-every", "10"),
           ("output_throughput", "failed"), f">= 90% of 8b-c64 (every 10th request asks {asks})")
-      for name, body, asks in (("logprobs", {"logprobs": 5}, "logprobs=5"),
-                               ("penalties", {"repetition_penalty": 1.1}, "repetition_penalty=1.1"))],
+      for name, body, asks, seed in (("logprobs", {"logprobs": 5}, "logprobs=5", "1"),
+                                     ("penalties", {"repetition_penalty": 1.1}, "repetition_penalty=1.1", "2"))],
     Row("8b-c64-json", "llama-8b", MAX256,
         bench("--input-len", "512", "--output-len", "128", "--num-prompts", "128", "--max-concurrency", "64",
-              "--extra-body", JSON64),
+              "--seed", "3", "--extra-body", JSON64),
         ("output_throughput", "failed"), ">= 85% of 8b-c64 (every request constrained by a JSON schema)"),
     Row("8b-short64", "llama-8b", MAX64,
         bench("--input-len", "64", "--output-len", "8", "--num-prompts", "8", "--max-concurrency", "1"),
