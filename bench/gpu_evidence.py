@@ -23,7 +23,7 @@ import msgspec
 import torch
 
 from bench.gpu_loop import engine_loop_busy
-from bench.gpu_steps import decode_plan, generate, replay, time_steps
+from bench.gpu_steps import decode_plan, generate, replay, time_steps, weight_bytes
 from common.protocol import SamplingParams
 from engine.executor.eager import EagerExecutor
 from engine.executor.graph import GraphExecutor
@@ -85,13 +85,6 @@ def copy_bandwidth() -> float:
     end.record()
     end.synchronize()
     return 2 * src.numel() * src.element_size() * 10 / (start.elapsed_time(end) / 1000)
-
-
-def weight_bytes(model) -> int:
-    """Bytes a decode step reads: every weight but the embedding table (of which it reads a row), unless tied."""
-    embed = model.model.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total if model.config.tie_word_embeddings else total - embed.numel() * embed.element_size()
 
 
 def correctness(cores: Path) -> None:

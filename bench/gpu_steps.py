@@ -13,6 +13,16 @@ from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 
 
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads: every weight but the embedding table (of which it reads a row), unless tied. Each
+    storage once: the kernel path's fused q/k/v and gate/up products keep their parts as views of the fused weight."""
+    embed = model.model.embed_tokens.weight
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    if not model.config.tie_word_embeddings:
+        storages.pop(embed.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
+
+
 def decode_plan(batch: int, context: int, page_size: int) -> Plan:
     """`batch` slots each decoding its token at position context-1 over its own pages."""
     pages = -(-context // page_size)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from bench.gpu_steps import decode_plan, generate, replay, time_steps
+from bench.gpu_steps import decode_plan, generate, replay, time_steps, weight_bytes
 from engine.executor.eager import EagerExecutor
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
@@ -72,11 +72,6 @@ def executor(kind: str, model: CausalLM, device: torch.device, pages: int):
     from engine.executor.graph import GraphExecutor
 
     return GraphExecutor(model, pages, PAGE, MAX_ACTIVE, device, 8192, CHUNK)
-
-
-def weight_bytes(model: CausalLM) -> int:
-    embed = model.model.embed_tokens.weight
-    return sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
 
 
 def timings(model: CausalLM, device: torch.device, batches: list[int], steps: int) -> dict:
