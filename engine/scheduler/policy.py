@@ -8,7 +8,8 @@ Value is counted in prompt-token units: a prompt token is worth 1, an output tok
 token that completes a prompt (a request's first output) `terminal_value` more. Each request carries service prices
 that grow while it waits for service, so value shifts toward whoever waited longest and nobody starves behind long
 prompts. Costs are learned online per step shape: zero until measured (so new shapes are explored first), then the
-median of the last nine measured durations, forgotten after 30 seconds. The coefficients are preferences, not limits.
+median of the last nine measured durations; after 30 seconds without a new one, the median of the last nine however
+old (an idle server's next request is not spent re-exploring). The coefficients are preferences, not limits.
 """
 
 from __future__ import annotations
@@ -80,11 +81,11 @@ def price(config: PolicyConfig, coefficient: float, waited: float) -> float:
 
 
 def choose(candidates: list[Candidate], costs: GraphCostModel, config: PolicyConfig) -> Candidate | None:
-    """The best candidate. Unmeasured shapes come first (the most valuable of them); measured ones trade value per
-    second against the time their decoding requests spend waiting inside a longer step."""
+    """The best candidate. Shapes never measured come first (the most valuable of them); measured ones trade value
+    per second against the time their decoding requests spend waiting inside a longer step."""
     best, best_score = None, float("-inf")
     for candidate in candidates:
-        cost = costs.estimate(candidate.shape)
+        cost = costs.estimate(candidate.shape) or costs.last_known(candidate.shape)
         if cost > 0:
             score = candidate.value / cost - config.decode_age_price * candidate.decoders * cost * 1000
         else:

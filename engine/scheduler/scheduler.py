@@ -202,6 +202,7 @@ class RequestScheduler:
                 width = width_of(max(choice.depth for choice in drafting))
                 candidates.append(Candidate(len(decoders), 0, value, ("verify", batch, width)))
         waiting = sum(r.prefill_target - r.scheduled for r in prefills)
+        largest = self._chunk_capacities[-1]
         for capacity in self._chunk_capacities:
             tokens = min(capacity, waiting)
             if tokens <= 0:
@@ -209,7 +210,9 @@ class RequestScheduler:
             value = self._prefill_value(prefills, tokens, now)
             if decoders:
                 candidates.append(Candidate(len(decoders), tokens, decode_value + value, ("mixed", capacity)))
-            else:
+            elif tokens == waiting or capacity == largest or self.costs.last_known(("prefill", capacity)) > 0:
+                # A smaller chunk of what waits is offered once its cost is known: exploring it would only delay
+                # a first token (a 67-token prompt split into 64 + 3, a cold long one into every capacity).
                 candidates.append(Candidate(0, tokens, value, ("prefill", capacity)))
             if tokens == waiting:
                 break
