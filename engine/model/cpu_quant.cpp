@@ -55,12 +55,6 @@ constexpr int64_t TILE_BYTES = 32 * 1024;
 constexpr int ROWS = 4;
 // How far ahead of the column in work its weights are prefetched (measured best of 2, 4, 8 and 16).
 constexpr int64_t PREFETCH_COLUMNS = 4;
-// Fewest multiply-adds of a product worth a second thread: a decode step at one stream (products of 0.3 to 1.8
-// million) then runs on one thread but for its output layer (28 million), and prefill chunks and batches of 16 on
-// all. On a two-core machine the frontend and the engine loop need the other core at one stream, and every parallel
-// region waits for the slower thread: with MIN_WORK_PER_THREAD's 65536, a decode step took 16.2 ms of wall time on
-// two threads against 7.4 with this (bench/README.md, "Threads").
-constexpr int64_t PRODUCT_MIN_WORK = int64_t{1} << 22;
 using flare_cpu::hsum;
 using flare_cpu::MIN_WORK_PER_THREAD;
 
@@ -253,7 +247,7 @@ void quant_mm_kernel(const float* x, int64_t M, int64_t K, const uint8_t* codes,
   // Rows in tiles whose xq stays in L1 while the thread's columns pass over it: a column's codes are unpacked once
   // per ROWS rows of a tile and come from memory once a tile.
   const int64_t tile = std::max<int64_t>(ROWS, TILE_BYTES / (XS * sizeof(int16_t)) / ROWS * ROWS);
-  const int64_t grain = std::max<int64_t>(1, PRODUCT_MIN_WORK / (std::min(M, tile) * K));
+  const int64_t grain = std::max<int64_t>(1, MIN_WORK_PER_THREAD / (std::min(M, tile) * K));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += tile) {
       const int64_t count = std::min(tile, M - m);
