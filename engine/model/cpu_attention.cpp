@@ -257,7 +257,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   float* o = out.data_ptr<float>();
   const int64_t longest = B ? *std::max_element(s.context_lens, s.context_lens + B) : 0;
   const int64_t work = std::max<int64_t>(1, 2 * longest * (H / KVH) * D);
-  const int64_t grain = std::max<int64_t>(1, flare_cpu::MIN_WORK_PER_THREAD / work);
+  const int64_t grain = std::max<int64_t>(1, flare_cpu::MIN_MULTIPLY_ADDS_PER_THREAD / work);
   at::parallel_for(0, B * KVH, grain, [&](int64_t i0, int64_t i1) {
     Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) attend(s, i / KVH, i % KVH, scratch, o + (i / KVH) * H * D);
