@@ -1,16 +1,17 @@
 """Decode ms per step on the CPU, split into weight matmuls, attention and the rest (a torch.profiler profile).
 
-    python -m bench.cpu_profile CORE [CORE ...] [--batch 1] [--context 128] [--steps 32] [--threads N]
+    python -m bench.cpu_profile CORE [CORE ...] [--batch 1] [--context 128] [--steps 32] [--threads N] [--split]
 
 Each core is loaded as the engine loads it (a quantized core keeps its int4 groups), `--batch` sequences get a
 prompt of `--context` tokens in one prefill step (timed: the prefill ms), then `--steps` greedy decode steps run
 and are timed (wall and CPU time: on a shared machine, CPU time with one thread is the steadier figure), then
-profiled. Operators/step: aten operators called from Python per step. Shares of the profiled step: matmuls, the self time of the matrix-product operators (dense and int4) outside
-attention; attention: everything under PagedAttention (cache writes, page gathers, SDPA); rest: the remainder of
-the step (embedding, norms, rotary, activations, logits' argmax, Python); C++ layers: a quantized core's decode
-layers run whole as flare_cpu::decoder_layer calls (engine/model/cpu_decoder_layer.cpp), whose products and
-attention are theirs, not the other columns'. The engine's own loop and the HTTP stack are not in these figures;
-`flare-bench` measures those.
+profiled. Operators/step: aten operators called from Python per step. Shares of the profiled step: matmuls, the
+self time of the matrix-product operators (dense and int4) outside attention; attention: everything under
+PagedAttention (cache writes, page gathers, SDPA); rest: the remainder of the step (embedding, norms, rotary,
+activations, logits' argmax, Python); C++ layers: a quantized core's decode layers run whole as
+flare_cpu::decoder_layer calls (engine/model/cpu_decoder_layer.cpp), whose products and attention are theirs, not
+the other columns' (`--split` calls the same ops one by one from Python instead, so that the columns see them).
+The engine's own loop and the HTTP stack are not in these figures; `flare-bench` measures those.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ def metadata(batch: int, context: int, new: int, pages_per_seq: int) -> Attentio
                              spans, PAGE)
 
 
-def run(core: Path, batch: int, context: int, steps: int) -> dict[str, float]:
+def run(core: Path, batch: int, context: int, steps: int, split: bool = False) -> dict[str, float]:
     _, model = load_model(core, torch.device("cpu"), verify=False)
+    if split:  # each layer's C++ ops called one by one from Python, so that the profile sees each
+        for layer in model.model.layers:
+            layer.whole_decode = None
     pages = (context + steps + PAGE) // PAGE + 1
     kv = torch.zeros(kv_cache_shape(model, batch * pages, PAGE))
     vocab = model.config.vocab_size
@@ -108,13 +112,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--split", action="store_true",
+                        help="a quantized core's decode layers as their C++ ops called one by one (the same bits), so "
+                             "that matmuls and attention are split out of the C++ layers column")
     args = parser.parse_args()
     print(f"threads: {set_threads(args.threads)}")
     print("| core | batch | prefill ms | prefill CPU ms | step ms | step CPU ms | tok/s | operators/step | matmuls | attention "
           "| C++ layers | rest |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for core in args.cores:
-        r = run(core, args.batch, args.context, args.steps)
+        r = run(core, args.batch, args.context, args.steps, args.split)
         print(f"| {core.name} | {args.batch} | {r['prefill_ms']:.0f} | {r['prefill_cpu_ms']:.0f} | {r['step_ms']:.1f} | {r['cpu_ms']:.1f} | "
               f"{args.batch * 1e3 / r['step_ms']:.1f} | {r['operators']:.0f} | {r['matmul']:.0%} | "
               f"{r['attention']:.0%} | {r['layers']:.0%} | {1 - r['matmul'] - r['attention'] - r['layers']:.0%} |",

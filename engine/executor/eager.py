@@ -122,8 +122,9 @@ class EagerExecutor:
             positions, images = vision_step(self.model, plan, self.device, self.vision_tower)
         hidden = self.model(input_ids, positions, self.kv_cache, step.meta, images)
         logits = self.model.logits(hidden[step.sample_rows])
-        logits = apply_penalties(logits, step.sampling, self.output_counts[step.sample_slots],
-                                 self.seen[step.sample_slots])
+        if step.sampling.any_penalty:  # the slots' state rows are [S, vocab] copies: only when someone reads them
+            logits = apply_penalties(logits, step.sampling, self.output_counts[step.sample_slots],
+                                     self.seen[step.sample_slots])
         tokens = sample(logits, step.sampling)
         # Penalty state counts every sampled position; verify rows belong to requests without penalties, whose
         # state nobody reads (a request's first row resets its slot's).

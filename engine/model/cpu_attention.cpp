@@ -25,8 +25,11 @@
 
 namespace {
 
-// Query heads that share one pass over a key's values (their accumulators stay in registers).
-constexpr int64_t HEADS_AT_ONCE = 4;
+// Query heads, and vectors of 8 values of a head, that share one pass over the keys' values: their 12 accumulators,
+// the heads' 3 weights and a value vector fill AVX2's 16 registers, and 12 independent multiply-add chains hide
+// their latency (one head's 8 vectors at a time, a pass over the keys per vector, was latency-bound: 3.5x slower).
+constexpr int64_t HEADS_AT_ONCE = 3;
+constexpr int64_t VECTORS_AT_ONCE = 4;
 
 float dot(const float* a, const float* b, int64_t D) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -41,30 +44,43 @@ float dot(const float* a, const float* b, int64_t D) {
   return sum;
 }
 
-// The sums of each of 8 vectors, as the 8 lanes of one.
-inline __m256 sums_of_8(const __m256 a[8]) {
-  const __m256 first = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 second = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(first, second, 0x20), _mm256_permute2f128_ps(first, second, 0x31));
+// The sums of each of 4 vectors, as the 4 lanes of one.
+inline __m128 sums_of_4(const __m256 a[4]) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
 }
 
-// scores[j] = scale * q . keys[j] for n keys of D values: 8 keys at a time, one accumulator each, summed
-// across lanes together (a sum across one vector's lanes per key took as long as its multiply-adds).
-void key_scores(const float* q, const float* const* keys, int64_t n, int64_t D, float scale, float* scores) {
+// scores[h * n + j] = scale * q_h . keys[j] for HEADS query heads (q_h at q + h * q_head) and n keys of D values:
+// 4 keys at a time for all the heads, so each key is read once for them (12 accumulators, 3 queries and a key fill
+// the 16 registers), one accumulator per head and key, summed across lanes together (a sum across one vector's
+// lanes per key took as long as its multiply-adds). Keys past the last 8 go one by one.
+template <int HEADS>
+void key_scores(const float* q, int64_t q_head, const float* const* keys, int64_t n, int64_t D, float scale,
+                float* scores) {
   int64_t j = 0;
   if (D % 8 == 0) {
-    for (; j + 8 <= n; j += 8) {
-      __m256 acc[8];
-      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+    for (const int64_t whole = n / 8 * 8; j < whole; j += 4) {
+      __m256 acc[HEADS][4];
+      for (int h = 0; h < HEADS; ++h)
+        for (int t = 0; t < 4; ++t) acc[h][t] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
-        const __m256 query = _mm256_loadu_ps(q + d);
-        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(query, _mm256_loadu_ps(keys[j + t] + d), acc[t]);
+        __m256 query[HEADS];
+        for (int h = 0; h < HEADS; ++h) query[h] = _mm256_loadu_ps(q + h * q_head + d);
+        for (int t = 0; t < 4; ++t) {
+          const __m256 key = _mm256_loadu_ps(keys[j + t] + d);
+          for (int h = 0; h < HEADS; ++h) acc[h][t] = _mm256_fmadd_ps(query[h], key, acc[h][t]);
+        }
       }
-      _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums_of_8(acc), _mm256_set1_ps(scale)));
+      for (int h = 0; h < HEADS; ++h)
+        _mm_storeu_ps(scores + h * n + j, _mm_mul_ps(sums_of_4(acc[h]), _mm_set1_ps(scale)));
     }
   }
-  for (; j < n; ++j) scores[j] = scale * dot(q, keys[j], D);
+  for (; j < n; ++j)
+    for (int h = 0; h < HEADS; ++h) scores[h * n + j] = scale * dot(q + h * q_head, keys[j], D);
 }
+
+using KeyScores = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, float, float*);
+constexpr KeyScores KEY_SCORES[HEADS_AT_ONCE] = {key_scores<1>, key_scores<2>, key_scores<3>};
 
 // e_j = exp(s_j - max s) in place over n scores; returns sum e_j.
 float softmax_numerators(float* s, int64_t n) {
@@ -87,6 +103,36 @@ float softmax_numerators(float* s, int64_t n) {
   }
   return sum;
 }
+
+// o[h, d + 8t ...] = inverse[h] * sum_j e[h, j] values[j][d + 8t ...] for HEADS heads (e: their softmax numerators,
+// n a head) and VECTORS vectors of 8 from d; o's heads D apart. Each lane sums its keys in order, one multiply-add
+// at a time.
+template <int HEADS, int VECTORS>
+void weighted_values(const float* e, int64_t n, const float* const* values, int64_t d, const float* inverse, float* o,
+                     int64_t D) {
+  __m256 acc[HEADS][VECTORS];
+  for (int h = 0; h < HEADS; ++h)
+    for (int t = 0; t < VECTORS; ++t) acc[h][t] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* value = values[j] + d;
+    __m256 weight[HEADS];
+    for (int h = 0; h < HEADS; ++h) weight[h] = _mm256_set1_ps(e[h * n + j]);
+    for (int t = 0; t < VECTORS; ++t) {
+      const __m256 v = _mm256_loadu_ps(value + 8 * t);
+      for (int h = 0; h < HEADS; ++h) acc[h][t] = _mm256_fmadd_ps(weight[h], v, acc[h][t]);
+    }
+  }
+  for (int h = 0; h < HEADS; ++h)
+    for (int t = 0; t < VECTORS; ++t)
+      _mm256_storeu_ps(o + h * D + d + 8 * t, _mm256_mul_ps(acc[h][t], _mm256_set1_ps(inverse[h])));
+}
+
+// weighted_values by [heads - 1][vectors - 1].
+using WeightedValues = void (*)(const float*, int64_t, const float* const*, int64_t, const float*, float*, int64_t);
+constexpr WeightedValues WEIGHTED_VALUES[HEADS_AT_ONCE][VECTORS_AT_ONCE] = {
+    {weighted_values<1, 1>, weighted_values<1, 2>, weighted_values<1, 3>, weighted_values<1, 4>},
+    {weighted_values<2, 1>, weighted_values<2, 2>, weighted_values<2, 3>, weighted_values<2, 4>},
+    {weighted_values<3, 1>, weighted_values<3, 2>, weighted_values<3, 3>, weighted_values<3, 4>}};
 
 struct Step {
   const float *q, *k_new, *v_new;
@@ -126,36 +172,26 @@ void attend(const Step& s, int64_t b, int64_t g, Scratch& scratch, float* out) {
   std::vector<float>& scores = scratch.scores;
   scores.resize(group * n);
   const float* q = s.q + row * s.q_row + g * group * s.q_head;
-  for (int64_t h = 0; h < group; ++h) key_scores(q + h * s.q_head, scratch.keys.data(), n, D, s.scale, &scores[h * n]);
+  for (int64_t h = 0; h < group; h += HEADS_AT_ONCE)
+    KEY_SCORES[std::min(HEADS_AT_ONCE, group - h) - 1](q + h * s.q_head, s.q_head, scratch.keys.data(), n, D, s.scale,
+                                                       &scores[h * n]);
   std::vector<float>& inverse = scratch.inverse;
   inverse.resize(group);
   for (int64_t h = 0; h < group; ++h) inverse[h] = 1.f / softmax_numerators(&scores[h * n], n);
   float* o = out + g * group * D;
-  std::fill(o, o + group * D, 0.f);
-  for (int64_t h0 = 0; h0 < group; h0 += HEADS_AT_ONCE) {
-    const int64_t count = std::min(HEADS_AT_ONCE, group - h0);
-    for (int64_t d = 0; d < D; d += 8) {
-      const int64_t lanes = std::min<int64_t>(8, D - d);
-      __m256 acc[HEADS_AT_ONCE] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                                   _mm256_setzero_ps()};
-      for (int64_t j = 0; j < n; ++j) {
-        const float* value = scratch.values[j] + d;
-        if (lanes == 8) {
-          const __m256 v = _mm256_loadu_ps(value);
-          for (int64_t h = 0; h < count; ++h)
-            acc[h] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(h0 + h) * n + j]), v, acc[h]);
-        } else {
-          for (int64_t h = 0; h < count; ++h)
-            for (int64_t l = 0; l < lanes; ++l) o[(h0 + h) * D + d + l] += scores[(h0 + h) * n + j] * value[l];
-        }
-      }
-      for (int64_t h = 0; h < count; ++h) {
-        float* target = o + (h0 + h) * D + d;
-        if (lanes == 8) {
-          _mm256_storeu_ps(target, _mm256_mul_ps(acc[h], _mm256_set1_ps(inverse[h0 + h])));
-        } else {
-          for (int64_t l = 0; l < lanes; ++l) target[l] *= inverse[h0 + h];
-        }
+  for (int64_t h = 0; h < group; h += HEADS_AT_ONCE) {
+    const int64_t count = std::min(HEADS_AT_ONCE, group - h);
+    int64_t d = 0;
+    while (d + 8 <= D) {
+      const int64_t vectors = std::min<int64_t>(VECTORS_AT_ONCE, (D - d) / 8);
+      WEIGHTED_VALUES[count - 1][vectors - 1](&scores[h * n], n, scratch.values.data(), d, &inverse[h], o + h * D, D);
+      d += 8 * vectors;
+    }
+    for (; d < D; ++d) {  // a head size that is not a multiple of 8
+      for (int64_t i = h; i < h + count; ++i) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < n; ++j) sum += scores[i * n + j] * scratch.values[j][d];
+        o[i * D + d] = sum * inverse[i];
       }
     }
   }
@@ -221,7 +257,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   float* o = out.data_ptr<float>();
   const int64_t longest = B ? *std::max_element(s.context_lens, s.context_lens + B) : 0;
   const int64_t work = std::max<int64_t>(1, 2 * longest * (H / KVH) * D);
-  const int64_t grain = std::max<int64_t>(1, flare_cpu::MIN_WORK_PER_THREAD / work);
+  const int64_t grain = std::max<int64_t>(1, flare_cpu::MIN_MULTIPLY_ADDS_PER_THREAD / work);
   at::parallel_for(0, B * KVH, grain, [&](int64_t i0, int64_t i1) {
     Scratch scratch;
     for (int64_t i = i0; i < i1; ++i) attend(s, i / KVH, i % KVH, scratch, o + (i / KVH) * H * D);

@@ -56,6 +56,7 @@ constexpr int ROWS = 4;
 // How far ahead of the column in work its weights are prefetched (measured best of 2, 4, 8 and 16).
 constexpr int64_t PREFETCH_COLUMNS = 4;
 using flare_cpu::hsum;
+using flare_cpu::MIN_MULTIPLY_ADDS_PER_THREAD;
 using flare_cpu::MIN_WORK_PER_THREAD;
 
 // The largest |value| of four vectors.
@@ -247,7 +248,7 @@ void quant_mm_kernel(const float* x, int64_t M, int64_t K, const uint8_t* codes,
   // Rows in tiles whose xq stays in L1 while the thread's columns pass over it: a column's codes are unpacked once
   // per ROWS rows of a tile and come from memory once a tile.
   const int64_t tile = std::max<int64_t>(ROWS, TILE_BYTES / (XS * sizeof(int16_t)) / ROWS * ROWS);
-  const int64_t grain = std::max<int64_t>(1, MIN_WORK_PER_THREAD / (std::min(M, tile) * K));
+  const int64_t grain = std::max<int64_t>(1, MIN_MULTIPLY_ADDS_PER_THREAD / (std::min(M, tile) * K));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t m = 0; m < M; m += tile) {
       const int64_t count = std::min(tile, M - m);

@@ -8,8 +8,16 @@
 
 namespace flare_cpu {
 
-// Fewest multiply-adds worth a thread of its own: below it the fork costs more than it saves.
+// Fewest units of elementwise work (values a row times the op's cost per value) worth a thread of its own: below it
+// the fork costs more than it saves. A decode row's norms, rotary and SiLU stay on one thread; prefill rows split.
 constexpr int64_t MIN_WORK_PER_THREAD = 1 << 16;
+
+// Fewest multiply-adds of a product or of decode attention worth a second thread. A decode step at one stream
+// (products of 0.3 to 1.8 million, attention of 0.2 million) then runs on one thread but for its output layer (28
+// million), and prefill chunks and batches of 16 on all: on a two-core machine the frontend and the engine loop
+// need the other core at one stream, and every parallel region waits for its slower thread, which other work may
+// hold (bench/README.md, "Threads, the output layer and attention").
+constexpr int64_t MIN_MULTIPLY_ADDS_PER_THREAD = int64_t{1} << 22;
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -12,7 +12,7 @@ from common.manifest import Manifest, load_manifest
 from engine.model import cpu_quant
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
-from engine.model.quant import (RefinedLogits, codes_of, dequantize, dequantize_all, is_quantized, quantize_linears,
+from engine.model.quant import (codes_of, dequantize, dequantize_all, is_quantized, output_layer, quantize_linears,
                                 quantized_view)
 from engine.model.qwen3_vl import VisionLanguageLM
 from engine.model.qwen3_vl_vision import VisionConfig
@@ -56,7 +56,7 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
         state.pop("lm_head.weight", None)
         tied_head = quantized_view("model.embed_tokens.weight", state)
     head = codes_of(state, "lm_head.weight")
-    head_rows = dequantize(head[0], state["lm_head.weight.scale"], state["lm_head.weight.min"]) if head else None
+    head_parts = (head[0], state["lm_head.weight.scale"], state["lm_head.weight.min"]) if head else None
     quantize_linears(model, state, dtype)
     missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
@@ -64,11 +64,11 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if config.tie_word_embeddings:
         if tied_head is not None:
-            model.lm_head = RefinedLogits(tied_head, model.model.embed_tokens.weight)
+            model.lm_head = output_layer(tied_head, lambda: model.model.embed_tokens.weight)
         else:
             model.lm_head.weight = model.model.embed_tokens.weight
-    elif head_rows is not None:
-        model.lm_head = RefinedLogits(model.lm_head, head_rows.to(dtype))
+    elif head_parts is not None:
+        model.lm_head = output_layer(model.lm_head, lambda: dequantize(*head_parts).to(dtype))
     model.set_rope(device)
     if device.type == "cuda":
         model.use_kernels(manifest.context_limit)

@@ -32,6 +32,8 @@ the step's rows, so dense costs memory, not time).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -219,12 +221,21 @@ def dequantize_all(state: dict[str, torch.Tensor]) -> None:
         del state[name]
 
 
+def output_layer(quantized: QuantLinear, rows: Callable[[], torch.Tensor]) -> nn.Module:
+    """A quantized core's output layer, given its QuantLinear and its dense rows (`rows()`, the tied embedding's
+    weight or the head dequantized). Flare's kernel runs as it is: its fp32 logits differ from the dense product's by
+    the 16-bit rounding of its inputs alone (2^-16 of a group's largest |x|: under 1e-3 in SmolLM2's logits), and
+    refining them cost 15-20% of the layer (0.3 ms of CPU a row at one stream, 3 ms for sixteen: a top-k over the
+    vocabulary, a gather of 64 dense rows and their products).
+    PyTorch's kernel returns bfloat16-rounded logits, which RefinedLogits refines."""
+    return quantized if quantized.bits is not None else RefinedLogits(quantized, rows())
+
+
 class RefinedLogits(nn.Module):
     """The output layer of a quantized core. PyTorch's int4 kernel returns bfloat16, whose steps near SmolLM2's top
     logits (16 to 32) are 0.125 wide, so the leading candidates would often tie; so the REFINED largest logits of
     each row are recomputed in fp32 from the dense rows (the embedding's when tied), the rest keep the kernel's
-    values. Flare's kernel returns fp32 logits whose only rounding is its 16-bit inputs, so refining moves them
-    far less."""
+    values (output_layer: only PyTorch's kernel needs it)."""
 
     REFINED = 64
 
