@@ -10,8 +10,9 @@
   tokens after a cached prefix; TFLOP/s of the causal work against a bf16 GEMM of the same token count
   ([M, 4096] x [4096, 14336]) and torch's scaled_dot_product_attention on contiguous K/V; max abs difference from
   the float32 reference.
-- Decode attention with and without a sliding window (Gemma 3's 1024) at long contexts, and the same rows through
-  the extend kernel, as a mixed step's decode rows run (its narrow launch), with the bandwidth on K and V.
+- Decode attention with and without a sliding window (Gemma 3's 1024): 8 rows at long contexts, 64 and 256 rows
+  at about 1k; the same rows through the extend kernel, as a mixed step's decode rows run (its narrow launch), with
+  the bandwidth on K and V.
 - Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
   the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
@@ -43,7 +44,8 @@ from engine.model.attention import multiprocessors
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # H, I, E, K
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 64
 CONTEXTS = [1024, 4096, 16384, 32768]
-DECODE_CONTEXTS = [4096, 32768]
+# (batch, context): a long-context batch, and the decode rows of a 256-wide mixed step (the 8b-1024x768 row)
+DECODE_SHAPES = [(8, 4096), (8, 32768), (64, 1024), (256, 1152)]
 TILE_CONTEXT = 16384
 DEVICE = "cuda"
 
@@ -232,14 +234,13 @@ def bench_moe_configs() -> None:
 
 
 def bench_decode() -> None:
-    say("## Decode attention, batch 8, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same "
-        "rows through the extend kernel (a mixed step's decode rows)")
-    say("| context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | K/V TB/s | "
+    say("## Decode attention, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same rows "
+        "through the extend kernel (a mixed step's decode rows)")
+    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | K/V TB/s | "
         "max abs diff |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(3)
-    batch = 8
-    for context in DECODE_CONTEXTS:
+    for batch, context in DECODE_SHAPES:
         pages = -(-context // PAGE)
         tables = torch.randperm(batch * pages, device=DEVICE, generator=g).to(torch.int32).view(batch, pages)
         cache = torch.randn(2, batch * pages * PAGE, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16,
@@ -259,7 +260,7 @@ def bench_decode() -> None:
             extend = graph_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
                                                       *blocks, PAGE, HEAD_DIM**-0.5, window=window))
             read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
-            say(f"| {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | {extend:.3f} | "
+            say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | {extend:.3f} | "
                 f"{read / extend / 1e9:.2f} | {max_diff(out, ref):.4f} |")
 
 
