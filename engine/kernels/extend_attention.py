@@ -8,8 +8,9 @@ rows of one block and one query head and walks its keys in BLOCK_N tiles with an
 whole run without a mask; only the causal diagonal and the window's lower edge are masked, and keys below the window
 are never read. When the live blocks are too few to fill the GPU (a short chunk after a long cached prefix, decode
 rows of a mixed step), each block's keys are split over several programs and a second kernel merges their partial
-results by log-sum-exp. The split count depends only on the live blocks and each block's own keys, never on the
-grid, so a captured graph and an eager step compute the same numbers. Decode rows of a mixed step are one-token
+results by log-sum-exp. The split count depends only on the live blocks (their count and sizes, read once per
+call by a one-program kernel) and each block's own keys, never on the grid, so a captured graph and an eager step
+compute the same numbers. Decode rows of a mixed step are one-token
 sequences here.
 
 Blocks come in three sizes, each in a launch of its own whose programs exit at once on the others' blocks: full
@@ -72,11 +73,23 @@ def _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, begin, end, key_end
 
 
 @triton.jit
-def _split_plan(block_seq_ptr, num_blocks, programs, heads, BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr):
-    """(live blocks, splits per block): enough programs to fill the GPU, decided on the device."""
+def _split_plan(block_seq_ptr, block_first_ptr, qlen_ptr, plan_ptr, num_blocks, programs, heads, split_items,
+                BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr, NARROW: tl.constexpr, MEDIUM: tl.constexpr,
+                PACK_NARROW: tl.constexpr, PACK_MEDIUM: tl.constexpr):
+    """One program writes (live blocks, splits per block): enough programs to fill the GPU, decided on the device.
+    A packed block takes heads / PACK programs per split, so long-context decode rows get about the splits the
+    decode kernel gives them, as far as the partial results' buffer (split_items) holds. Once per call, not in
+    every program of the launches that read it: at a 256-row mixed step those are thousands of programs, each of
+    which would otherwise reduce over every block."""
     b = tl.arange(0, BLOCKS_POW2)
-    live = tl.sum((tl.load(block_seq_ptr + b, mask=b < num_blocks, other=-1) >= 0).to(tl.int32), 0)
-    return live, tl.minimum(MAX_SPLITS, tl.cdiv(programs, tl.maximum(live * heads, 1)))
+    seq = tl.load(block_seq_ptr + b, mask=b < num_blocks, other=-1)
+    rows = tl.load(qlen_ptr + seq, mask=seq >= 0, other=0) - tl.load(block_first_ptr + b, mask=seq >= 0, other=0)
+    pack = tl.where(rows <= NARROW, PACK_NARROW, tl.where(rows <= MEDIUM, PACK_MEDIUM, 1))
+    live = tl.sum((seq >= 0).to(tl.int32), 0)
+    work = tl.sum(tl.where(seq >= 0, heads // pack, 0), 0)
+    tl.store(plan_ptr, live)
+    splits = tl.minimum(MAX_SPLITS, tl.cdiv(programs, tl.maximum(work, 1)))
+    tl.store(plan_ptr + 1, tl.maximum(tl.minimum(splits, split_items // tl.maximum(live, 1)), 1))
 
 
 @triton.jit
@@ -91,17 +104,16 @@ def _tile_range(ctx, qlen, row0, rows_here, window, splits, BLOCK_N: tl.constexp
 
 @triton.jit
 def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_table_ptr, qstart_ptr, qlen_ptr,
-            ctx_ptr, block_seq_ptr, block_first_ptr, num_blocks, programs, heads, stride_qt, stride_qh, stride_ot,
+            ctx_ptr, block_seq_ptr, block_first_ptr, plan_ptr, heads, stride_qt, stride_qh, stride_ot,
             stride_oh, stride_ks, stride_kh, stride_table, scale_log2, window, GROUP: tl.constexpr,
             PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCKS_POW2: tl.constexpr, MAX_SPLITS: tl.constexpr,
-            MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, MEDIUM: tl.constexpr, SIZE: tl.constexpr,
-            PRECISION: tl.constexpr):
+            BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, MEDIUM: tl.constexpr,
+            SIZE: tl.constexpr, PRECISION: tl.constexpr):
     """One program: TILE_M rows of one block, each row a (new token, query head) pair: TILE_M // PACK tokens times
     PACK heads of one group (PACK 1: one head)."""
     item = tl.program_id(0)
-    live, splits = _split_plan(block_seq_ptr, num_blocks, programs, heads, BLOCKS_POW2, MAX_SPLITS)
+    live, splits = tl.load(plan_ptr), tl.load(plan_ptr + 1)
     block = item // splits
     split = item % splits
     if block >= live:
@@ -166,14 +178,13 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
 
 
 @triton.jit
-def _extend_merge(out_ptr, part_ptr, lse_ptr, qstart_ptr, qlen_ptr, ctx_ptr, block_seq_ptr, block_first_ptr,
-                  num_blocks, programs, stride_ot, stride_oh, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCKS_POW2: tl.constexpr,
-                  MAX_SPLITS: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
+def _extend_merge(out_ptr, part_ptr, lse_ptr, qstart_ptr, qlen_ptr, ctx_ptr, block_seq_ptr, block_first_ptr, plan_ptr,
+                  stride_ot, stride_oh, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr):
     block = tl.program_id(0)
     head = tl.program_id(1)
     heads = tl.num_programs(1)
-    live, splits = _split_plan(block_seq_ptr, num_blocks, programs, heads, BLOCKS_POW2, MAX_SPLITS)
+    live, splits = tl.load(plan_ptr), tl.load(plan_ptr + 1)
     if (splits == 1) | (block >= live):
         return
     seq = tl.load(block_seq_ptr + block)
@@ -256,31 +267,36 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tile_m, block_n, warps, stages = config or tile_config(q.dtype, head_dim, q.device)
     programs = programs or target_programs(q.device)
     num_blocks = block_seq.numel()
-    # With splits, live blocks * splits < 2 * programs / heads (see _split_plan); without, one item per block.
+    # Partial results of split blocks: live blocks * splits <= split_items (_split_plan caps it); unpacked blocks
+    # never need more (with splits, live * heads < programs).
     split_items = 2 * -(-programs // heads)
     block_d = max(16, triton.next_power_of_2(head_dim))
     part = torch.empty(split_items * heads * BLOCK_M * head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(split_items * heads * BLOCK_M, dtype=torch.float32, device=q.device)
     window = window if window > 0 else NO_WINDOW
+    group = heads // k_cache.shape[1]
+    # Tiles of short and narrow blocks hold a whole group of heads where it divides them.
+    packs = {"full": 1, "medium": group if tile_m % group == 0 else 1, "narrow": group if NARROW % group == 0 else 1}
+    plan = torch.empty(2, dtype=torch.int32, device=q.device)
+    _split_plan[(1,)](block_seq, block_first, query_len, plan, num_blocks, programs, heads, split_items,
+                      BLOCKS_POW2=triton.next_power_of_2(num_blocks), MAX_SPLITS=MAX_SPLITS, NARROW=NARROW,
+                      MEDIUM=MEDIUM, PACK_NARROW=packs["narrow"], PACK_MEDIUM=packs["medium"])
     # One BLOCK_N for both launches and the merge: a block's key splits are counted in its tiles.
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                  BLOCKS_POW2=triton.next_power_of_2(num_blocks), MAX_SPLITS=MAX_SPLITS,
                   MIN_SPLIT_TILES=MIN_SPLIT_TILES)
-    group = heads // k_cache.shape[1]
     for size, name in enumerate(SIZES):
         tile = NARROW if name == "narrow" else tile_m
-        # Tiles of short and narrow blocks hold a whole group of heads where it divides them.
-        pack = group if name != "full" and tile % group == 0 else 1
+        pack = packs[name]
         tiles_per_block = {"full": BLOCK_M // tile, "medium": -(-MEDIUM * pack // tile), "narrow": pack}[name]
         _extend[(max(num_blocks, split_items), heads // pack, tiles_per_block)](
             q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens,
-            block_seq, block_first, num_blocks, programs, heads, q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
+            block_seq, block_first, plan, heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
             GROUP=group, PACK=pack, PAGE=page_size, TILE_M=tile, NARROW=NARROW, MEDIUM=MEDIUM, SIZE=size,
             PRECISION=dot_precision(q.dtype), num_warps=4 if name == "narrow" else warps, num_stages=stages, **common)
     _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
-        out, part, lse, query_start, query_len, context_lens, block_seq, block_first, num_blocks, programs,
-        out.stride(0), out.stride(1), window, TILE_M=tile_m, num_warps=8, **common)
+        out, part, lse, query_start, query_len, context_lens, block_seq, block_first, plan, out.stride(0),
+        out.stride(1), window, TILE_M=tile_m, num_warps=8, **common)
 
 
 def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
