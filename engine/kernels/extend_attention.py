@@ -111,7 +111,9 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
             BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, MEDIUM: tl.constexpr,
             SIZE: tl.constexpr, PRECISION: tl.constexpr):
     """One program: TILE_M rows of one block, each row a (new token, query head) pair: TILE_M // PACK tokens times
-    PACK heads of one group (PACK 1: one head)."""
+    PACK heads of one group (PACK 1: one head). A narrow block's program walks all its tokens, TILE_M // PACK at a
+    time: most narrow blocks are decode rows of one token, and a program per token group would mostly launch only to
+    exit (at a 256-row mixed step, thousands of them a layer)."""
     item = tl.program_id(0)
     live, splits = tl.load(plan_ptr), tl.load(plan_ptr + 1)
     block = item // splits
@@ -121,10 +123,10 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
     seq = tl.load(block_seq_ptr + block)
     first = tl.load(block_first_ptr + block)
     TOKENS: tl.constexpr = TILE_M // PACK
-    row0 = first + tl.program_id(2) * TOKENS
     qlen = tl.load(qlen_ptr + seq)
     rows_in_block = qlen - first
     size = tl.where(rows_in_block <= NARROW, 2, tl.where(rows_in_block <= MEDIUM, 1, 0))  # an index of SIZES
+    row0 = first + tl.program_id(2) * TOKENS
     if (row0 >= qlen) | (size != SIZE):
         return
     ctx = tl.load(ctx_ptr + seq)
@@ -140,6 +142,21 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
     stop = tl.minimum(begin + chunk, end)
     qstart = tl.load(qstart_ptr + seq)
     table = tables_ptr + tl.load(seq_table_ptr + seq).to(tl.int64) * stride_table
+    last = qlen if SIZE == 2 else row0 + 1
+    for row in range(row0, last, TOKENS):
+        _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row, first, qlen, qstart, ctx, lo, end,
+                     begin, stop, block * splits + split, tile_splits, heads, stride_qt, stride_qh, stride_ot,
+                     stride_oh, stride_ks, stride_kh, scale_log2, window, GROUP, PACK, HEAD_DIM, BLOCK_D, PAGE,
+                     BLOCK_M, TILE_M, BLOCK_N, PRECISION)
+
+
+@triton.jit
+def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row0, first, qlen, qstart, ctx, lo, end,
+                 begin, stop, part_item, tile_splits, heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks,
+                 stride_kh, scale_log2, window, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """The tile of rows from row0 on over keys [begin, stop): its output, or its split's partial result."""
     r = tl.arange(0, TILE_M)
     i = row0 + r // PACK
     head = tl.program_id(1) * PACK + r % PACK
@@ -172,7 +189,7 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
         o_offs = (qstart + i).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        part = ((block * splits + split) * heads + head).to(tl.int64) * BLOCK_M + i - first
+        part = (part_item * heads + head).to(tl.int64) * BLOCK_M + i - first
         tl.store(part_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
         tl.store(lse_ptr + part, tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf")), mask=rows)
 
@@ -287,7 +304,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for size, name in enumerate(SIZES):
         tile = NARROW if name == "narrow" else tile_m
         pack = packs[name]
-        tiles_per_block = {"full": BLOCK_M // tile, "medium": -(-MEDIUM * pack // tile), "narrow": pack}[name]
+        tiles_per_block = {"full": BLOCK_M // tile, "medium": -(-MEDIUM * pack // tile), "narrow": 1}[name]
         _extend[(max(num_blocks, split_items), heads // pack, tiles_per_block)](
             q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens,
             block_seq, block_first, plan, heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
