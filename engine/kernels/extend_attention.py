@@ -236,13 +236,15 @@ def _extend_merge(out_ptr, part_ptr, lse_ptr, qstart_ptr, qlen_ptr, ctx_ptr, blo
 
 
 def extend_blocks(lengths: list[int]) -> tuple[list[int], list[int]]:
-    """(sequence, first new token) of every BLOCK_M-token block of the given query lengths."""
-    seqs, firsts = [], []
+    """(sequence, first new token) of every BLOCK_M-token block of the given query lengths, full blocks (more than
+    MEDIUM rows) first: the full launch's grid then covers only as many blocks as the step's tokens can fill."""
+    seqs, firsts, short_seqs, short_firsts = [], [], [], []
     for seq, length in enumerate(lengths):
         for first in range(0, length, BLOCK_M):
-            seqs.append(seq)
-            firsts.append(first)
-    return seqs, firsts
+            full = length - first > MEDIUM
+            (seqs if full else short_seqs).append(seq)
+            (firsts if full else short_firsts).append(first)
+    return seqs + short_seqs, firsts + short_firsts
 
 
 def max_blocks(tokens: int, seqs: int) -> int:
@@ -305,7 +307,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         tile = NARROW if name == "narrow" else tile_m
         pack = packs[name]
         tiles_per_block = {"full": BLOCK_M // tile, "medium": -(-MEDIUM * pack // tile), "narrow": 1}[name]
-        _extend[(max(num_blocks, split_items), heads // pack, tiles_per_block)](
+        # Full blocks are listed first (extend_blocks), and a step of T tokens holds at most T // (MEDIUM + 1).
+        blocks = min(num_blocks, q.shape[0] // (MEDIUM + 1)) if name == "full" else num_blocks
+        _extend[(max(blocks, split_items), heads // pack, tiles_per_block)](
             q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens,
             block_seq, block_first, plan, heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
