@@ -16,6 +16,7 @@ from array import array
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
+from itertools import zip_longest
 from typing import NamedTuple
 
 import numpy as np
@@ -135,31 +136,36 @@ class RecentHistories:
             history.extend(tokens)
             return history
         packed = np.frombuffer(_pack(tokens[:blocks * self.block_size]), dtype=np.uint32)
-        lent = max((self._shared_blocks(packed, history, known) for known in self._recent), default=(0, []))
-        history.block_keys.extend(lent[1][:lent[0]])
-        self.reused_blocks += lent[0]
+        lent: list[bytes] = []
+        for known in reversed(self._recent):  # the newest first: a repeated prompt is usually the latest
+            shared = self._shared_blocks(packed, history, known)
+            if shared > len(lent):
+                lent = known.keys[:shared]
+                if shared == blocks:
+                    break
+        history.block_keys.extend(lent)
+        self.reused_blocks += len(lent)
         history.extend(tokens)
-        self._recent.append(_Remembered(packed, history.block_keys[:blocks], history.events_before(
-            blocks * self.block_size)))
+        self._recent.append(_Remembered(packed, history.block_keys[:blocks],
+                                        history.events_before(blocks * self.block_size)))
         return history
 
-    def _shared_blocks(self, packed: np.ndarray, history: PrefixHistory, known: _Remembered
-                       ) -> tuple[int, list[bytes]]:
-        """How many leading blocks `known` shares with the new sequence (tokens and events), and its keys."""
+    def _shared_blocks(self, packed: np.ndarray, history: PrefixHistory, known: _Remembered) -> int:
+        """How many leading blocks `known` shares with the new sequence, tokens and events."""
         size = self.block_size
         common = min(len(packed), len(known.packed))
         if common < size or not np.array_equal(packed[:size], known.packed[:size]):
-            return 0, []
+            return 0
         differ = np.flatnonzero(packed[:common] != known.packed[:common])
         blocks = (int(differ[0]) if len(differ) else common) // size
-        mine = history.events_before(blocks * size)
-        theirs = known.events[:len(mine) + 1]
-        if theirs != mine:  # the first block whose events differ ends the run
-            first = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
-            position = min(mine[first][0] if first < len(mine) else blocks * size,
-                           theirs[first][0] if first < len(theirs) else blocks * size)
-            blocks = min(blocks, position // size)
-        return blocks, known.keys
+        end = blocks * size
+        # Both lists are in key order: events before the first pair that differs are the same in both, so every
+        # block that ends at or before the smaller of that pair's positions has the same key.
+        theirs = [event for event in known.events if event[0] < end]
+        for mine, their in zip_longest(history.events_before(end), theirs):
+            if mine != their:
+                return min(event[0] for event in (mine, their) if event is not None) // size
+        return blocks
 
 
 class _Remembered(NamedTuple):

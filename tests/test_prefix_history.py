@@ -90,3 +90,12 @@ def test_a_repeated_long_beginning_is_hashed_once() -> None:
     history = recent.history(prefix + [4] * 64)
     assert recent.reused_blocks == 1000
     assert history.block_keys == spec_keys(IDENTITY, 16, prefix + [4] * 64, [])
+
+
+def test_an_image_that_differs_ends_the_keys_lent_at_its_block() -> None:
+    recent = RecentHistories(IDENTITY, 16, min_blocks=1)
+    tokens = list(range(160))
+    recent.history(tokens, [(40, IMAGE)])
+    history = recent.history(tokens, [(40, bytes(32))])
+    assert recent.reused_blocks == 2  # blocks 0 and 1 end before position 40
+    assert history.block_keys == spec_keys(IDENTITY, 16, tokens, [(40, bytes(32))])
