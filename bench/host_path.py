@@ -1,10 +1,11 @@
 """Host time from request to first token, for a prompt after a long cached prefix and for a short prompt alone (issue
 16: 64 new tokens after a cached 16,000-token prefix should cost little more than 64 tokens alone).
 
-    python -m bench.host_path --core DIR [--prefix-len 16000] [--new-len 64] [--requests 40] [--part engine,frontend]
+    python -m bench.host_path --core DIR [--prefix-len 16000] [--new-len 64] [--requests 40]
+                              [--part engine,submit,frontend]
                               [--profile engine|frontend]
 
-Both parts run on the CPU, no model, one request at a time:
+Every part runs on the CPU, no model, one request at a time:
 - engine: the real Engine loop (Engine.turn) on inproc ZMQ sockets, with an executor that completes every step the
   moment it is submitted. Timed: from sending the encoded Submit to receiving the Outputs with the first token, i.e.
   decoding, validation, admission, prefix keys and lookup, planning, completion and publication. The long prompts'
@@ -13,8 +14,12 @@ Both parts run on the CPU, no model, one request at a time:
   prompt), streamed /v1/completions requests with a text prompt, as `flare-bench --dataset shared-prefix` sends them.
   Timed: from sending the request (its JSON already encoded) to the first byte of the first server-sent event. The
   null engine's decoding of the Submit is inside this time.
-Prints the median and the 10th/90th percentiles per (part, prompt), and the difference of the medians.
-`--profile engine` runs the engine part under cProfile and prints its top functions by cumulative time.
+- submit: the frontend's own work up to the Submit's bytes (JSON, prompt, tokens, sampling, encoding), in this
+  process and thread: the steadiest view of the frontend's part on a busy machine.
+Prints the median and the 10th/90th percentiles per (part, prompt), and the difference of the medians; the engine
+and frontend parts add CPU time per request (the engine's thread; the frontend process, over 200 requests each).
+`--profile engine` runs the engine part under cProfile (top functions by cumulative time), `--profile frontend` the
+frontend process (by own time).
 """
 
 from __future__ import annotations
@@ -136,6 +141,14 @@ def engine_part(prefix_len: int, new_len: int, requests: int, page_size: int, pr
     times = interleaved(cases, requests, bench.first_token, profiler)
     if profiler is not None:
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+    for name, make in cases.items():  # the engine's CPU time (this thread), which other load disturbs less
+        spent = []
+        for _ in range(requests):
+            prompt = make()
+            started = time.thread_time()
+            bench.first_token(prompt)
+            spent.append(time.thread_time() - started)
+        times[f"{name}, CPU"] = spent
     return times
 
 
@@ -154,6 +167,36 @@ def interleaved(cases: dict[str, Callable[[], object]], requests: int, measure: 
             if i:
                 times[name].append(elapsed)
     return times
+
+
+def submit_part(core: Path, prefix_len: int, new_len: int, requests: int) -> dict[str, list[float]]:
+    """The frontend's work from a request body to the Submit's bytes, in this thread (no server, no pool): JSON,
+    prompt, tokens (the prefix tokenizer has seen the long prompt), sampling parameters, encoding."""
+    from frontend.completions_api import completion_prompts
+    from frontend.model import ServedModel
+    from frontend.sampling import sampling_params
+
+    work = Path(tempfile.mkdtemp(prefix="flare-host-path-"))
+    model = ServedModel(long_context_core(core, work / "core"))
+    shutil.rmtree(work, ignore_errors=True)
+    tokens, rng = Tokens(model.tokenizer), random.Random(0)
+    system = tokens.text(rng, prefix_len)
+
+    def body(system: str | None) -> bytes:
+        prompt = Prompt(system, tokens.text(rng, new_len), new_len, 1)
+        return json.dumps(request_body("completions", model.name, prompt, ignore_eos=True)).encode()
+
+    def submit_bytes(raw: bytes) -> float:
+        started = time.perf_counter()
+        request = json.loads(raw.decode("utf-8"))
+        ids = model.encode_text(completion_prompts(model, request)[0])
+        params = sampling_params(model, request, len(ids), 1)
+        wire.encode(wire.Submit(uuid.uuid4().hex, ids, params))
+        return time.perf_counter() - started
+
+    submit_bytes(body(system))
+    return interleaved({f"{new_len} tokens": lambda: body(None),
+                        f"{new_len} after {prefix_len} seen": lambda: body(system)}, requests, submit_bytes)
 
 
 def long_context_core(core: Path, into: Path) -> Path:
@@ -268,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-len", type=int, default=64)
     parser.add_argument("--requests", type=int, default=40, help="timed requests per prompt kind")
     parser.add_argument("--page-size", type=int, default=16, help="the engine's KV page (prefix key block) size")
-    parser.add_argument("--part", default="engine,frontend")
+    parser.add_argument("--part", default="engine,submit,frontend")
     parser.add_argument("--profile", choices=("engine", "frontend"))
     parser.add_argument("--port", type=int, default=18411)
     args = parser.parse_args(argv)
@@ -277,9 +320,11 @@ def main(argv: list[str] | None = None) -> None:
     if "engine" in parts:
         report("engine", engine_part(args.prefix_len, args.new_len, args.requests, args.page_size,
                                      args.profile == "engine"))
+    if ("frontend" in parts or "submit" in parts) and args.core is None:
+        parser.error("the frontend and submit parts need --core (or FLARE_CORE)")
+    if "submit" in parts:
+        report("submit", submit_part(args.core, args.prefix_len, args.new_len, args.requests))
     if "frontend" in parts:
-        if args.core is None:
-            parser.error("the frontend part needs --core (or FLARE_CORE)")
         report("frontend", frontend_part(args.core, args.prefix_len, args.new_len, args.requests,
                                          args.profile == "frontend", args.port))
 

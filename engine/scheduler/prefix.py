@@ -90,8 +90,9 @@ class PrefixReuse:
             return
         self.counters["prefix_hits"] += 1
         self.counters["reused_tokens"] += reused
-        request.pages = [c.page for c in blocks] + ([page[0]] if exact is not None else [])
-        request.cache_pages = {c.page for c in blocks}
+        cached = [c.page for c in blocks]
+        request.cache_pages = set(cached)
+        request.pages = cached + ([page[0]] if exact is not None else [])
         request.block_chain = list(blocks)
         request.published_ends = reused
         self._pin(request, exact or blocks[-1])
