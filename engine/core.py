@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import random
 import time
+from array import array
 from collections import defaultdict
 from dataclasses import replace
 
+import numpy as np
 import zmq
 
 from common import protocol as wire
@@ -26,6 +28,15 @@ FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "can
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 MAX_LABELS = 256  # label token ids one query of a scored prefill reads
+
+
+def ids_below(ids: list[int], limit: int) -> bool:
+    """Whether every id lies in [0, limit), at C speed: min() and max() over a 16k-token prompt take 0.3-0.9 ms."""
+    try:
+        packed = array("I", ids)  # refuses negative ids and ids of over 32 bits
+    except OverflowError:
+        return False
+    return not ids or int(np.frombuffer(packed, dtype=np.uint32).max()) < limit
 
 
 def image_problem(submit: wire.Submit, vision: ImageProcessing | None, model: str) -> str | None:
@@ -79,20 +90,24 @@ class Engine:
         if self.grammars is not None:
             poller.register(self.grammars.wake_fd, zmq.POLLIN)
         while not (self.stopping and self._steps_in_flight == 0):
-            self._ingest()
-            self._admit_compiled()
-            for plan, completion in self.executor.poll():
-                self._steps_in_flight -= 1
-                self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
-            while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
-                self.count_start(plan)
-                self.scheduler.commit(plan, self.executor.next_fence())
-                self.executor.submit(self._with_masks(plan))
-                self._steps_in_flight += 1
-            self._heartbeat()
-            self.telemetry.maybe_publish(self.scheduler)
+            self.turn()
             # Whatever could be submitted was; sleep until a message, a completion or the next heartbeat.
             poller.poll(self._sleep_ms())
+
+    def turn(self) -> None:
+        """One pass of the loop without its sleep (bench/host_path.py drives the engine's host work with it)."""
+        self._ingest()
+        self._admit_compiled()
+        for plan, completion in self.executor.poll():
+            self._steps_in_flight -= 1
+            self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
+        while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
+            self.count_start(plan)
+            self.scheduler.commit(plan, self.executor.next_fence())
+            self.executor.submit(self._with_masks(plan))
+            self._steps_in_flight += 1
+        self._heartbeat()
+        self.telemetry.maybe_publish(self.scheduler)
 
     def _sleep_ms(self) -> int:
         wake = min(self._last_heartbeat + HEARTBEAT_INTERVAL, self.telemetry.next_publish)
@@ -179,7 +194,7 @@ class Engine:
                                                       else frozenset(self.card.eos_token_ids))
         request = Request(
             request_id=submit.request_id, owner=identity, prompt_len=len(submit.prompt),
-            tokens=list(submit.prompt), sampling=params,
+            tokens=submit.prompt, sampling=params,  # the Submit was decoded for this request alone: no copy
             seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
             stop_ids=stop_ids, max_outputs=0 if submit.label_queries else
             min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
@@ -204,7 +219,7 @@ class Engine:
                           "capacity_hint: raise capacities.queue_capacity or max_active in the core manifest")
         if not submit.prompt:
             return reject(400, "the prompt is empty")
-        if min(submit.prompt) < 0 or max(submit.prompt) >= self.vocab_size:
+        if not ids_below(submit.prompt, self.vocab_size):
             return reject(400, f"prompt token ids must lie in [0, {self.vocab_size})")
         if submit.sampling.max_tokens < 1:
             return reject(400, f"max_tokens must be at least 1, got {submit.sampling.max_tokens}")

@@ -104,11 +104,13 @@ class AddedTokens:
 
 
 def _shared_length(a: str, b: str) -> int:
-    """The length of the common beginning, by bisection over slice comparisons (each at C speed)."""
+    """The length of the common beginning, by bisection over slice comparisons (each at C speed). Each compares
+    only what lies past the beginning known to be common, so the slices copied add up to about the length once
+    (whole beginnings each time copied 17 times 35,000 characters for a 70,000-character prompt)."""
     low, high = 0, min(len(a), len(b))
     while low < high:
         middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
+        if a[low:middle] == b[low:middle]:
             low = middle
         else:
             high = middle - 1
@@ -148,7 +150,7 @@ class PrefixTokenizer:
         if self._wrap is None:
             return self.tokenizer.encode(text, add_special_tokens=True).ids
         before, after = self._wrap
-        return before + self.encode(text).ids + after
+        return [*before, *self.encode(text).ids, *after]
 
     def encode(self, text: str) -> Tokens:
         if not self.cuts or len(text) < MIN_CHARS:
@@ -186,5 +188,9 @@ class PrefixTokenizer:
         rest = self._encode(text[cut:])
         with self._lock:
             self.reused += kept
-        return Tokens(known.ids[:kept] + rest.ids, known.starts[:kept] + [s + cut for s in rest.starts],
-                      known.ends[:kept] + [e + cut for e in rest.ends])
+        # Each list is copied once (a slice, then the short rest appended), not twice as `a[:k] + b` does.
+        ids, starts, ends = known.ids[:kept], known.starts[:kept], known.ends[:kept]
+        ids += rest.ids
+        starts += [s + cut for s in rest.starts]
+        ends += [e + cut for e in rest.ends]
+        return Tokens(ids, starts, ends)

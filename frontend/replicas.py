@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from common import protocol as wire
 from common.errors import EngineUnavailable
-from common.prefix_history import PrefixHistory
+from common.prefix_history import RecentHistories
 from frontend.engine_client import EngineClient, Update
 
 log = logging.getLogger("flare.frontend")
@@ -84,6 +84,7 @@ class Replicas:
         self.frontend_id = first.frontend_id
         self._owner: dict[str, Replica] = {}
         self._turn = itertools.count()
+        self._recent: RecentHistories | None = None  # the replicas' prefix keys of recent long prompts
         self._tasks: list[asyncio.Task] = []
 
     async def start(self, timeout: float = 600.0) -> wire.Welcome:
@@ -182,13 +183,15 @@ class Replicas:
         chosen.keys.update(keys)  # it will cache these blocks: the next turn of this conversation follows
         return chosen
 
-    @staticmethod
-    def _keys(prompt: list[int], available: list[Replica]) -> list[bytes]:
+    def _keys(self, prompt: list[int], available: list[Replica]) -> list[bytes]:
         welcome = next((r.client.welcome for r in available if r.client.welcome and r.client.welcome.cache_identity),
                        None)
         if welcome is None or len(prompt) < welcome.page_size:
             return []
-        return PrefixHistory(welcome.cache_identity, welcome.page_size, prompt).block_keys
+        recent = self._recent
+        if recent is None or (recent.identity, recent.block_size) != (welcome.cache_identity, welcome.page_size):
+            recent = self._recent = RecentHistories(welcome.cache_identity, welcome.page_size)
+        return recent.history(prompt).block_keys
 
     async def _follow(self, replica: Replica) -> None:
         """The replica's telemetry: its load for routing and /metrics, and its cache announcements."""

@@ -190,3 +190,11 @@ def test_cached_pages_of_preempted_requests_are_evicted_for_the_one_that_preempt
         assert request.tokens[len(prompt):] == reference_greedy(model, prompt, count)
     assert_no_page_leaked(harness, 12)
     harness.close()
+
+
+def test_prompt_ids_are_checked_against_the_vocabulary() -> None:
+    from engine.core import ids_below
+
+    assert ids_below([0, 5, 319], 320) and ids_below([], 320)
+    for bad in ([320], [0, -1], [1 << 32], [-(1 << 40)], [1 << 63]):
+        assert not ids_below(bad, 320), bad

@@ -69,11 +69,22 @@ class PrefixCheckpointCache:
         return len(self._by_key)
 
     def lookup(self, key: bytes) -> Checkpoint | None:
-        checkpoint = self._by_key.get(key)
-        if checkpoint is None or not checkpoint.ready:
-            return None
-        checkpoint.last_access = next(self._clock)
-        return checkpoint
+        found = self.lookup_run([key], 1)
+        return found[0] if found else None
+
+    def lookup_run(self, keys: list[bytes], count: int) -> list[Checkpoint]:
+        """The ready checkpoints of keys[0], keys[1], ... up to the first miss among the first `count`, each
+        accessed in turn: one call and a loop of local names for a long prompt's blocks (1,000 of them after a
+        16k-token prefix)."""
+        run: list[Checkpoint] = []
+        by_key, clock = self._by_key, self._clock
+        for key in keys[:count]:
+            checkpoint = by_key.get(key)
+            if checkpoint is None or not checkpoint.ready:
+                break
+            checkpoint.last_access = next(clock)
+            run.append(checkpoint)
+        return run
 
     def publish(self, key: bytes, length: int, parent: Checkpoint | None, page: int,
                 ready_fence: int | None) -> Created | Existing:
@@ -136,6 +147,15 @@ class PrefixCheckpointCache:
             node.pins -= 1
             node.last_use_fence = max(node.last_use_fence, last_use_fence)
             node = node.parent
+
+    def pin_child(self, parent: Checkpoint, child: Checkpoint) -> None:
+        """Move a pin from `parent` to its `child`: what pin(child) then unpin(parent) do to the pin counts, without
+        walking the ancestors (a request that publishes its blocks after a 16k-token prefix would walk 1,000 of
+        them twice per block). Their last-use fence is left for the final unpin of the deeper pin, which walks them
+        with a fence no earlier than any it could be given now."""
+        if child.parent is not parent or parent.pins <= 0:
+            raise ValueError(f"checkpoint {child.id} is not a child of pinned checkpoint {parent.id}")
+        child.pins += 1
 
     def evict(self, pages: int) -> list[RetiredResources]:
         """Retire unpinned, ready leaves in least-recently-used order until `pages` pages are retired (or none are

@@ -186,7 +186,10 @@ def _pack_tokens(rows: tuple[Row, ...], views: dict[str, np.ndarray], page_size:
             views["token_slot"][first:end] = trash
         positions = np.arange(row.start, row.start + row.length)
         views["position"][first:end] = positions + row.rope_shift
-        views["slot_mapping"][first:end] = np.asarray(row.page_table)[positions // page_size] * page_size + \
+        # Only the row's own pages become an array: after a 16k-token prefix its table holds 1,000 more.
+        first_page = row.start // page_size
+        pages = np.asarray(row.page_table[first_page:])
+        views["slot_mapping"][first:end] = pages[positions // page_size - first_page] * page_size + \
             positions % page_size
         first = end
     views["token"][first:] = 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache
 from engine.cache.page_allocator import PageAllocator
-from common.prefix_history import PrefixHistory
+from common.prefix_history import PrefixHistory, RecentHistories
 from engine.scheduler.request import Request
 
 @dataclass(frozen=True)
@@ -34,16 +34,15 @@ class PrefixReuse:
         self.page_size = page_size
         self.pages = pages
         self.cache = PrefixCheckpointCache()
+        self.recent = RecentHistories(identity, page_size)  # a long prompt seen again hashes only its new end
         self.counters = counters
         self.pending_copies: list[PageCopy] = []
         # Private pages of ended requests that a pending copy still reads: released once that copy is submitted.
         self.held_for_copies: set[int] = set()
 
     def track(self, request: Request) -> None:
-        request.history = PrefixHistory(self.identity, self.page_size)
-        for image in request.images:  # an image's content keys every prefix that reaches its first token
-            request.history.add_event(image.offset, image.identity)
-        request.history.extend(request.tokens)
+        # An image's content keys every prefix that reaches its first token.
+        request.history = self.recent.history(request.tokens, [(i.offset, i.identity) for i in request.images])
 
     @staticmethod
     def _history(request: Request) -> PrefixHistory:
@@ -68,11 +67,7 @@ class PrefixReuse:
             return  # every prompt position must be computed to report its logprob
         history, size = self._history(request), self.page_size
         limit = request.first_computed  # the position whose logits are read is always computed
-        chain: list[Checkpoint] = []
-        for k, key in enumerate(history.block_keys):
-            if (k + 1) * size > limit or (found := self.cache.lookup(key)) is None:
-                break
-            chain.append(found)
+        chain = self.cache.lookup_run(history.block_keys, limit // size)
         reused, exact = len(chain) * size, None
         for end in sorted(request.message_ends, reverse=True):
             if reused < end <= limit and end % size and end // size <= len(chain):
@@ -95,8 +90,9 @@ class PrefixReuse:
             return
         self.counters["prefix_hits"] += 1
         self.counters["reused_tokens"] += reused
-        request.pages = [c.page for c in blocks] + ([page[0]] if exact is not None else [])
-        request.cache_pages = {c.page for c in blocks}
+        cached = [c.page for c in blocks]
+        request.cache_pages = set(cached)
+        request.pages = cached + ([page[0]] if exact is not None else [])
         request.block_chain = list(blocks)
         request.published_ends = reused
         self._pin(request, exact or blocks[-1])
@@ -183,7 +179,10 @@ class PrefixReuse:
         request.published_ends = 0
 
     def _pin(self, request: Request, checkpoint: Checkpoint) -> None:
-        self.cache.pin(checkpoint)
-        if request.pinned is not None:
-            self.cache.unpin(request.pinned, request.last_fence)
+        if request.pinned is not None and checkpoint.parent is request.pinned:  # its next block: the usual case
+            self.cache.pin_child(request.pinned, checkpoint)
+        else:
+            self.cache.pin(checkpoint)
+            if request.pinned is not None:
+                self.cache.unpin(request.pinned, request.last_fence)
         request.pinned = checkpoint
