@@ -139,6 +139,22 @@ class FlareServer:
         self._log.close()
 
 
+LATENCY_METRICS = {"server_ttft": "flare_time_to_first_token_seconds", "queue": "flare_engine_queue_time_seconds"}
+
+
+def latency_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's own first-token and engine-queue histograms, over every label set: their deltas
+    over a row split its TTFT into the client and HTTP's part, the frontend and engine's, and the wait for a step."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals = {}
+    for key, name in LATENCY_METRICS.items():
+        parts = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(f"{name}_{suffix}")) for suffix in ("sum", "count")]
+        totals[key] = (parts[0], parts[1])
+    return totals
+
+
 def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device: str) -> list[tuple[Row, dict]]:
     results: list[tuple[Row, dict]] = []
     server_key = None
@@ -152,13 +168,20 @@ def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device
                 server = FlareServer(core, row.server, 8000, out / f"server-{row.name}.log", device)
                 server_key = (row.core, row.server)
             report = out / f"{row.name}.json"
+            before = latency_totals(server.url)
             subprocess.run([sys.executable, "-c", BENCH, "serve", "--base-url", server.url,
                             "--tokenizer", str(core), "--json", str(report), *row.bench], check=True,
                            stdout=subprocess.DEVNULL)
             summary = json.loads(report.read_text())["metrics"]
             summary["hit_rate"] = summary["cached_input_tokens"] / max(summary["total_input_tokens"], 1)
+            after = latency_totals(server.url)
+            for key in LATENCY_METRICS:  # means over the row: the server's view beside the client's
+                count = after[key][1] - before[key][1]
+                summary[f"{key}_mean_ms"] = (after[key][0] - before[key][0]) / count * 1000 if count else None
             results.append((row, summary))
-            print(f"{row.name:18} " + "  ".join(f"{k}={summary.get(k)}" for k in row.figures), flush=True)
+            print(f"{row.name:18} " + "  ".join(f"{k}={summary.get(k)}" for k in row.figures) +
+                  f"  (mean TTFT: client {summary.get('mean_ttft_ms')}, server {summary['server_ttft_mean_ms']}, "
+                  f"engine queue {summary['queue_mean_ms']})", flush=True)
     finally:
         if server:
             server.stop()
