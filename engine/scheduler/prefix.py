@@ -183,7 +183,5 @@ class PrefixReuse:
         request.published_ends = 0
 
     def _pin(self, request: Request, checkpoint: Checkpoint) -> None:
-        self.cache.pin(checkpoint)
-        if request.pinned is not None:
-            self.cache.unpin(request.pinned, request.last_fence)
+        self.cache.move_pin(request.pinned, checkpoint, request.last_fence)
         request.pinned = checkpoint

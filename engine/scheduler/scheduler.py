@@ -77,6 +77,7 @@ class RequestScheduler:
         self._generations = [0] * max_active
         self._by_id: dict[str, Request] = {}
         self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
+        self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
         # The latest plan, its copies, and the epoch bumps (placements, preemptions, ends) made before it was: a plan
@@ -113,6 +114,7 @@ class RequestScheduler:
 
     def add(self, request: Request) -> None:
         request.prefill_target = len(request.tokens)
+        self.constrained += request.grammar is not None
         self.prefix.track(request)
         self.waiting.append(request)
         self._by_id[request.request_id] = request
@@ -570,6 +572,7 @@ class RequestScheduler:
         return sampled
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
+        self.constrained -= request.grammar is not None and request.phase is not FINISHED
         request.phase = FINISHED
         request.finish_reason = reason
         self._bump_epoch(request)
