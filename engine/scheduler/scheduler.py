@@ -29,10 +29,9 @@ if TYPE_CHECKING:
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
 WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
-# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step, and whether it may move
-# on: the next row is that list with two or three items replaced, made a Row in one copy.
-AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_BANNED = (
-    Row._fields.index(name) for name in ("start", "page_table", "output_index", "banned"))
+# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step: the next row is that
+# list with two or three items replaced, made a Row in one copy.
+AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX = (Row._fields.index(name) for name in ("start", "page_table", "output_index"))
 
 
 @dataclass(frozen=True)
@@ -147,10 +146,10 @@ class RequestScheduler:
         rows: list[Row] = []  # their slots are never preempted by this plan
         size = self.page_size
         for request in decoders:
-            fields = request.decode_row  # None once preempted, by an earlier reservation of this plan too
+            # None once preempted (by an earlier reservation of this plan too), and while min_tokens bans stop ids
+            fields = request.decode_row
             start = request.scheduled
-            if fields is not None and not fields[AT_BANNED] and start < len(fields[AT_PAGE_TABLE]) * size and \
-                    request not in drafts:
+            if fields is not None and start < len(fields[AT_PAGE_TABLE]) * size and (not drafts or request not in drafts):
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
                 fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
                 rows.append(tuple.__new__(Row, fields))
@@ -188,22 +187,26 @@ class RequestScheduler:
                 depths: dict[Request, Choice]) -> Candidate | None:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
+        waiting = sum(r.prefill_target - r.scheduled for r in prefills)
+        drafting = [depths[r] for r in decoders if r in depths and r.in_flight == 0] if depths else []
+        batch = decode_capacity(len(decoders))
+        if decoders and waiting <= 0 and not drafting:
+            # The decode step is the only candidate: choose() takes it whatever its value, which goes unscored (a
+            # pass over every decoder saved on every steady decode step).
+            return Candidate(len(decoders), 0, 0.0, ("decode", batch))
         # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
         waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
         values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
         decode_value = sum(values)
         candidates = []
         if decoders:
-            batch = decode_capacity(len(decoders))
             candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", batch)))
-            drafting = [depths[r] for r in decoders if r in depths and r.in_flight == 0]
             if drafting:
                 from engine.speculative.planner import width_of
 
                 value = sum(v * depths[r].expected if r in depths else v for v, r in zip(values, decoders))
                 width = width_of(max(choice.depth for choice in drafting))
                 candidates.append(Candidate(len(decoders), 0, value, ("verify", batch, width)))
-        waiting = sum(r.prefill_target - r.scheduled for r in prefills)
         largest = self._chunk_capacities[-1]
         for capacity in self._chunk_capacities:
             tokens = min(capacity, waiting)
@@ -361,13 +364,14 @@ class RequestScheduler:
     def _decode_row(self, request: Request) -> Row:
         """A decode row. Between two decode steps of one epoch only its position and page table move: the
         previous decode row is moved on. Rebuilt whole on the epoch's first, after a verify round's rewind (pages
-        went back), and while min_tokens bans the stop ids (`banned` depends on the position). Its other
+        went back), and while min_tokens bans the stop ids (`banned` depends on the position: such a row is not
+        kept). Its other
         position-dependent fields are constant past the prompt: no prompt targets, label queries or image spans
         lie there, so `scores` is () and `rope_shift` is the shift after the last image."""
         fields = request.decode_row
-        if fields is None or fields[AT_BANNED]:
+        if fields is None:
             row = self._row(request, 1)
-            request.decode_row = list(row)
+            request.decode_row = None if row.banned else list(row)
             return row
         end = request.scheduled + 1
         pages = -(-end // self.page_size)
@@ -468,10 +472,11 @@ class RequestScheduler:
         now = time.monotonic()  # every token of the step is committed now
         committed: list[Request | None] = []  # per sampling row
         ending: list[tuple[Request, int]] = []
-        for row in rows:
-            request = slots[row.slot]
+        next_token = iter(tokens).__next__
+        for row, request in zip(rows, map(slots.__getitem__, map(SLOT, rows))):
             if request is None or request.generation != row.generation:
                 if row.sample:
+                    next_token()
                     committed.append(None)
                 continue
             request.in_flight -= 1
@@ -481,7 +486,7 @@ class RequestScheduler:
                 self.prefix.publish(request, computed, fence, self._try_allocate)
             if not row.sample:
                 continue
-            token = tokens[len(committed)]
+            token = next_token()
             history = request.tokens
             history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
             request.last_commit = now
