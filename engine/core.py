@@ -396,7 +396,7 @@ class RequestColumns:
 def news_of(result: StepResult) -> tuple[list[Request], list[list[int]]]:
     """The requests with new tokens, in the order of their first, and each one's tokens. A step without drafts has
     at most one per request: its columns as they are."""
-    if len(set(result.requests)) == len(result.requests):
+    if result.distinct or len(set(result.requests)) == len(result.requests):
         return result.requests, [[token] for token in result.token_ids]
     news: dict[Request, list[int]] = {}
     for request, token in zip(result.requests, result.token_ids):

@@ -158,7 +158,7 @@ class PrefixReuse:
         for copy in copies:
             if copy.made is not None:
                 self.cache.set_ready_fence(copy.made, fence)
-            copy.reader.last_fence = max(copy.reader.last_fence, fence)  # the copy uses the reader's pages
+            copy.reader.copy_fence = max(copy.reader.copy_fence, fence)  # the copy uses the reader's pages
             if copy.source_checkpoint is not None:
                 self.cache.unpin(copy.source_checkpoint, fence)
             if copy.source in self.held_for_copies:

@@ -34,6 +34,9 @@ WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE,
 AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX = (Row._fields.index(name) for name in ("start", "page_table", "output_index"))
 
 
+NOTHING_PLANNED: tuple[None, tuple, int, list] = (None, (), 0, [])
+
+
 @dataclass(frozen=True)
 class Finished:
     request: Request
@@ -50,6 +53,7 @@ class StepResult:
     requests: list[Request] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] = field(default_factory=list)
+    distinct: bool = False  # each request of `requests` is there once (a step without drafts: one token each)
 
     @property
     def tokens(self) -> list[tuple[Request, int, Logprobs | None]]:
@@ -79,9 +83,9 @@ class RequestScheduler:
         self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
-        # The latest plan, its copies, and the epoch bumps (placements, preemptions, ends) made before it was: a plan
-        # whose requests no epoch bump touched since is current without looking at each.
-        self._planned: tuple[Plan | None, tuple, int] = (None, (), 0)
+        # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
+        # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
+        self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
         self._epoch_bumps = 0
         self.policy = policy
         self.costs = GraphCostModel(policy)
@@ -127,6 +131,10 @@ class RequestScheduler:
             self.waiting.remove(request)
         return self._finish(request, reason)
 
+    def in_flight(self, request: Request) -> bool:
+        """Whether steps with the request's rows are submitted and not completed."""
+        return request.row_fence > self._completed_fence
+
     def has_work(self) -> bool:
         return bool(self.waiting) or self.live > 0
 
@@ -138,12 +146,14 @@ class RequestScheduler:
         # needs its last token) when drafting promises enough; one with a verify round in flight waits for that
         # round's accepted length. Either waits for its own completion only: other requests fill the frame.
         if self.speculation is not None:  # without a proposer no request ever drafts or verifies
-            decoders = [r for r in decoders if r.in_flight == 0 or not self._verifying(r) and not (
+            done = self._completed_fence
+            decoders = [r for r in decoders if r.row_fence <= done or not self._verifying(r) and not (
                 r in depths and depths[r].worth_draining)]
         prefills = self._prefill_candidates()
         choice = self._choose(decoders, prefills, time.monotonic(), depths)
         drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
         rows: list[Row] = []  # their slots are never preempted by this plan
+        planned: list[Request] = []  # each row's request, for commit
         size = self.page_size
         for request in decoders:
             # None once preempted (by an earlier reservation of this plan too), and while min_tokens bans stop ids
@@ -153,6 +163,7 @@ class RequestScheduler:
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
                 fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
                 rows.append(tuple.__new__(Row, fields))
+                planned.append(request)
                 continue
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
@@ -162,6 +173,7 @@ class RequestScheduler:
             if -(-end // size) > len(request.pages) and not self._reserve(request, end, rows):
                 continue
             rows.append(self._verify_row(request, draft) if draft else self._decode_row(request))
+            planned.append(request)
         budget = choice.prefill_tokens if choice is not None else 0
         for request in prefills:
             if budget <= 0:
@@ -172,6 +184,7 @@ class RequestScheduler:
             if not self._reserve(request, request.scheduled + length, rows):
                 break
             rows.append(self._row(request, length))
+            planned.append(request)
             budget -= length
         copies = self.prefix.planned_copies()
         if not rows and not copies:
@@ -180,7 +193,7 @@ class RequestScheduler:
         if shape[0] == "verify" and not drafts:  # no proposal came: a plain decode step after all
             shape = ("decode", shape[1])
         plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
-        self._planned = (plan, copies, self._epoch_bumps)
+        self._planned = (plan, copies, self._epoch_bumps, planned)
         return plan
 
     def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
@@ -188,7 +201,8 @@ class RequestScheduler:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
         waiting = sum(r.prefill_target - r.scheduled for r in prefills)
-        drafting = [depths[r] for r in decoders if r in depths and r.in_flight == 0] if depths else []
+        done = self._completed_fence
+        drafting = [depths[r] for r in decoders if r in depths and r.row_fence <= done] if depths else []
         batch = decode_capacity(len(decoders))
         if decoders and waiting <= 0 and not drafting:
             # The decode step is the only candidate: choose() takes it whatever its value, which goes unscored (a
@@ -249,7 +263,8 @@ class RequestScheduler:
         return {r: choice for r, choice in depths.items() if choice.depth > 0}
 
     def _drafts(self, decoders: list[Request], depths: dict[Request, Choice]) -> dict[Request, tuple]:
-        batch = [(r, depths[r]) for r in decoders if r in depths and r.in_flight == 0]  # others' last token is pending
+        done = self._completed_fence  # others' last token is pending:
+        batch = [(r, depths[r]) for r in decoders if r in depths and r.row_fence <= done]
         live = {(r.slot, r.generation) for r in self.slots if r is not None}
         proposals = self.speculation.propose(batch, live)
         return {request: draft for (request, _), draft in zip(batch, proposals) if draft}
@@ -266,22 +281,21 @@ class RequestScheduler:
 
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
-        planned, copies, epoch_bumps = self._planned
+        planned, copies, epoch_bumps, requests = self._planned
         if planned is not plan:
             raise StalePlan("commit of a plan that is not the latest one planned")
-        rows, slots = plan.rows, self.slots
-        requests = [slots[row.slot] for row in rows]
+        rows = plan.rows
         if epoch_bumps != self._epoch_bumps:  # some request was placed, preempted or ended since: which?
-            for row, request in zip(rows, requests):
+            for row, request in zip(rows, map(self.slots.__getitem__, map(SLOT, rows))):
                 if request is None or request.generation != row.generation or request.epoch != row.epoch:
-                    self._planned = (None, (), 0)
+                    self._planned = NOTHING_PLANNED
                     raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
-        self._planned = (None, (), 0)
+        # (Each row's request is the one planned: a slot's request with the row's generation is that placement.)
+        self._planned = NOTHING_PLANNED
         self.prefix.copies_committed(copies, fence)
         for row, request in zip(rows, requests):
             request.scheduled = row.start + row.length
-            request.last_fence = fence
-            request.in_flight += 1
+            request.row_fence = fence
         if plan.kind != "decode":  # (a decode row's request is decoding, and was placed steps ago)
             for row, request in zip(rows, requests):
                 request.fresh = False
@@ -296,8 +310,10 @@ class RequestScheduler:
         # The output tokens that committed or submitted steps will have produced: a decoding request's scheduled
         # positions reach its prefill target (prompt and earlier outputs), and each position past the prompt's last
         # yields one.
+        done = self._completed_fence
         return [r for r in self.slots if r is not None and r.phase is DECODE
-                and r.scheduled - r.prompt_len + 1 < r.max_outputs and not (r.grammar is not None and r.in_flight)]
+                and r.scheduled - r.prompt_len + 1 < r.max_outputs
+                and not (r.grammar is not None and r.row_fence > done)]
 
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL]
@@ -339,7 +355,8 @@ class RequestScheduler:
     def _preempt_one(self, requester: Request, protected: set[int]) -> bool:
         """Recompute-preempt the newest request that arrived after `requester`, so the oldest always progresses
         and two requests never evict each other in turn."""
-        victims = [r for r in self.slots if r is not None and r.slot not in protected and r.in_flight == 0
+        done = self._completed_fence
+        victims = [r for r in self.slots if r is not None and r.slot not in protected and r.row_fence <= done
                    and r.pages and r.arrival > requester.arrival]
         if not victims:
             return False
@@ -424,7 +441,6 @@ class RequestScheduler:
             request = slots[row.slot]
             if request is None or request.generation != row.generation:
                 continue
-            request.in_flight -= 1
             if row.draft:
                 request.speculation.verifying = False  # its accepted positions are published with its tokens below
             elif error is None:
@@ -463,9 +479,9 @@ class RequestScheduler:
 
     def _complete_rows(self, rows: tuple[Row, ...], completion: Completion, fence: int,
                        result: StepResult) -> list[tuple[Request, int]]:
-        """A step without drafts or error, in one loop over its rows without a call per row: each row's request has
-        one step fewer in flight and publishes the blocks it completed (PrefixReuse.publish, for a few rows a step),
-        and a sampling row commits its token as _commit_token does. The rows' requests that ended while the step
+        """A step without drafts or error, in one loop over its rows without a call per row: each row's request
+        publishes the blocks it completed (PrefixReuse.publish, for a few rows a step), and a sampling row commits
+        its token as _commit_token does. The rows' requests that ended while the step
         was in flight are left out. Returns the requests whose token ends them, with that token, in row order: they
         end once the step's other news is in."""
         slots, size, tokens = self.slots, self.page_size, completion.tokens
@@ -479,7 +495,6 @@ class RequestScheduler:
                     next_token()
                     committed.append(None)
                 continue
-            request.in_flight -= 1
             computed = row.start + row.length
             # PrefixReuse.publish has work only when a block completed or a message end may be pending.
             if computed // size > len(request.block_chain) or request.message_ends:
@@ -498,6 +513,7 @@ class RequestScheduler:
             live = [request is not None for request in committed]
             committed, tokens, logprobs = (list(compress(column, live)) for column in (committed, tokens, logprobs))
         result.requests, result.token_ids, result.logprobs = committed, list(tokens), list(logprobs)
+        result.distinct = True
         return ending
 
     def _retire(self, fence: int) -> None:
@@ -581,7 +597,7 @@ class RequestScheduler:
         request.phase = FINISHED
         request.finish_reason = reason
         self._bump_epoch(request)
-        if request.in_flight:
+        if self.in_flight(request):
             self._retiring.add(request)
         self.prefix.release(request)
         if request.slot >= 0 and self.slots[request.slot] is request:
