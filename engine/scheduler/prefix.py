@@ -107,7 +107,14 @@ class PrefixReuse:
     # --- publication as steps complete ----------------------------------------------------------------------------
     def publish(self, request: Request, computed: int, fence: int,
                 allocate: Callable[[int], list[int] | None]) -> None:
-        """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes."""
+        """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes. Sets
+        Request.publish_from: a call before `computed` reaches it (another block complete) has no work, unless a
+        message end may be pending."""
+        self._publish(request, computed, fence, allocate)
+        request.publish_from = 0 if request.message_ends else (len(request.block_chain) + 1) * self.page_size
+
+    def _publish(self, request: Request, computed: int, fence: int,
+                 allocate: Callable[[int], list[int] | None]) -> None:
         size, history = self.page_size, self._history(request)
         while len(request.block_chain) < min(computed // size, len(history.block_keys)):
             k = len(request.block_chain)
@@ -180,7 +187,7 @@ class PrefixReuse:
         if request.pinned is not None:
             self.cache.unpin(request.pinned, request.last_fence)
         request.pages, request.cache_pages, request.block_chain, request.pinned = [], set(), [], None
-        request.published_ends = 0
+        request.published_ends = request.publish_from = 0
 
     def _pin(self, request: Request, checkpoint: Checkpoint) -> None:
         self.cache.move_pin(request.pinned, checkpoint, request.last_fence)

@@ -61,6 +61,7 @@ class Request:
     block_chain: list[Checkpoint] = field(default_factory=list)  # checkpoints of the request's complete blocks
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
+    publish_from: int = 0  # PrefixReuse.publish has no work before the request's computed positions reach this
     finish_reason: str | None = None
     # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
     label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)

@@ -81,6 +81,7 @@ class RequestScheduler:
         self._by_id: dict[str, Request] = {}
         self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
         self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
+        self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
         # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
@@ -302,7 +303,7 @@ class RequestScheduler:
                 if row.draft:
                     request.speculation.verifying = True
                 if request.phase is PREFILL and request.scheduled == request.prefill_target:
-                    request.phase = DECODE
+                    self._set_phase(request, DECODE)
 
     def _decode_candidates(self) -> list[Request]:
         """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
@@ -316,7 +317,7 @@ class RequestScheduler:
                 and not (r.grammar is not None and r.row_fence > done)]
 
     def _prefill_candidates(self) -> list[Request]:
-        running = [r for r in self.slots if r is not None and r.phase is PREFILL]
+        running = [r for r in self.slots if r is not None and r.phase is PREFILL] if self._prefilling else []
         running.sort(key=lambda r: r.arrival)
         while self.waiting and None in self.slots:
             request = self.waiting.popleft()
@@ -324,11 +325,16 @@ class RequestScheduler:
             running.append(request)
         return running
 
+    def _set_phase(self, request: Request, phase: Phase) -> None:
+        """Every phase change goes through here, which counts the requests prefilling."""
+        self._prefilling += (phase is PREFILL) - (request.phase is PREFILL)
+        request.phase = phase
+
     def _place(self, request: Request) -> None:
         slot = self.slots.index(None)
         self._generations[slot] += 1
         request.slot, request.generation = slot, self._generations[slot]
-        request.phase = PREFILL
+        self._set_phase(request, PREFILL)
         request.scheduled = 0
         request.fresh = True
         self._bump_epoch(request)
@@ -365,7 +371,7 @@ class RequestScheduler:
         self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
-        victim.phase = WAITING
+        self._set_phase(victim, WAITING)
         self.slots[victim.slot] = None
         victim.slot = -1
         self.waiting.appendleft(victim)
@@ -436,7 +442,6 @@ class RequestScheduler:
             for request, token in ending:
                 result.finished.append(self._finish(request, self._end_reason(request, token)))
             return result
-        size = self.page_size
         for row in plan.rows:
             request = slots[row.slot]
             if request is None or request.generation != row.generation:
@@ -445,8 +450,7 @@ class RequestScheduler:
                 request.speculation.verifying = False  # its accepted positions are published with its tokens below
             elif error is None:
                 computed = row.start + row.length
-                # PrefixReuse.publish has work only when a block completed or a message end may be pending.
-                if computed // size > len(request.block_chain) or request.message_ends:
+                if computed >= request.publish_from:
                     self.prefix.publish(request, computed, fence, self._try_allocate)
         self._retire(fence)
         if error is not None:
@@ -484,7 +488,7 @@ class RequestScheduler:
         its token as _commit_token does. The rows' requests that ended while the step
         was in flight are left out. Returns the requests whose token ends them, with that token, in row order: they
         end once the step's other news is in."""
-        slots, size, tokens = self.slots, self.page_size, completion.tokens
+        slots, tokens = self.slots, completion.tokens
         now = time.monotonic()  # every token of the step is committed now
         committed: list[Request | None] = []  # per sampling row
         ending: list[tuple[Request, int]] = []
@@ -496,8 +500,7 @@ class RequestScheduler:
                     committed.append(None)
                 continue
             computed = row.start + row.length
-            # PrefixReuse.publish has work only when a block completed or a message end may be pending.
-            if computed // size > len(request.block_chain) or request.message_ends:
+            if computed >= request.publish_from:  # (a block completed, or a message end may be pending)
                 self.prefix.publish(request, computed, fence, self._try_allocate)
             if not row.sample:
                 continue
@@ -594,7 +597,7 @@ class RequestScheduler:
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
         self.constrained -= request.grammar is not None and request.phase is not FINISHED
-        request.phase = FINISHED
+        self._set_phase(request, FINISHED)
         request.finish_reason = reason
         self._bump_epoch(request)
         if self.in_flight(request):
