@@ -54,6 +54,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.scheduler.plan()
         if plan is None:
             return
+        assert plan.kind == Plan(plan.rows).kind  # the kind the scheduler knew is the one its rows have
         for row in plan.rows:
             request = self.scheduler.slots[row.slot]
             if row.draft:  # a verify round starts from the committed state: nothing of the request is pending

@@ -155,12 +155,14 @@ class RequestScheduler:
         drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
         rows: list[Row] = []  # their slots are never preempted by this plan
         planned: list[Request] = []  # each row's request, for commit
+        verifies = False  # some row verifies drafts
         size = self.page_size
         for request in decoders:
             # None once preempted (by an earlier reservation of this plan too), and while min_tokens bans stop ids
             fields = request.decode_row
             start = request.scheduled
-            if fields is not None and start < len(fields[AT_PAGE_TABLE]) * size and (not drafts or request not in drafts):
+            if fields is not None and start < len(fields[AT_PAGE_TABLE]) * size and \
+                    (not drafts or request not in drafts):
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
                 fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
                 rows.append(tuple.__new__(Row, fields))
@@ -175,6 +177,8 @@ class RequestScheduler:
                 continue
             rows.append(self._verify_row(request, draft) if draft else self._decode_row(request))
             planned.append(request)
+            verifies = verifies or bool(draft)
+        decodes = len(rows)  # rows so far: decode rows, unless some verify
         budget = choice.prefill_tokens if choice is not None else 0
         for request in prefills:
             if budget <= 0:
@@ -193,7 +197,10 @@ class RequestScheduler:
         shape = choice.shape if choice is not None else ("copy", 0)
         if shape[0] == "verify" and not drafts:  # no proposal came: a plain decode step after all
             shape = ("decode", shape[1])
-        plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
+        # The plan's kind as Plan.kind would find it: known from the rows made (a prefill row holds its tokens).
+        kind = "verify" if verifies else "mixed" if decodes and len(rows) > decodes else "decode" if decodes \
+            else "prefill"
+        plan = Plan.of_kind(kind, tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
         self._planned = (plan, copies, self._epoch_bumps, planned)
         return plan
 
