@@ -395,9 +395,9 @@ class RequestScheduler:
         """A decode row. Between two decode steps of one epoch only its position and page table move: the
         previous decode row is moved on. Rebuilt whole on the epoch's first, after a verify round's rewind (pages
         went back), and while min_tokens bans the stop ids (`banned` depends on the position: such a row is not
-        kept). Its other
-        position-dependent fields are constant past the prompt: no prompt targets, label queries or image spans
-        lie there, so `scores` is () and `rope_shift` is the shift after the last image."""
+        kept to move on). Its other position-dependent fields are constant past the prompt: no prompt targets,
+        label queries or image spans lie there, so `scores` is () and `rope_shift` is the shift after the last
+        image."""
         fields = request.decode_row
         if fields is None:
             row = self._row(request, 1)
