@@ -12,6 +12,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import compress
+from operator import and_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -492,36 +493,43 @@ class RequestScheduler:
                        result: StepResult) -> list[tuple[Request, int]]:
         """A step without drafts or error, in one loop over its rows without a call per row: each row's request
         publishes the blocks it completed (PrefixReuse.publish, for a few rows a step), and a sampling row commits
-        its token as _commit_token does. The rows' requests that ended while the step
-        was in flight are left out. Returns the requests whose token ends them, with that token, in row order: they
+        its token as _commit_token does. The rows' requests that ended while the step was in flight are left out
+        (looked for after the loop, only when there are some). Returns the requests whose token ends them, with that token, in row order: they
         end once the step's other news is in."""
-        slots, tokens = self.slots, completion.tokens
+        tokens = completion.tokens
         now = time.monotonic()  # every token of the step is committed now
-        committed: list[Request | None] = []  # per sampling row
+        requests = list(map(self.slots.__getitem__, map(SLOT, rows)))
+        # Each row's token, None for a row that samples nothing (a decode step's rows all sample).
+        if len(tokens) == len(rows):
+            row_tokens = tokens
+        else:
+            sampled = iter(tokens)
+            row_tokens = [next(sampled) if row.sample else None for row in rows]
+        stale = False  # some row's request ended (or its slot holds a new one) while the step was in flight
         ending: list[tuple[Request, int]] = []
-        next_token = iter(tokens).__next__
-        for row, request in zip(rows, map(slots.__getitem__, map(SLOT, rows))):
+        for row, request, token in zip(rows, requests, row_tokens):
             if request is None or request.generation != row.generation:
-                if row.sample:
-                    next_token()
-                    committed.append(None)
+                stale = True
                 continue
             computed = row.start + row.length
             if computed >= request.publish_from:  # (a block completed, or a message end may be pending)
                 self.prefix.publish(request, computed, fence, self._try_allocate)
-            if not row.sample:
+            if token is None:
                 continue
-            token = next_token()
             history = request.tokens
             history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
             request.last_commit = now
-            committed.append(request)
             if token in request.stop_ids or len(history) - request.prompt_len >= request.max_outputs:
                 ending.append((request, token))
         logprobs = completion.logprobs or (None,) * len(tokens)
-        if None in committed:
-            live = [request is not None for request in committed]
-            committed, tokens, logprobs = (list(compress(column, live)) for column in (committed, tokens, logprobs))
+        committed = requests
+        if stale or row_tokens is not tokens:  # the news: the sampling rows whose request is still the row's
+            live = [request is not None and request.generation == row.generation
+                    for row, request in zip(rows, requests)]
+            committed = list(compress(requests, map(and_, live, map(SAMPLE, rows))))
+            if stale:
+                kept = list(compress(live, map(SAMPLE, rows)))  # per sampling row
+                tokens, logprobs = compress(tokens, kept), compress(logprobs, kept)
         result.requests, result.token_ids, result.logprobs = committed, list(tokens), list(logprobs)
         result.distinct = True
         return ending
