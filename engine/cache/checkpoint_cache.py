@@ -137,18 +137,6 @@ class PrefixCheckpointCache:
             node.last_use_fence = max(node.last_use_fence, last_use_fence)
             node = node.parent
 
-    def move_pin(self, pinned: Checkpoint | None, checkpoint: Checkpoint, last_use_fence: int) -> None:
-        """Pin `checkpoint` in place of `pinned` (unpinned with `last_use_fence`; None: nothing was pinned). A
-        request's pin moves one block down the chain at every block it completes: then the chain above keeps its
-        count (one pin off, one on) and only the child is pinned, instead of two walks up the whole chain. Skipping
-        the chain's last-use fences is safe: it stays pinned, and the unpin that frees it records a later fence."""
-        if pinned is not None and checkpoint.parent is pinned:
-            checkpoint.pins += 1
-            return
-        self.pin(checkpoint)
-        if pinned is not None:
-            self.unpin(pinned, last_use_fence)
-
     def evict(self, pages: int) -> list[RetiredResources]:
         """Retire unpinned, ready leaves in least-recently-used order until `pages` pages are retired (or none are
         left to take)."""

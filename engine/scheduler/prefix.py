@@ -190,5 +190,7 @@ class PrefixReuse:
         request.published_ends = request.publish_from = 0
 
     def _pin(self, request: Request, checkpoint: Checkpoint) -> None:
-        self.cache.move_pin(request.pinned, checkpoint, request.last_fence)
+        self.cache.pin(checkpoint)
+        if request.pinned is not None:
+            self.cache.unpin(request.pinned, request.last_fence)
         request.pinned = checkpoint
