@@ -7,7 +7,7 @@ import random
 import time
 from array import array
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import zmq
@@ -81,6 +81,7 @@ class Engine:
         self._last_heartbeat = 0.0
         self.grammars = grammars  # None: structured output is refused (no tokenizer for the grammar engine)
         self._compiling: dict[str, tuple[bytes, wire.Submit]] = {}  # request id -> submit awaiting its grammar
+        self._columns = RequestColumns.of([])  # the last published step's
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -270,6 +271,8 @@ class Engine:
     def _with_masks(self, plan: Plan) -> Plan:
         """The committed plan with its rows' grammar masks. A request whose matcher failed to compute one ends
         here with the error; the step's token for it is then discarded as for any request that ended."""
+        if not self.scheduler.constrained:
+            return plan
         constrained = {r.slot: r for r in self.scheduler.slots if r is not None and r.grammar is not None}
         if not constrained:
             return plan
@@ -287,7 +290,10 @@ class Engine:
     def _advance_grammars(self, result: StepResult) -> StepResult:
         """Every committed token advances its request's matcher. A grammar that is complete ends its request
         ("stop"); a token the matcher refuses (only possible if the mask was overridden, e.g. min_tokens banning
-        the end of sequence a complete grammar needs) ends it with an error, never a hang."""
+        the end of sequence a complete grammar needs) ends it with an error, never a hang. A request that ended
+        has nothing to gain from its matcher, so without live constrained requests there is nothing to do."""
+        if not self.scheduler.constrained:
+            return result
         for request, token in zip(result.requests, result.token_ids):
             if request.grammar is None or token in request.stop_ids and request.finish_reason == "stop":
                 continue
@@ -329,27 +335,31 @@ class Engine:
             ended = [r for r in finished if r not in told]
             requests, news = requests + ended, news + [[] for _ in ended]
         self.counters["output_tokens"] += len(result.token_ids)
-        owners = {r.owner for r in requests}
-        if len(owners) == 1:
-            groups = {owners.pop(): (requests, news)}
+        if self._columns.requests != requests:  # (list equality: identity per element, at C speed)
+            self._columns = RequestColumns.of(requests)
+        columns = self._columns
+        if columns.owner is not None:
+            groups = {columns.owner: (columns, news)}
         else:
             groups = defaultdict(lambda: ([], []))
             for request, tokens in zip(requests, news):
                 group = groups[request.owner]
                 group[0].append(request)
                 group[1].append(tokens)
-        for owner, (requests, token_ids) in groups.items():
+            groups = {owner: (RequestColumns.of(group), tokens) for owner, (group, tokens) in groups.items()}
+        for owner, (columns, token_ids) in groups.items():
+            requests = columns.requests
             nothing = [None] * len(requests)
             ends = [finished.get(r) for r in requests] if finished else nothing
             labels = [label_logits(r, end) for r, end in zip(requests, ends)] if finished else []
             self._send(owner, wire.Outputs(
-                request_ids=[r.request_id for r in requests], token_ids=token_ids,
+                request_ids=columns.request_ids, token_ids=token_ids,
                 finish_reasons=[f.reason if f else None for f in ends] if finished else nothing,
                 errors=[f.error if f else None for f in ends] if finished else nothing,
-                prompt_tokens=[r.prompt_len for r in requests], cached_tokens=[r.cached_tokens for r in requests],
+                prompt_tokens=columns.prompt_tokens, cached_tokens=columns.cached_tokens,
                 logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests] if logprobs else nothing,
                 prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if tokens and r.prompt_logprobs else None
-                                 for r, tokens in zip(requests, token_ids)],
+                                 for r, tokens in zip(requests, token_ids)] if columns.prompt_logprobs else nothing,
                 label_logits=labels if any(labels) else []))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
@@ -376,10 +386,32 @@ class Engine:
                 self._send(identity, wire.Heartbeat(self.engine_id, self.draining))
 
 
+@dataclass(frozen=True)
+class RequestColumns:
+    """The Outputs columns that depend only on which requests a message covers, and their one owner (None: several).
+    A request's id, prompt length, cached tokens, owner and prompt-logprobs setting never change once it has news,
+    so at steady decode, where the same requests publish step after step, the last step's columns are reused."""
+
+    requests: list[Request]
+    owner: bytes | None
+    request_ids: list[str]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    prompt_logprobs: bool  # some request asked for prompt logprobs
+
+    @staticmethod
+    def of(requests: list[Request]) -> RequestColumns:
+        owners = {r.owner for r in requests}
+        return RequestColumns(requests, owners.pop() if len(owners) == 1 else None,
+                              [r.request_id for r in requests], [r.prompt_len for r in requests],
+                              [r.cached_tokens for r in requests],
+                              any(r.sampling.prompt_logprobs is not None for r in requests))
+
+
 def news_of(result: StepResult) -> tuple[list[Request], list[list[int]]]:
     """The requests with new tokens, in the order of their first, and each one's tokens. A step without drafts has
     at most one per request: its columns as they are."""
-    if len(set(result.requests)) == len(result.requests):
+    if result.distinct or len(set(result.requests)) == len(result.requests):
         return result.requests, [[token] for token in result.token_ids]
     news: dict[Request, list[int]] = {}
     for request, token in zip(result.requests, result.token_ids):

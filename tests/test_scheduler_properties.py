@@ -54,10 +54,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.scheduler.plan()
         if plan is None:
             return
+        assert plan.kind == Plan(plan.rows).kind  # the kind the scheduler knew is the one its rows have
         for row in plan.rows:
             request = self.scheduler.slots[row.slot]
             if row.draft:  # a verify round starts from the committed state: nothing of the request is pending
-                assert request.in_flight == 0 and row.tokens[0] == request.tokens[-1]
+                assert not self.scheduler.in_flight(request) and row.tokens[0] == request.tokens[-1]
                 assert row.start == len(request.tokens) - 1
             if row.tokens is None:  # a decode row, moved on from the request's previous one: as if built anew
                 assert row == self.scheduler._row(request, 1)
@@ -85,7 +86,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.completed = fence
         for row in plan.rows:
             request = self.scheduler.slots[row.slot]
-            if row.draft and request is not None and request.generation == row.generation and not request.in_flight:
+            if row.draft and request is not None and request.generation == row.generation and \
+                    not self.scheduler.in_flight(request):
                 assert len(request.pages) <= -(-len(request.tokens) // PAGE)  # rejected positions' pages went back
 
     @rule(steps=st.integers(1, 8))
@@ -141,7 +143,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def outputs_stay_within_limits_and_positions_follow_tokens(self) -> None:
         for request in self.requests:
             assert request.outputs <= request.max_outputs
-            if request.phase is Phase.DECODE and request.in_flight == 0:
+            if request.phase is Phase.DECODE and not self.scheduler.in_flight(request):
                 assert request.scheduled == len(request.tokens) - 1  # rejected drafts left no positions behind
                 assert len(request.pages) >= -(-request.scheduled // PAGE)
 

@@ -69,6 +69,13 @@ class Plan:
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
     masks: bytes = b""
 
+    @classmethod
+    def of_kind(cls, kind: str, rows: tuple[Row, ...], **fields: object) -> Plan:
+        """A plan whose maker knows its kind (what `kind` would compute): no pass over the rows finds it again."""
+        plan = cls(rows, **fields)
+        plan.__dict__["kind"] = kind  # where cached_property keeps what it computed
+        return plan
+
     # Both cached: each is a pass over the rows, and the engine and executors ask several times a step.
     @cached_property
     def num_tokens(self) -> int:

@@ -103,7 +103,14 @@ class PrefixReuse:
     # --- publication as steps complete ----------------------------------------------------------------------------
     def publish(self, request: Request, computed: int, fence: int,
                 allocate: Callable[[int], list[int] | None]) -> None:
-        """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes."""
+        """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes. Sets
+        Request.publish_from: a call before `computed` reaches it (another block complete) has no work, unless a
+        message end may be pending."""
+        self._publish(request, computed, fence, allocate)
+        request.publish_from = 0 if request.message_ends else (len(request.block_chain) + 1) * self.page_size
+
+    def _publish(self, request: Request, computed: int, fence: int,
+                 allocate: Callable[[int], list[int] | None]) -> None:
         size, history = self.page_size, self._history(request)
         while len(request.block_chain) < min(computed // size, len(history.block_keys)):
             k = len(request.block_chain)
@@ -154,7 +161,7 @@ class PrefixReuse:
         for copy in copies:
             if copy.made is not None:
                 self.cache.set_ready_fence(copy.made, fence)
-            copy.reader.last_fence = max(copy.reader.last_fence, fence)  # the copy uses the reader's pages
+            copy.reader.copy_fence = max(copy.reader.copy_fence, fence)  # the copy uses the reader's pages
             if copy.source_checkpoint is not None:
                 self.cache.unpin(copy.source_checkpoint, fence)
             if copy.source in self.held_for_copies:
@@ -176,7 +183,7 @@ class PrefixReuse:
         if request.pinned is not None:
             self.cache.unpin(request.pinned, request.last_fence)
         request.pages, request.cache_pages, request.block_chain, request.pinned = [], set(), [], None
-        request.published_ends = 0
+        request.published_ends = request.publish_from = 0
 
     def _pin(self, request: Request, checkpoint: Checkpoint) -> None:
         if request.pinned is not None and checkpoint.parent is request.pinned:  # its next block: the usual case

@@ -43,8 +43,10 @@ class Request:
     pages: list[int] = field(default_factory=list)
     scheduled: int = 0  # positions whose KV has been submitted
     prefill_target: int = 0  # positions to consume before decoding (prompt, plus outputs after a preemption)
-    last_fence: int = 0  # the last submitted step that uses this request's pages
-    in_flight: int = 0  # submitted steps not yet completed
+    # The last submitted step with a row of the request: while the scheduler's completed fence is below it, the
+    # request has steps in flight (steps complete in fence order, so no count per step is kept).
+    row_fence: int = 0
+    copy_fence: int = 0  # the last submitted step with a KV page copy that reads the request's pages
     epoch: int = 0  # bumped whenever a plan touching the request would go stale (placed, preempted, ended)
     fresh: bool = False  # placed in a slot and not yet planned: its first row resets the slot's state
     cached_tokens: int = 0
@@ -59,6 +61,7 @@ class Request:
     block_chain: list[Checkpoint] = field(default_factory=list)  # checkpoints of the request's complete blocks
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
+    publish_from: int = 0  # PrefixReuse.publish has no work before the request's computed positions reach this
     finish_reason: str | None = None
     # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
     label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
@@ -68,8 +71,14 @@ class Request:
     grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
     # The fields of the last decode row planned for it in this epoch, as a list: the next one is this list with its
-    # position moved on (RequestScheduler._decode_row), copied into a Row. None at each new epoch.
+    # position moved on (RequestScheduler._decode_row), copied into a Row. None at each new epoch, and while
+    # min_tokens bans the stop ids.
     decode_row: list | None = None
+
+    @property
+    def last_fence(self) -> int:
+        """The last submitted step that uses the request's pages."""
+        return max(self.row_fence, self.copy_fence)
 
     @property
     def scored(self) -> bool:

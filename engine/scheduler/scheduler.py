@@ -12,6 +12,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import compress
+from operator import and_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,10 +30,12 @@ if TYPE_CHECKING:
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
 WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
-# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step, and whether it may move
-# on: the next row is that list with two or three items replaced, made a Row in one copy.
-AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_BANNED = (
-    Row._fields.index(name) for name in ("start", "page_table", "output_index", "banned"))
+# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step: the next row is that
+# list with two or three items replaced, made a Row in one copy.
+AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX = (Row._fields.index(name) for name in ("start", "page_table", "output_index"))
+
+
+NOTHING_PLANNED: tuple[None, tuple, int, list] = (None, (), 0, [])
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class StepResult:
     requests: list[Request] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprobs | None] = field(default_factory=list)
+    distinct: bool = False  # each request of `requests` is there once (a step without drafts: one token each)
 
     @property
     def tokens(self) -> list[tuple[Request, int, Logprobs | None]]:
@@ -77,11 +81,13 @@ class RequestScheduler:
         self._generations = [0] * max_active
         self._by_id: dict[str, Request] = {}
         self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
+        self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
+        self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
-        # The latest plan, its copies, and the epoch bumps (placements, preemptions, ends) made before it was: a plan
-        # whose requests no epoch bump touched since is current without looking at each.
-        self._planned: tuple[Plan | None, tuple, int] = (None, (), 0)
+        # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
+        # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
+        self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
         self._epoch_bumps = 0
         self.policy = policy
         self.costs = GraphCostModel(policy)
@@ -113,6 +119,7 @@ class RequestScheduler:
 
     def add(self, request: Request) -> None:
         request.prefill_target = len(request.tokens)
+        self.constrained += request.grammar is not None
         self.prefix.track(request)
         self.waiting.append(request)
         self._by_id[request.request_id] = request
@@ -126,6 +133,10 @@ class RequestScheduler:
             self.waiting.remove(request)
         return self._finish(request, reason)
 
+    def in_flight(self, request: Request) -> bool:
+        """Whether steps with the request's rows are submitted and not completed."""
+        return request.row_fence > self._completed_fence
+
     def has_work(self) -> bool:
         return bool(self.waiting) or self.live > 0
 
@@ -137,21 +148,26 @@ class RequestScheduler:
         # needs its last token) when drafting promises enough; one with a verify round in flight waits for that
         # round's accepted length. Either waits for its own completion only: other requests fill the frame.
         if self.speculation is not None:  # without a proposer no request ever drafts or verifies
-            decoders = [r for r in decoders if r.in_flight == 0 or not self._verifying(r) and not (
+            done = self._completed_fence
+            decoders = [r for r in decoders if r.row_fence <= done or not self._verifying(r) and not (
                 r in depths and depths[r].worth_draining)]
         prefills = self._prefill_candidates()
         choice = self._choose(decoders, prefills, time.monotonic(), depths)
         drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
         rows: list[Row] = []  # their slots are never preempted by this plan
+        planned: list[Request] = []  # each row's request, for commit
+        verifies = False  # some row verifies drafts
         size = self.page_size
         for request in decoders:
-            fields = request.decode_row  # None once preempted, by an earlier reservation of this plan too
+            # None once preempted (by an earlier reservation of this plan too), and while min_tokens bans stop ids
+            fields = request.decode_row
             start = request.scheduled
-            if fields is not None and not fields[AT_BANNED] and start < len(fields[AT_PAGE_TABLE]) * size and \
-                    request not in drafts:
+            if fields is not None and start < len(fields[AT_PAGE_TABLE]) * size and \
+                    (not drafts or request not in drafts):
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
                 fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
                 rows.append(tuple.__new__(Row, fields))
+                planned.append(request)
                 continue
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
@@ -161,6 +177,9 @@ class RequestScheduler:
             if -(-end // size) > len(request.pages) and not self._reserve(request, end, rows):
                 continue
             rows.append(self._verify_row(request, draft) if draft else self._decode_row(request))
+            planned.append(request)
+            verifies = verifies or bool(draft)
+        decodes = len(rows)  # rows so far: decode rows, unless some verify
         budget = choice.prefill_tokens if choice is not None else 0
         for request in prefills:
             if budget <= 0:
@@ -171,6 +190,7 @@ class RequestScheduler:
             if not self._reserve(request, request.scheduled + length, rows):
                 break
             rows.append(self._row(request, length))
+            planned.append(request)
             budget -= length
         copies = self.prefix.planned_copies()
         if not rows and not copies:
@@ -178,30 +198,38 @@ class RequestScheduler:
         shape = choice.shape if choice is not None else ("copy", 0)
         if shape[0] == "verify" and not drafts:  # no proposal came: a plain decode step after all
             shape = ("decode", shape[1])
-        plan = Plan(tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
-        self._planned = (plan, copies, self._epoch_bumps)
+        # The plan's kind as Plan.kind would find it: known from the rows made (a prefill row holds its tokens).
+        kind = "verify" if verifies else "mixed" if decodes and len(rows) > decodes else "decode" if decodes \
+            else "prefill"
+        plan = Plan.of_kind(kind, tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
+        self._planned = (plan, copies, self._epoch_bumps, planned)
         return plan
 
     def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
                 depths: dict[Request, Choice]) -> Candidate | None:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
+        waiting = sum(r.prefill_target - r.scheduled for r in prefills)
+        done = self._completed_fence
+        drafting = [depths[r] for r in decoders if r in depths and r.row_fence <= done] if depths else []
+        batch = decode_capacity(len(decoders))
+        if decoders and waiting <= 0 and not drafting:
+            # The decode step is the only candidate: choose() takes it whatever its value, which goes unscored (a
+            # pass over every decoder saved on every steady decode step).
+            return Candidate(len(decoders), 0, 0.0, ("decode", batch))
         # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
         waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
         values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
         decode_value = sum(values)
         candidates = []
         if decoders:
-            batch = decode_capacity(len(decoders))
             candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", batch)))
-            drafting = [depths[r] for r in decoders if r in depths and r.in_flight == 0]
             if drafting:
                 from engine.speculative.planner import width_of
 
                 value = sum(v * depths[r].expected if r in depths else v for v, r in zip(values, decoders))
                 width = width_of(max(choice.depth for choice in drafting))
                 candidates.append(Candidate(len(decoders), 0, value, ("verify", batch, width)))
-        waiting = sum(r.prefill_target - r.scheduled for r in prefills)
         largest = self._chunk_capacities[-1]
         for capacity in self._chunk_capacities:
             tokens = min(capacity, waiting)
@@ -244,7 +272,8 @@ class RequestScheduler:
         return {r: choice for r, choice in depths.items() if choice.depth > 0}
 
     def _drafts(self, decoders: list[Request], depths: dict[Request, Choice]) -> dict[Request, tuple]:
-        batch = [(r, depths[r]) for r in decoders if r in depths and r.in_flight == 0]  # others' last token is pending
+        done = self._completed_fence  # others' last token is pending:
+        batch = [(r, depths[r]) for r in decoders if r in depths and r.row_fence <= done]
         live = {(r.slot, r.generation) for r in self.slots if r is not None}
         proposals = self.speculation.propose(batch, live)
         return {request: draft for (request, _), draft in zip(batch, proposals) if draft}
@@ -261,29 +290,28 @@ class RequestScheduler:
 
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
-        planned, copies, epoch_bumps = self._planned
+        planned, copies, epoch_bumps, requests = self._planned
         if planned is not plan:
             raise StalePlan("commit of a plan that is not the latest one planned")
-        rows, slots = plan.rows, self.slots
-        requests = [slots[row.slot] for row in rows]
+        rows = plan.rows
         if epoch_bumps != self._epoch_bumps:  # some request was placed, preempted or ended since: which?
-            for row, request in zip(rows, requests):
+            for row, request in zip(rows, map(self.slots.__getitem__, map(SLOT, rows))):
                 if request is None or request.generation != row.generation or request.epoch != row.epoch:
-                    self._planned = (None, (), 0)
+                    self._planned = NOTHING_PLANNED
                     raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
-        self._planned = (None, (), 0)
+        # (Each row's request is the one planned: a slot's request with the row's generation is that placement.)
+        self._planned = NOTHING_PLANNED
         self.prefix.copies_committed(copies, fence)
         for row, request in zip(rows, requests):
             request.scheduled = row.start + row.length
-            request.last_fence = fence
-            request.in_flight += 1
+            request.row_fence = fence
         if plan.kind != "decode":  # (a decode row's request is decoding, and was placed steps ago)
             for row, request in zip(rows, requests):
                 request.fresh = False
                 if row.draft:
                     request.speculation.verifying = True
                 if request.phase is PREFILL and request.scheduled == request.prefill_target:
-                    request.phase = DECODE
+                    self._set_phase(request, DECODE)
 
     def _decode_candidates(self) -> list[Request]:
         """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
@@ -291,11 +319,13 @@ class RequestScheduler:
         # The output tokens that committed or submitted steps will have produced: a decoding request's scheduled
         # positions reach its prefill target (prompt and earlier outputs), and each position past the prompt's last
         # yields one.
+        done = self._completed_fence
         return [r for r in self.slots if r is not None and r.phase is DECODE
-                and r.scheduled - r.prompt_len + 1 < r.max_outputs and not (r.grammar is not None and r.in_flight)]
+                and r.scheduled - r.prompt_len + 1 < r.max_outputs
+                and not (r.grammar is not None and r.row_fence > done)]
 
     def _prefill_candidates(self) -> list[Request]:
-        running = [r for r in self.slots if r is not None and r.phase is PREFILL]
+        running = [r for r in self.slots if r is not None and r.phase is PREFILL] if self._prefilling else []
         running.sort(key=lambda r: r.arrival)
         while self.waiting and None in self.slots:
             request = self.waiting.popleft()
@@ -303,11 +333,16 @@ class RequestScheduler:
             running.append(request)
         return running
 
+    def _set_phase(self, request: Request, phase: Phase) -> None:
+        """Every phase change goes through here, which counts the requests prefilling."""
+        self._prefilling += (phase is PREFILL) - (request.phase is PREFILL)
+        request.phase = phase
+
     def _place(self, request: Request) -> None:
         slot = self.slots.index(None)
         self._generations[slot] += 1
         request.slot, request.generation = slot, self._generations[slot]
-        request.phase = PREFILL
+        self._set_phase(request, PREFILL)
         request.scheduled = 0
         request.fresh = True
         self._bump_epoch(request)
@@ -334,7 +369,8 @@ class RequestScheduler:
     def _preempt_one(self, requester: Request, protected: set[int]) -> bool:
         """Recompute-preempt the newest request that arrived after `requester`, so the oldest always progresses
         and two requests never evict each other in turn."""
-        victims = [r for r in self.slots if r is not None and r.slot not in protected and r.in_flight == 0
+        done = self._completed_fence
+        victims = [r for r in self.slots if r is not None and r.slot not in protected and r.row_fence <= done
                    and r.pages and r.arrival > requester.arrival]
         if not victims:
             return False
@@ -343,7 +379,7 @@ class RequestScheduler:
         self.prefix.release(victim)
         victim.scheduled = 0
         victim.prefill_target = len(victim.tokens)
-        victim.phase = WAITING
+        self._set_phase(victim, WAITING)
         self.slots[victim.slot] = None
         victim.slot = -1
         self.waiting.appendleft(victim)
@@ -359,13 +395,14 @@ class RequestScheduler:
     def _decode_row(self, request: Request) -> Row:
         """A decode row. Between two decode steps of one epoch only its position and page table move: the
         previous decode row is moved on. Rebuilt whole on the epoch's first, after a verify round's rewind (pages
-        went back), and while min_tokens bans the stop ids (`banned` depends on the position). Its other
-        position-dependent fields are constant past the prompt: no prompt targets, label queries or image spans
-        lie there, so `scores` is () and `rope_shift` is the shift after the last image."""
+        went back), and while min_tokens bans the stop ids (`banned` depends on the position: such a row is not
+        kept to move on). Its other position-dependent fields are constant past the prompt: no prompt targets,
+        label queries or image spans lie there, so `scores` is () and `rope_shift` is the shift after the last
+        image."""
         fields = request.decode_row
-        if fields is None or fields[AT_BANNED]:
+        if fields is None:
             row = self._row(request, 1)
-            request.decode_row = list(row)
+            request.decode_row = None if row.banned else list(row)
             return row
         end = request.scheduled + 1
         pages = -(-end // self.page_size)
@@ -413,18 +450,15 @@ class RequestScheduler:
             for request, token in ending:
                 result.finished.append(self._finish(request, self._end_reason(request, token)))
             return result
-        size = self.page_size
         for row in plan.rows:
             request = slots[row.slot]
             if request is None or request.generation != row.generation:
                 continue
-            request.in_flight -= 1
             if row.draft:
                 request.speculation.verifying = False  # its accepted positions are published with its tokens below
             elif error is None:
                 computed = row.start + row.length
-                # PrefixReuse.publish has work only when a block completed or a message end may be pending.
-                if computed // size > len(request.block_chain) or request.message_ends:
+                if computed >= request.publish_from:
                     self.prefix.publish(request, computed, fence, self._try_allocate)
         self._retire(fence)
         if error is not None:
@@ -457,40 +491,47 @@ class RequestScheduler:
 
     def _complete_rows(self, rows: tuple[Row, ...], completion: Completion, fence: int,
                        result: StepResult) -> list[tuple[Request, int]]:
-        """A step without drafts or error, in one loop over its rows without a call per row: each row's request has
-        one step fewer in flight and publishes the blocks it completed (PrefixReuse.publish, for a few rows a step),
-        and a sampling row commits its token as _commit_token does. The rows' requests that ended while the step
-        was in flight are left out. Returns the requests whose token ends them, with that token, in row order: they
+        """A step without drafts or error, in one loop over its rows without a call per row: each row's request
+        publishes the blocks it completed (PrefixReuse.publish, for a few rows a step), and a sampling row commits
+        its token as _commit_token does. The rows' requests that ended while the step was in flight are left out
+        (looked for after the loop, only when there are some). Returns the requests whose token ends them, with that token, in row order: they
         end once the step's other news is in."""
-        slots, size, tokens = self.slots, self.page_size, completion.tokens
+        tokens = completion.tokens
         now = time.monotonic()  # every token of the step is committed now
-        committed: list[Request | None] = []  # per sampling row
+        requests = list(map(self.slots.__getitem__, map(SLOT, rows)))
+        # Each row's token, None for a row that samples nothing (a decode step's rows all sample).
+        if len(tokens) == len(rows):
+            row_tokens = tokens
+        else:
+            sampled = iter(tokens)
+            row_tokens = [next(sampled) if row.sample else None for row in rows]
+        stale = False  # some row's request ended (or its slot holds a new one) while the step was in flight
         ending: list[tuple[Request, int]] = []
-        for row in rows:
-            request = slots[row.slot]
+        for row, request, token in zip(rows, requests, row_tokens):
             if request is None or request.generation != row.generation:
-                if row.sample:
-                    committed.append(None)
+                stale = True
                 continue
-            request.in_flight -= 1
             computed = row.start + row.length
-            # PrefixReuse.publish has work only when a block completed or a message end may be pending.
-            if computed // size > len(request.block_chain) or request.message_ends:
+            if computed >= request.publish_from:  # (a block completed, or a message end may be pending)
                 self.prefix.publish(request, computed, fence, self._try_allocate)
-            if not row.sample:
+            if token is None:
                 continue
-            token = tokens[len(committed)]
             history = request.tokens
             history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
             request.last_commit = now
-            committed.append(request)
             if token in request.stop_ids or len(history) - request.prompt_len >= request.max_outputs:
                 ending.append((request, token))
         logprobs = completion.logprobs or (None,) * len(tokens)
-        if None in committed:
-            live = [request is not None for request in committed]
-            committed, tokens, logprobs = (list(compress(column, live)) for column in (committed, tokens, logprobs))
+        committed = requests
+        if stale or row_tokens is not tokens:  # the news: the sampling rows whose request is still the row's
+            live = [request is not None and request.generation == row.generation
+                    for row, request in zip(rows, requests)]
+            committed = list(compress(requests, map(and_, live, map(SAMPLE, rows))))
+            if stale:
+                kept = list(compress(live, map(SAMPLE, rows)))  # per sampling row
+                tokens, logprobs = compress(tokens, kept), compress(logprobs, kept)
         result.requests, result.token_ids, result.logprobs = committed, list(tokens), list(logprobs)
+        result.distinct = True
         return ending
 
     def _retire(self, fence: int) -> None:
@@ -570,10 +611,11 @@ class RequestScheduler:
         return sampled
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
-        request.phase = FINISHED
+        self.constrained -= request.grammar is not None and request.phase is not FINISHED
+        self._set_phase(request, FINISHED)
         request.finish_reason = reason
         self._bump_epoch(request)
-        if request.in_flight:
+        if self.in_flight(request):
             self._retiring.add(request)
         self.prefix.release(request)
         if request.slot >= 0 and self.slots[request.slot] is request:
