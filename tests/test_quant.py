@@ -15,7 +15,7 @@ from engine.executor.eager import kv_cache_shape
 from engine.model.attention import AttentionMetadata, PrefillSpan
 from engine.model import cpu_quant, quant
 from engine.model.loader import load_model
-from engine.model.quant import QuantLinear, codes_of, dequantize, pack_codes
+from engine.model.quant import QuantLinear, codes_of, dequantize, pack
 from ignition.quantize import Blocks, gguf_blocks, quantize
 
 # PyTorch's kernel rounds inputs, scales and zeros to bfloat16 (8 significant bits) and accumulates in fp32, so a product
@@ -65,8 +65,7 @@ def test_flare_kernel_equals_the_exact_product(bits: int, rows: int, inputs: int
     weight = dequantize(codes, scale, minimum)
     x = torch.randn(rows, inputs) * torch.rand(rows, 1) * 10
     exact = x.double() @ weight.double().T
-    packed = pack_codes(codes, bits)
-    direct = torch.ops.flare_cpu.quant_mm(x, packed, scale, minimum, bits).double()
+    direct = torch.ops.flare_cpu.quant_mm(x, *pack(codes, scale, minimum, bits), bits)[:, :outputs].double()
     assert ((direct - exact).abs() <= flare_bound(x, weight)).all()
     layer = QuantLinear(codes, bits, scale, minimum)
     assert layer.bits == bits
@@ -85,17 +84,19 @@ def test_fp16_scales_give_the_bits_of_fp32_ones(bits: int) -> None:
     layer = QuantLinear(codes, bits, scale.float(), minimum.float())
     assert layer.scales.dtype == layer.mins.dtype == torch.float16
     x = torch.randn(6, 160)
-    wide = torch.ops.flare_cpu.quant_mm(x, pack_codes(codes, bits), scale.float(), minimum.float(), bits)
-    assert torch.equal(layer(x), wide)
+    wide = torch.ops.flare_cpu.quant_mm(x, *pack(codes, scale.float(), minimum.float(), bits), bits)
+    assert torch.equal(layer(x), wide[:, :37])
     assert QuantLinear(codes, bits, scale.float() / 3, minimum.float()).scales.dtype == torch.float32
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("inputs, outputs", [(288, 31), (576, 1536)])
+@pytest.mark.parametrize("inputs, outputs", [(288, 31), (576, 1536), (96, 40)])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(bits: int, inputs: int, outputs: int) -> None:
-    """A row alone and among 40 gets the same bits, so a prompt's last position scores alike whether its prefix was
-    cached or not (an fp32 GEMM route for many rows differed by about 1e-7 of |x| @ |w|, which the input rounding
-    turned into 1e-3 in logprobs: tests/test_api_openai.py's streamed and unstreamed logprobs)."""
+    """Each of 40 rows alone and among the 40 gets the same bits, so a prompt's last position scores alike whether
+    its prefix was cached or not (an fp32 GEMM route for many rows differed by about 1e-7 of |x| @ |w|, which the
+    input rounding turned into 1e-3 in logprobs: tests/test_api_openai.py's streamed and unstreamed logprobs). The
+    kernel takes one row with 4 blocks of 8 outputs at a time and more rows with one block, with tails of either
+    (40 outputs: 5 blocks), so every row here runs other code alone than among the others."""
     if cpu_quant.quant_mm() is None:
         pytest.skip("Flare's AVX2 kernel does not run here")
     torch.manual_seed(bits + inputs)
@@ -103,7 +104,8 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(bits: int, inputs:
     scale, minimum = torch.rand(outputs, inputs // 32) / 8, -torch.rand(outputs, inputs // 32)
     layer = QuantLinear(codes, bits, scale, minimum)
     x = torch.randn(40, inputs) * torch.rand(40, 1) * 10
-    assert torch.equal(layer(x[:1]), layer(x)[:1])
+    assert torch.equal(torch.cat([layer(row) for row in x.split(1)]), layer(x))
+    assert torch.equal(torch.cat([layer(rows) for rows in x.split(3)]), layer(x))
 
 
 def test_fused_layers_equal_their_parts(kernel: str) -> None:
