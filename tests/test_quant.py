@@ -4,6 +4,9 @@ quantized core against the same core dequantized to fp32."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +109,28 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(bits: int, inputs:
     x = torch.randn(40, inputs) * torch.rand(40, 1) * 10
     assert torch.equal(torch.cat([layer(row) for row in x.split(1)]), layer(x))
     assert torch.equal(torch.cat([layer(rows) for rows in x.split(3)]), layer(x))
+
+
+def test_avx512_vnni_copy_gives_the_bits_of_the_avx2_one(tmp_path: Path) -> None:
+    """Where the CPU has AVX-512 VNNI, quant_mm runs cpu_quant_vnni.cpp's copy of the kernel; FLARE_QUANT_ISA=avx2
+    (read once per process, so a second process here) runs the AVX2 one, as on an AVX2-only machine. Integer sums
+    are exact and the fp32 chain is the same, so every row count and width gives the same bits."""
+    if cpu_quant.quant_mm() is None or "avx512_vnni" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX-512 VNNI copy runs here")
+    torch.manual_seed(11)
+    cases = []
+    for bits, rows, inputs, outputs in ((4, 1, 576, 200), (4, 17, 544, 72), (8, 13, 160, 40), (8, 2, 96, 24)):
+        codes = torch.randint(0, 2**bits, (outputs, inputs), dtype=torch.int32)
+        scale, minimum = (torch.rand(outputs, inputs // 32) / 8).half(), (-torch.rand(outputs, inputs // 32)).half()
+        cases.append((torch.randn(rows, inputs) * 3, *pack(codes, scale, minimum, bits), bits))
+    torch.save(cases, tmp_path / "cases.pt")
+    script = ("import sys, torch; from engine.model import cpu_quant; cpu_quant.quant_mm(); "
+              "cases = torch.load(sys.argv[1]); "
+              "torch.save([torch.ops.flare_cpu.quant_mm(*case) for case in cases], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
+                   env={**os.environ, "FLARE_QUANT_ISA": "avx2"}, cwd=Path(__file__).parents[1], check=True)
+    for case, avx2 in zip(cases, torch.load(tmp_path / "avx2.pt")):
+        assert torch.equal(torch.ops.flare_cpu.quant_mm(*case), avx2)
 
 
 def test_fused_layers_equal_their_parts(kernel: str) -> None:
