@@ -106,17 +106,8 @@ at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tens
   const uint8_t* q = codes.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const bool half = scales.scalar_type() == at::kHalf;
-  if (use_vnni()) {
-    avx512_vnni::quant_mm(xs, M, K, q, scales.data_ptr(), mins.data_ptr(), half, N, bits, o);
-  } else if (half) {
-    const auto* s = static_cast<const uint16_t*>(scales.data_ptr());
-    const auto* mn = static_cast<const uint16_t*>(mins.data_ptr());
-    (bits == 4 ? avx2::quant_mm_kernel<4, uint16_t> : avx2::quant_mm_kernel<8, uint16_t>)(xs, M, K, q, s, mn, N, o);
-  } else {
-    const auto* s = static_cast<const float*>(scales.data_ptr());
-    const auto* mn = static_cast<const float*>(mins.data_ptr());
-    (bits == 4 ? avx2::quant_mm_kernel<4, float> : avx2::quant_mm_kernel<8, float>)(xs, M, K, q, s, mn, N, o);
-  }
+  (use_vnni() ? avx512_vnni::quant_mm : avx2::quant_mm)(xs, M, K, q, scales.data_ptr(), mins.data_ptr(), half, N,
+                                                         bits, o);
   return out;
 }
 

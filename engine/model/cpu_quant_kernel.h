@@ -218,4 +218,19 @@ void quant_mm_kernel(const float* x, int64_t M, int64_t K, const uint8_t* codes,
   });
 }
 
+// The product with scales and mins of either width (half: fp16), for 4- or 8-bit codes. Not inline: each includer
+// defines its own copy, in its own namespace, which cpu_quant.cpp calls.
+void quant_mm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, const void* mins,
+              bool half, int64_t N, int64_t bits, float* out) {
+  if (half) {
+    const auto* s = static_cast<const uint16_t*>(scales);
+    const auto* mn = static_cast<const uint16_t*>(mins);
+    (bits == 4 ? quant_mm_kernel<4, uint16_t> : quant_mm_kernel<8, uint16_t>)(x, M, K, codes, s, mn, N, out);
+  } else {
+    const auto* s = static_cast<const float*>(scales);
+    const auto* mn = static_cast<const float*>(mins);
+    (bits == 4 ? quant_mm_kernel<4, float> : quant_mm_kernel<8, float>)(x, M, K, codes, s, mn, N, out);
+  }
+}
+
 }  // namespace flare_cpu::FLARE_QUANT_ISA

@@ -21,23 +21,6 @@
 #define FLARE_QUANT_VNNI
 #include "cpu_quant_kernel.h"
 
-namespace flare_cpu::avx512_vnni {
-
-void quant_mm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const void* scales, const void* mins,
-              bool half, int64_t N, int64_t bits, float* out) {
-  if (half) {
-    const auto* s = static_cast<const uint16_t*>(scales);
-    const auto* mn = static_cast<const uint16_t*>(mins);
-    (bits == 4 ? quant_mm_kernel<4, uint16_t> : quant_mm_kernel<8, uint16_t>)(x, M, K, codes, s, mn, N, out);
-  } else {
-    const auto* s = static_cast<const float*>(scales);
-    const auto* mn = static_cast<const float*>(mins);
-    (bits == 4 ? quant_mm_kernel<4, float> : quant_mm_kernel<8, float>)(x, M, K, codes, s, mn, N, out);
-  }
-}
-
-}  // namespace flare_cpu::avx512_vnni
-
 #undef FLARE_QUANT_VNNI
 #undef FLARE_QUANT_ISA
 #pragma GCC pop_options
