@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from engine.model import cpu_quant, quant
-from engine.model.quant import QuantLinear, dequantize, pack_codes
+from engine.model.quant import QuantLinear, dequantize, pack
 
 SHAPES = ((1, 576, 1536), (1, 576, 192), (1, 1536, 576), (1, 576, 49152), (16, 576, 1536), (512, 576, 1536))
 
@@ -54,7 +54,7 @@ def main() -> None:
         codes = torch.randint(0, 16, (outputs, inputs), dtype=torch.int32)
         scale, minimum = torch.rand(outputs, inputs // 32) / 8, -torch.rand(outputs, inputs // 32)
         x, dense = torch.randn(rows, inputs), dequantize(codes, scale, minimum)
-        packed = pack_codes(codes, 4)
+        packed = pack(codes, scale, minimum, 4)
         flare = QuantLinear(codes, 4, scale, minimum)
         original, quant.cpu_quant.quant_mm = quant.cpu_quant.quant_mm, lambda: None
         try:
@@ -64,7 +64,7 @@ def main() -> None:
         x16 = x.bfloat16()
         macs = rows * inputs * outputs
         with torch.inference_mode():
-            cells = [timed(lambda: torch.ops.flare_cpu.quant_mm(x, packed, scale, minimum, 4), args.repeats, macs),
+            cells = [timed(lambda: torch.ops.flare_cpu.quant_mm(x, *packed, 4), args.repeats, macs),
                      timed(lambda: flare(x), args.repeats, macs),
                      timed(lambda: quant._int4_mm(x16, theirs.packed, quant.GROUP, theirs.scales_and_zeros),
                            args.repeats, macs),

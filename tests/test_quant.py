@@ -4,6 +4,9 @@ quantized core against the same core dequantized to fp32."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,7 @@ from engine.executor.eager import kv_cache_shape
 from engine.model.attention import AttentionMetadata, PrefillSpan
 from engine.model import cpu_quant, quant
 from engine.model.loader import load_model
-from engine.model.quant import QuantLinear, codes_of, dequantize, pack_codes
+from engine.model.quant import QuantLinear, codes_of, dequantize, pack
 from ignition.quantize import Blocks, gguf_blocks, quantize
 
 # PyTorch's kernel rounds inputs, scales and zeros to bfloat16 (8 significant bits) and accumulates in fp32, so a product
@@ -65,8 +68,7 @@ def test_flare_kernel_equals_the_exact_product(bits: int, rows: int, inputs: int
     weight = dequantize(codes, scale, minimum)
     x = torch.randn(rows, inputs) * torch.rand(rows, 1) * 10
     exact = x.double() @ weight.double().T
-    packed = pack_codes(codes, bits)
-    direct = torch.ops.flare_cpu.quant_mm(x, packed, scale, minimum, bits).double()
+    direct = torch.ops.flare_cpu.quant_mm(x, *pack(codes, scale, minimum, bits), bits)[:, :outputs].double()
     assert ((direct - exact).abs() <= flare_bound(x, weight)).all()
     layer = QuantLinear(codes, bits, scale, minimum)
     assert layer.bits == bits
@@ -85,17 +87,19 @@ def test_fp16_scales_give_the_bits_of_fp32_ones(bits: int) -> None:
     layer = QuantLinear(codes, bits, scale.float(), minimum.float())
     assert layer.scales.dtype == layer.mins.dtype == torch.float16
     x = torch.randn(6, 160)
-    wide = torch.ops.flare_cpu.quant_mm(x, pack_codes(codes, bits), scale.float(), minimum.float(), bits)
-    assert torch.equal(layer(x), wide)
+    wide = torch.ops.flare_cpu.quant_mm(x, *pack(codes, scale.float(), minimum.float(), bits), bits)
+    assert torch.equal(layer(x), wide[:, :37])
     assert QuantLinear(codes, bits, scale.float() / 3, minimum.float()).scales.dtype == torch.float32
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("inputs, outputs", [(288, 31), (576, 1536)])
+@pytest.mark.parametrize("inputs, outputs", [(288, 31), (576, 1536), (96, 40)])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(bits: int, inputs: int, outputs: int) -> None:
-    """A row alone and among 40 gets the same bits, so a prompt's last position scores alike whether its prefix was
-    cached or not (an fp32 GEMM route for many rows differed by about 1e-7 of |x| @ |w|, which the input rounding
-    turned into 1e-3 in logprobs: tests/test_api_openai.py's streamed and unstreamed logprobs)."""
+    """Each of 40 rows alone and among the 40 gets the same bits, so a prompt's last position scores alike whether
+    its prefix was cached or not (an fp32 GEMM route for many rows differed by about 1e-7 of |x| @ |w|, which the
+    input rounding turned into 1e-3 in logprobs: tests/test_api_openai.py's streamed and unstreamed logprobs). The
+    kernel takes one row with 4 blocks of 8 outputs at a time and more rows with one block, with tails of either
+    (40 outputs: 5 blocks), so every row here runs other code alone than among the others."""
     if cpu_quant.quant_mm() is None:
         pytest.skip("Flare's AVX2 kernel does not run here")
     torch.manual_seed(bits + inputs)
@@ -103,7 +107,30 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(bits: int, inputs:
     scale, minimum = torch.rand(outputs, inputs // 32) / 8, -torch.rand(outputs, inputs // 32)
     layer = QuantLinear(codes, bits, scale, minimum)
     x = torch.randn(40, inputs) * torch.rand(40, 1) * 10
-    assert torch.equal(layer(x[:1]), layer(x)[:1])
+    assert torch.equal(torch.cat([layer(row) for row in x.split(1)]), layer(x))
+    assert torch.equal(torch.cat([layer(rows) for rows in x.split(3)]), layer(x))
+
+
+def test_avx512_vnni_copy_gives_the_bits_of_the_avx2_one(tmp_path: Path) -> None:
+    """Where the CPU has AVX-512 VNNI, quant_mm runs cpu_quant_vnni.cpp's copy of the kernel; FLARE_QUANT_ISA=avx2
+    (read once per process, so a second process here) runs the AVX2 one, as on an AVX2-only machine. Integer sums
+    are exact and the fp32 chain is the same, so every row count and width gives the same bits."""
+    if cpu_quant.quant_mm() is None or "avx512_vnni" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX-512 VNNI copy runs here")
+    torch.manual_seed(11)
+    cases = []
+    for bits, rows, inputs, outputs in ((4, 1, 576, 200), (4, 17, 544, 72), (8, 13, 160, 40), (8, 2, 96, 24)):
+        codes = torch.randint(0, 2**bits, (outputs, inputs), dtype=torch.int32)
+        scale, minimum = (torch.rand(outputs, inputs // 32) / 8).half(), (-torch.rand(outputs, inputs // 32)).half()
+        cases.append((torch.randn(rows, inputs) * 3, *pack(codes, scale, minimum, bits), bits))
+    torch.save(cases, tmp_path / "cases.pt")
+    script = ("import sys, torch; from engine.model import cpu_quant; cpu_quant.quant_mm(); "
+              "cases = torch.load(sys.argv[1]); "
+              "torch.save([torch.ops.flare_cpu.quant_mm(*case) for case in cases], sys.argv[2])")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cases.pt"), str(tmp_path / "avx2.pt")],
+                   env={**os.environ, "FLARE_QUANT_ISA": "avx2"}, cwd=Path(__file__).parents[1], check=True)
+    for case, avx2 in zip(cases, torch.load(tmp_path / "avx2.pt")):
+        assert torch.equal(torch.ops.flare_cpu.quant_mm(*case), avx2)
 
 
 def test_fused_layers_equal_their_parts(kernel: str) -> None:

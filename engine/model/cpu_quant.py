@@ -1,4 +1,6 @@
-"""Builds and loads Flare's AVX2 CPU kernels: the weight-only 4/8-bit product (cpu_quant.cpp), a decoder layer's
+"""Builds and loads Flare's AVX2 CPU kernels: the weight-only 4/8-bit product (cpu_quant.cpp, its kernel
+cpu_quant_kernel.h, and that kernel's AVX-512 VNNI copy cpu_quant_vnni.cpp, which the product runs where the CPU
+has it unless FLARE_QUANT_ISA=avx2: the same bits either way), a decoder layer's
 elementwise ops (cpu_layer_ops.cpp), decode attention (cpu_attention.cpp) and a whole layer of a decode step
 (cpu_decoder_layer.cpp), all beside this file.
 
@@ -24,8 +26,9 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("cpu_quant.cpp", "cpu_layer_ops.cpp", "cpu_attention.cpp", "cpu_decoder_layer.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_ops.h")]
+           for name in ("cpu_quant.cpp", "cpu_quant_vnni.cpp", "cpu_layer_ops.cpp", "cpu_attention.cpp",
+                        "cpu_decoder_layer.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_simd.h", "cpu_ops.h", "cpu_quant_kernel.h")]
 log = logging.getLogger("flare.engine")
 
 

@@ -10,7 +10,7 @@ which is exactly GGUF's Q4_0, Q4_1 and Q8_0 blocks (and any block format of up t
 minimum per 32 weights).
 
 Two kernels run them. Where the CPU has AVX2/FMA, Flare's own (cpu_quant.cpp, built by cpu_quant.py): the codes
-are repacked once at load time (`pack_codes`) and every product reads them as they are, with the fp32 input rounded
+are repacked once at load time (`pack`) and every product reads them as they are, with the fp32 input rounded
 to 16-bit integers per group of 32 (at most 2^-16 of the group's largest |x|). It runs prefill chunks too, although
 dequantizing to fp32 for PyTorch's GEMM is faster from 32 rows on (15 against 22 ms at 512 x 576 -> 1536, two
 threads): a row's product must not depend on the rows beside it, or a prompt's last position would score
@@ -40,6 +40,7 @@ from torch import nn
 from engine.model import cpu_quant
 
 GROUP = 32
+COLUMNS = 8  # Flare's kernel takes outputs in blocks of 8
 SUFFIXES = (".q4", ".q8", ".scale", ".min")
 _int4_mm = torch.ops.aten._weight_int4pack_mm_for_cpu
 # Rows a part of a fused layer must come in for PyTorch's kernel (see QuantLinear.concat).
@@ -62,23 +63,25 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
     return codes.float() * scale + minimum.float().repeat_interleave(GROUP, dim=1)
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] as the bytes Flare's kernel reads (cpu_quant.cpp, "Layouts"): per group of 32, 16-bit words
-    holding codes i, 8 + i, 16 + i, 24 + i (4-bit, one a nibble) or 16h + i, 16h + 8 + i (8-bit, half h, one a
-    byte), and the halves of 8-bit groups interleaved by pairs of groups."""
+def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K] and their scales and mins [N, K/32] as Flare's kernel reads them (cpu_quant.cpp, "Layouts"):
+    outputs padded to a multiple of 8 with zero weights (cut from the product by QuantLinear) and taken in blocks
+    of 8; per block and group, 32-byte chunks of 16-bit words, word i holding the codes of column i // 2 at inputs
+    2p + i % 2 of the chunk's pairs p (16 // bits of them, from the low bits up); scales and mins per block as
+    [group, column]."""
     n, k = codes.shape
-    groups = k // GROUP
-    # [N, G, word, code of the word]: code j of word i of half h is code 16h + 8j + i (4-bit: h = 0, j up to 3).
-    per_word = 4 if bits == 4 else 2
-    words = codes.to(torch.int32).view(n, groups, 32 // (8 * per_word), per_word, 8).transpose(-1, -2)
-    words = (words << (torch.arange(per_word, dtype=torch.int32) * bits)).sum(-1)  # [N, G, halves, 8]
+    pad = -n % COLUMNS
+    codes, scale, minimum = (nn.functional.pad(t, (0, 0, 0, pad)) for t in (codes.to(torch.int32), scale, minimum))
+    blocks, groups, pairs = (n + pad) // COLUMNS, k // GROUP, 16 // bits
+    # [block, column, group, chunk, pair, input of the pair] -> [block, group, chunk, column, input, pair]
+    words = codes.view(blocks, COLUMNS, groups, GROUP // 2 // pairs, pairs, 2).permute(0, 2, 3, 1, 5, 4)
+    words = (words << (torch.arange(pairs, dtype=torch.int32) * bits)).sum(-1)
     # Little-endian bytes of each 16-bit word.
-    packed = torch.stack([words & 255, words >> 8], dim=-1).to(torch.uint8).flatten(-2)  # [N, G, halves, 16]
-    if bits == 8 and groups >= 2:
-        pairs = groups // 2 * 2
-        paired = packed[:, :pairs].reshape(n, pairs // 2, 2, 2, 16).transpose(2, 3)  # [N, P, half, group, 16]
-        packed = torch.cat([paired.reshape(n, pairs, 2, 16), packed[:, pairs:]], dim=1)
-    return packed.reshape(n, k * bits // 8).contiguous()
+    packed = torch.stack([words & 255, words >> 8], dim=-1).to(torch.uint8)
+    per_block = [t.reshape(blocks, COLUMNS, groups).transpose(1, 2).reshape(n + pad, groups).contiguous()
+                 for t in (scale, minimum)]
+    return packed.reshape(n + pad, k * bits // 8).contiguous(), per_block[0], per_block[1]
 
 
 def narrowest(scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +109,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{bits}-bit codes are not supported (4 or 8)")
         self.bits = bits if cpu_quant.quant_mm() is not None else None
         if self.bits is not None:
-            self.register_buffer("codes", pack_codes(codes, bits), persistent=False)
-            scale, minimum = narrowest(scale, minimum)
-            self.register_buffer("scales", scale.contiguous(), persistent=False)
-            self.register_buffer("mins", minimum.contiguous(), persistent=False)
+            for name, tensor in zip(("codes", "scales", "mins"), pack(codes, *narrowest(scale, minimum), bits)):
+                self.register_buffer(name, tensor, persistent=False)
             return
         if bits == 4:
             halves = [(codes, scale, minimum + 8 * scale)]
@@ -130,15 +131,18 @@ class QuantLinear(nn.Module):
     @classmethod
     def concat(cls, *parts: QuantLinear) -> QuantLinear | None:
         """One layer computing the parts' outputs side by side (fused q/k/v and gate/up: one kernel call instead of
-        several), or None where they cannot share one call: other inputs, other code widths, or (PyTorch's kernel)
-        a part whose rows are not a whole number of the kernel's row blocks. Both layouts are row-major in outputs,
-        so packed rows concatenate as they are, PyTorch's only by whole blocks (32 rows on an AVX2 machine: a part
-        of 48 rows beside others gave wrong outputs; 64 covers the block sizes of its other CPU paths too)."""
+        several), or None where they cannot share one call: other inputs, other code widths, or a part whose rows
+        are not a whole number of the kernel's blocks. Both layouts are blocks of outputs, so packed rows
+        concatenate as they are by whole blocks: Flare's 8 rows (padding would sit between the parts), PyTorch's
+        32 on an AVX2 machine (a part of 48 rows beside others gave wrong outputs; 64 covers the block sizes of its
+        other CPU paths too)."""
         first = parts[0]
         if any(p.in_features != first.in_features or p.bits != first.bits for p in parts) or \
                 len({p.bias is None for p in parts}) > 1:
             return None
         names = ("codes", "scales", "mins") if first.bits is not None else ("packed", "scales_and_zeros")
+        if first.bits is not None and any(p.out_features % COLUMNS for p in parts):
+            return None
         if first.bits is None and any(p.repeats != first.repeats or p.out_features % TORCH_ROW_BLOCK
                                       for p in parts):
             return None
@@ -163,6 +167,8 @@ class QuantLinear(nn.Module):
             if rows.dtype != torch.float32 or not rows.is_contiguous():  # a conversion is an operator call
                 rows = rows.float().contiguous()
             out = torch.ops.flare_cpu.quant_mm(rows, self.codes, self.scales, self.mins, self.bits)
+            if out.shape[-1] != self.out_features:  # padded to whole blocks
+                out = out[:, :self.out_features]
             if x.dtype != torch.float32:
                 out = out.to(x.dtype)
         else:
