@@ -186,12 +186,13 @@ class RequestScheduler:
                 depths: dict[Request, Choice]) -> Candidate | None:
         """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
         config = self.policy
-        # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
-        waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
-        values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
-        decode_value = sum(values)
         candidates = []
-        if decoders:
+        decode_value = 0
+        if decoders:  # (none: a lone prompt's first step, where numpy's calls cost tens of µs of its first token)
+            # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
+            waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
+            values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
+            decode_value = sum(values)
             batch = decode_capacity(len(decoders))
             candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", batch)))
             drafting = [depths[r] for r in decoders if r in depths and r.in_flight == 0]
