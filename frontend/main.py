@@ -99,8 +99,8 @@ async def serve(args: argparse.Namespace) -> None:
 
 def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
     """uvloop's event loop where it is installed (a dependency on Linux and macOS), else asyncio's own. Every hop of
-    a request (the HTTP read, the engine socket's wakeups, each await between them) goes through the loop: uvloop
-    takes a fraction of a millisecond off a short prompt's time to the first token (bench/README.md)."""
+    a request (the HTTP read, the engine socket's wakeups, each await between them) goes through the loop, and
+    uvloop's costs less (bench/README.md, a short prompt's time to the first token on the host)."""
     try:
         import uvloop
     except ImportError:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_extra_body_reaches_every_request(server: Server, tmp_path: Path) -> Non
 def test_latency_chain_times_every_hop(core_dir: Path) -> None:
     """bench/latency_chain.py against the real frontend and engine loop: a row for each hop, in the path's order."""
     done = subprocess.run([sys.executable, "-m", "bench.latency_chain", "--core", str(core_dir), "--requests", "3",
-                           "--port", "18431"], capture_output=True, text=True, timeout=120)
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     hops = [line.split("|")[1].strip() for line in done.stdout.splitlines()[2:]]
     assert hops == ["client: request sent -> frontend: handler starts",
