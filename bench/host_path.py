@@ -52,6 +52,7 @@ from bench.tokens import Tokens
 from common import protocol as wire
 from common.manifest import load_manifest
 from engine.core import Engine
+from bench.loop_engine import token_completion
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
@@ -78,9 +79,7 @@ class InstantExecutor:
 
     def submit(self, plan: Plan) -> None:
         self._fence += 1
-        sampled = [row for row in plan.rows if row.sample]
-        self._done.append((plan, Completion(self._fence, tuple(r.slot for r in sampled),
-                                            tuple(r.generation for r in sampled), (1,) * len(sampled), 1e-3)))
+        self._done.append((plan, token_completion(self._fence, plan, 1, 1e-3)))
 
     def poll(self) -> list[tuple[Plan, Completion]]:
         done, self._done = self._done, []
