@@ -48,11 +48,11 @@ import zmq
 
 from bench.client import request_body
 from bench.datasets import Prompt
+from bench.loop_engine import token_completion
 from bench.tokens import Tokens
 from common import protocol as wire
 from common.manifest import load_manifest
 from engine.core import Engine
-from bench.loop_engine import token_completion
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
