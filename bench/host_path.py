@@ -2,7 +2,7 @@
 16: 64 new tokens after a cached 16,000-token prefix should cost little more than 64 tokens alone).
 
     python -m bench.host_path --core DIR [--prefix-len 16000] [--new-len 64] [--requests 40]
-                              [--part engine,submit,frontend]
+                              [--part engine,submit,frontend] [--engine null|loop] [--step-ms 0]
                               [--profile engine|frontend]
 
 Every part runs on the CPU, no model, one request at a time:
@@ -13,7 +13,9 @@ Every part runs on the CPU, no model, one request at a time:
 - frontend: bench/null_engine.py and a `flare-frontend` process (on a copy of the core whose context limit holds the
   prompt), streamed /v1/completions requests with a text prompt, as `flare-bench --dataset shared-prefix` sends them.
   Timed: from sending the request (its JSON already encoded) to the first byte of the first server-sent event. The
-  null engine's decoding of the Submit is inside this time.
+  null engine's decoding of the Submit is inside this time. `--engine loop` puts bench/loop_engine.py in its place:
+  the real engine loop, whose executor's steps take `--step-ms` and complete through a watcher thread, so the time
+  is the host's whole path to the first token (minus `--step-ms`, the prefill on the device).
 - submit: the frontend's own work up to the Submit's bytes (JSON, prompt, tokens, sampling, encoding), in this
   process and thread: the steadiest view of the frontend's part on a busy machine.
 Prints the median and the 10th/90th percentiles per (part, prompt), and the difference of the medians; the engine
@@ -46,6 +48,7 @@ import zmq
 
 from bench.client import request_body
 from bench.datasets import Prompt
+from bench.loop_engine import token_completion
 from bench.tokens import Tokens
 from common import protocol as wire
 from common.manifest import load_manifest
@@ -76,9 +79,7 @@ class InstantExecutor:
 
     def submit(self, plan: Plan) -> None:
         self._fence += 1
-        sampled = [row for row in plan.rows if row.sample]
-        self._done.append((plan, Completion(self._fence, tuple(r.slot for r in sampled),
-                                            tuple(r.generation for r in sampled), (1,) * len(sampled), 1e-3)))
+        self._done.append((plan, token_completion(self._fence, plan, 1, 1e-3)))
 
     def poll(self) -> list[tuple[Plan, Completion]]:
         done, self._done = self._done, []
@@ -226,16 +227,16 @@ def first_event(port: int, body: bytes) -> float:
     return elapsed
 
 
-def frontend_part(core: Path, prefix_len: int, new_len: int, requests: int, profile: bool, port: int
-                  ) -> dict[str, list[float]]:
+def frontend_part(core: Path, prefix_len: int, new_len: int, requests: int, profile: bool, port: int,
+                  engine: list[str]) -> dict[str, list[float]]:
+    """`engine`: the stand-in engine's module and options, to which --core and --listen are added."""
     work = Path(tempfile.mkdtemp(prefix="flare-host-path-"))
     processes: list[subprocess.Popen] = []
     try:
         core = long_context_core(core, work / "core")
         model = load_manifest(core, verify=False).served_names[0]
         address = f"ipc://{work}/engine.sock"
-        processes.append(subprocess.Popen([sys.executable, "-m", "bench.null_engine", "--core", str(core),
-                                           "--listen", address, "--reply", "Hello there."]))
+        processes.append(subprocess.Popen([sys.executable, "-m", *engine, "--core", str(core), "--listen", address]))
         profiling = ["-m", "cProfile", "-o", str(work / "frontend.prof")] if profile else []
         processes.append(subprocess.Popen([sys.executable, *profiling, "-m", "frontend.main", "--engine", address,
                                            "--core", str(core), "--port", str(port)],
@@ -258,7 +259,7 @@ def frontend_part(core: Path, prefix_len: int, new_len: int, requests: int, prof
             for data in bodies:
                 first_event(port, data)
             spent = [(cpu_seconds(p.pid) - b) / CPU_ROUNDS for p, b in zip(processes, before)]
-            times[f"{name}, CPU of the frontend (null engine: {spent[0] * 1e3:.3f} ms)"] = [spent[1]]
+            times[f"{name}, CPU of the frontend (engine: {spent[0] * 1e3:.3f} ms)"] = [spent[1]]
     finally:
         for process in reversed(processes):
             process.send_signal(signal.SIGINT if process is processes[-1] else signal.SIGTERM)  # cProfile writes
@@ -314,6 +315,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--part", default="engine,submit,frontend")
     parser.add_argument("--profile", choices=("engine", "frontend"))
     parser.add_argument("--port", type=int, default=18411)
+    parser.add_argument("--engine", choices=("null", "loop"), default="null",
+                        help="the frontend part's engine: bench/null_engine.py or bench/loop_engine.py")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="--engine loop: how long each step takes")
     args = parser.parse_args(argv)
     parts = args.part.split(",")
     print("| part | prompt | median ms | p10 ms | p90 ms |\n| --- | --- | --- | --- | --- |")
@@ -325,8 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     if "submit" in parts:
         report("submit", submit_part(args.core, args.prefix_len, args.new_len, args.requests))
     if "frontend" in parts:
+        engine = ["bench.null_engine", "--reply", "Hello there."] if args.engine == "null" else \
+            ["bench.loop_engine", "--step-ms", str(args.step_ms)]
         report("frontend", frontend_part(args.core, args.prefix_len, args.new_len, args.requests,
-                                         args.profile == "frontend", args.port))
+                                         args.profile == "frontend", args.port, engine))
 
 
 if __name__ == "__main__":

@@ -28,10 +28,13 @@ FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "can
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 MAX_LABELS = 256  # label token ids one query of a scored prefill reads
+SHORT_PROMPT = 128  # ids: below this, min() and max() beat packing for numpy (which costs 40 µs cold, 2 hot)
 
 
 def ids_below(ids: list[int], limit: int) -> bool:
     """Whether every id lies in [0, limit), at C speed: min() and max() over a 16k-token prompt take 0.3-0.9 ms."""
+    if len(ids) < SHORT_PROMPT:
+        return not ids or min(ids) >= 0 and max(ids) < limit
     try:
         packed = array("I", ids)  # refuses negative ids and ids of over 32 bits
     except OverflowError:

@@ -28,6 +28,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The chat page (chat_page.py) loads without a key and asks for one; its API calls carry it.
 OPEN_PATHS = ("/health", "/metrics", "/")
 OPEN_PREFIX = "/static/"
+# A prompt this short renders and tokenizes in a fraction of a millisecond: on the event loop, where handing it to a
+# worker thread and back costs about as much again in latency (two thread wakeups, and the worker's wait for the GIL
+# while the loop is busy; bench/README.md, time to the first token of a short prompt).
+INLINE_CHARS = 2048
 
 
 class Frontend:
@@ -52,6 +56,12 @@ class Frontend:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         finally:
             self.pool_busy -= 1
+
+    async def on_pool_if_long(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn` at once when its input (`chars` characters of prompt) is short, else on the worker pool."""
+        if chars < INLINE_CHARS:
+            return fn(*args)
+        return await self.on_pool(fn, *args)
 
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)

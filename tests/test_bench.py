@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -94,3 +94,24 @@ def test_extra_body_reaches_every_request(server: Server, tmp_path: Path) -> Non
                               "--extra-body", json.dumps({"structured_outputs": {"regex": "[a-z"}})],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "HTTP 400" in refused.stderr  # the probe request already says why
+
+
+def test_latency_chain_times_every_hop(core_dir: Path) -> None:
+    """bench/latency_chain.py against the real frontend and engine loop: a row for each hop, in the path's order."""
+    done = subprocess.run([sys.executable, "-m", "bench.latency_chain", "--core", str(core_dir), "--requests", "3",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    hops = [line.split("|")[1].strip() for line in done.stdout.splitlines()[2:]]
+    assert hops == ["client: request sent -> frontend: handler starts",
+                    "frontend: handler starts -> frontend: prompt tokenized",
+                    "frontend: prompt tokenized -> frontend: Submit sent",
+                    "frontend: Submit sent -> engine: Submit decoded",
+                    "engine: Submit decoded -> engine: step planned",
+                    "engine: step planned -> engine: step submitted",
+                    "engine: step submitted -> engine: completion polled",
+                    "engine: completion polled -> engine: Outputs sent",
+                    "engine: Outputs sent -> frontend: Outputs received",
+                    "frontend: Outputs received -> frontend: stream opens",
+                    "frontend: stream opens -> frontend: first event written",
+                    "frontend: first event written -> client: first byte",
+                    "total"]

@@ -217,12 +217,13 @@ class RequestScheduler:
             # The decode step is the only candidate: choose() takes it whatever its value, which goes unscored (a
             # pass over every decoder saved on every steady decode step).
             return Candidate(len(decoders), 0, 0.0, ("decode", batch))
-        # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
-        waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
-        values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
-        decode_value = sum(values)
         candidates = []
-        if decoders:
+        decode_value = 0
+        if decoders:  # (none: a lone prompt's first step, where numpy's calls cost tens of µs of its first token)
+            # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
+            waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
+            values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
+            decode_value = sum(values)
             candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", batch)))
             if drafting:
                 from engine.speculative.planner import width_of
