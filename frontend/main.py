@@ -8,7 +8,6 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -97,23 +96,11 @@ async def serve(args: argparse.Namespace) -> None:
     frontend.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    """uvloop's event loop where it is installed (a dependency on Linux and macOS), else asyncio's own. Every hop of
-    a request (the HTTP read, the engine socket's wakeups, each await between them) goes through the loop, and
-    uvloop's costs less (bench/README.md, a short prompt's time to the first token on the host)."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop
-    return uvloop.new_event_loop
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
     try:
-        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-            runner.run(serve(args))
+        asyncio.run(serve(args))
     except CoreError as exc:
         sys.exit(f"flare-frontend: error: {exc}")
     except TimeoutError:
