@@ -19,7 +19,7 @@ from frontend.image_decode import ImageLimits
 from frontend.image_prepare import PreparedImage, prepare
 from frontend.image_source import data_url_bytes, fetch
 from frontend.model import EncodedChat
-from frontend.server import INLINE_CHARS, Frontend
+from frontend.server import Frontend
 
 
 def image_part(url: object) -> dict:
@@ -114,10 +114,4 @@ async def encode_chat(frontend: Frontend, messages: list[dict], tools: list[dict
             return encoded
         ids, ends, offsets = expand(encoded.ids, encoded.message_ends, images, frontend.model.manifest.vision)
         return encoded._replace(ids=ids, message_ends=ends, images=wire_images(images, offsets))
-    return await frontend.on_pool_if_long(INLINE_CHARS if images or tools else chat_chars(messages), encode)
-
-
-def chat_chars(messages: list[dict]) -> int:
-    """The characters of a conversation's text; a message with anything but text content counts as long."""
-    return sum(len(m["content"]) if isinstance(m.get("content"), str) and len(m) <= 2 else INLINE_CHARS
-               for m in messages)
+    return await frontend.on_pool(encode)

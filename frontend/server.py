@@ -28,10 +28,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The chat page (chat_page.py) loads without a key and asks for one; its API calls carry it.
 OPEN_PATHS = ("/health", "/metrics", "/")
 OPEN_PREFIX = "/static/"
-# A prompt this short renders and tokenizes in a fraction of a millisecond: on the event loop, where handing it to a
-# worker thread and back costs about as much again in latency (two thread wakeups, and the worker's wait for the GIL
-# while the loop is busy; bench/README.md, time to the first token of a short prompt).
-INLINE_CHARS = 2048
+# A text this short tokenizes in well under 0.2 ms: on the event loop, where handing it to a worker thread and back
+# costs more than that in latency (two thread wakeups; 0.4-0.5 ms of a 64-token prompt's time to first token on a
+# busy two-core machine, bench/README.md).
+INLINE_CHARS = 1024
 
 
 class Frontend:
@@ -57,11 +57,11 @@ class Frontend:
         finally:
             self.pool_busy -= 1
 
-    async def on_pool_if_long(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
-        """`fn` at once when its input (`chars` characters of prompt) is short, else on the worker pool."""
-        if chars < INLINE_CHARS:
-            return fn(*args)
-        return await self.on_pool(fn, *args)
+    async def encode_text(self, text: str) -> list[int]:
+        """A text prompt's token ids: a short one at once, a longer one on the worker pool."""
+        if len(text) < INLINE_CHARS:
+            return self.model.encode_text(text)
+        return await self.on_pool(self.model.encode_text, text)
 
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
