@@ -78,7 +78,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     n = choices_count(body)
     if len(prompts) * n > MAX_CHOICES * 4:
         raise InvalidRequest(f"at most {MAX_CHOICES * 4} choices per request (prompts times n)", param="prompt")
-    encoded = [p if isinstance(p, list) else await frontend.encode_text(p) for p in prompts]
+    encoded = [p if isinstance(p, list) else await frontend.on_pool(frontend.model.encode_text, p) for p in prompts]
     max_tokens = requested_max_tokens(body, "max_tokens")
     constraint = output_constraint(body, None, "response_format", body.get("response_format"))
     stop = get_stop(body, "stop")

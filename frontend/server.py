@@ -28,10 +28,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # The chat page (chat_page.py) loads without a key and asks for one; its API calls carry it.
 OPEN_PATHS = ("/health", "/metrics", "/")
 OPEN_PREFIX = "/static/"
-# A text this short tokenizes in well under 0.2 ms: on the event loop, where handing it to a worker thread and back
-# costs more than that in latency (two thread wakeups; 0.4-0.5 ms of a 64-token prompt's time to first token on a
-# busy two-core machine, bench/README.md).
-INLINE_CHARS = 1024
 
 
 class Frontend:
@@ -56,12 +52,6 @@ class Frontend:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         finally:
             self.pool_busy -= 1
-
-    async def encode_text(self, text: str) -> list[int]:
-        """A text prompt's token ids: a short one at once, a longer one on the worker pool."""
-        if len(text) < INLINE_CHARS:
-            return self.model.encode_text(text)
-        return await self.on_pool(self.model.encode_text, text)
 
 
 FRONTEND_KEY = web.AppKey("frontend", Frontend)
