@@ -236,8 +236,8 @@ def bench_moe_configs() -> None:
 def bench_decode() -> None:
     say("## Decode attention, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same rows "
         "through the extend kernel (a mixed step's decode rows)")
-    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | K/V TB/s | "
-        "max abs diff | extend, 2 stages ms |")
+    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | "
+        "K/V TB/s | max abs diff | extend, 2 stages ms |")
     say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     two_stages = (*tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))[:3], 2)  # the decode kernel's depth
     g = torch.Generator(device=DEVICE).manual_seed(3)
@@ -265,8 +265,8 @@ def bench_decode() -> None:
                                                        *blocks, PAGE, HEAD_DIM**-0.5, window=window,
                                                        config=two_stages))
             read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
-            say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | {extend:.3f} | "
-                f"{read / extend / 1e9:.2f} | {extend_diff:.4f} | {shallow:.3f} |")
+            say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | "
+                f"{extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | {shallow:.3f} |")
 
 
 def main() -> int:

@@ -4,7 +4,9 @@
 
 Each row starts the server its workload needs (synth cores of random bf16 weights, written once under --cores),
 runs `flare-bench serve` against it (completions endpoint, --ignore-eos) and prints the figure beside its target.
-Rows that share a server run back to back on it. A row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for
+Rows that share a server run back to back on it; beside its figure a row prints the mean TTFT as the client saw
+it, as the server measured it (frontend arrival to first token) and the engine's mean queue time (arrival to first
+step), the last two from /metrics. A row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for
 the `tp2-*` and `replicas2-*` rows); on the device machine pyzmq, msgspec and minijinja come as wheels (../shared/tools/gpu-wheels.sh).
 """
 

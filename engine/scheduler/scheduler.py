@@ -495,8 +495,8 @@ class RequestScheduler:
         """A step without drafts or error, in one loop over its rows without a call per row: each row's request
         publishes the blocks it completed (PrefixReuse.publish, for a few rows a step), and a sampling row commits
         its token as _commit_token does. The rows' requests that ended while the step was in flight are left out
-        (looked for after the loop, only when there are some). Returns the requests whose token ends them, with that token, in row order: they
-        end once the step's other news is in."""
+        (looked for after the loop, only when there are some). Returns the requests whose token ends them, with
+        that token, in row order: they end once the step's other news is in."""
         tokens = completion.tokens
         now = time.monotonic()  # every token of the step is committed now
         requests = list(map(self.slots.__getitem__, map(SLOT, rows)))
