@@ -36,7 +36,7 @@ from common import protocol as wire
 # (module, attribute path, point name, after the call rather than before, which calls count)
 FRONTEND_POINTS = [
     ("frontend.completions_api", "completions", "frontend: handler starts", False, None),
-    ("frontend.server", "Frontend.on_pool_if_long", "frontend: prompt tokenized", True, None),
+    ("frontend.server", "Frontend.on_pool", "frontend: prompt tokenized", True, None),  # a text prompt's tokens
     ("frontend.engine_client", "EngineClient._send", "frontend: Submit sent", False,
      lambda client, message: isinstance(message, wire.Submit)),
     ("frontend.engine_client", "EngineClient._dispatch", "frontend: Outputs received", False, None),
