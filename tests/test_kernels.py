@@ -20,6 +20,7 @@ from engine.kernels.extend_attention import (extend_attention, extend_attention_
                                              extend_blocks)
 from engine.kernels.fused_moe import (MoeConfig, align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
                                       fused_moe_reference)
+from engine.kernels.gemv import MAX_ROWS, GemvConfig, gemv, gemv_reference  # noqa: E402
 from engine.kernels.moe_routing import route, route_in_one_program  # noqa: E402
 from engine.kernels.moe_rows import ROWS_MAX_PAIRS, RowsConfig  # noqa: E402
 from engine.kernels.page_table import apply_patches, apply_patches_reference  # noqa: E402
@@ -234,6 +235,28 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(5)
     x = torch.randn(7, 2 * (14336 if GPU else 1536), generator=g).to(dtype).to(DEVICE)
     assert relative_error(silu_and_mul(x), silu_and_mul_reference(x)) < tolerance(dtype) / 10
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fusion", ["plain", "norm", "silu_mul", "bias_residual"])
+def test_gemv_matches_reference(dtype: torch.dtype, fusion: str) -> None:
+    g = torch.Generator().manual_seed(12)
+    # (N, K): the 8B's q/k/v and down on the GPU; on the CPU, N not a multiple of BLOCK_N and K of BLOCK_K too
+    shapes = [(6144, 4096), (4096, 14336)] if GPU else [(40, 64), (24, 80)]
+    config = GemvConfig(16, 256, 4, 3) if GPU else GemvConfig(16, 32, 4, 1)
+    for (n_out, k_in), rows in zip(shapes, (1, MAX_ROWS - 1)):
+        width = 2 * k_in if fusion == "silu_mul" else k_in
+        x, weight, bias, norm_weight, residual = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape
+                                                  in ((rows, width), (n_out, k_in), (n_out,), (k_in,), (rows, n_out)))
+        weight /= k_in ** 0.5
+        kwargs = dict(norm=(norm_weight, 1e-6) if fusion == "norm" else None, silu_mul=fusion == "silu_mul")
+        if fusion == "bias_residual":
+            kwargs.update(bias=bias, residual=residual)
+        ref = gemv_reference(x, weight, **kwargs)
+        out = gemv(x, weight, config=config, **kwargs)
+        assert out.shape == ref.shape and relative_error(out, ref) < tolerance(dtype) / 4
+        if fusion == "bias_residual":
+            assert out.data_ptr() == residual.data_ptr()
 
 
 def test_apply_patches_matches_reference() -> None:

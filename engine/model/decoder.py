@@ -87,18 +87,23 @@ class Attention(nn.Module):
 
     def forward_kernels(self, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+        out = self.attend_kernels(self.qkv(x), positions, rope, k_cache, v_cache, meta)
+        return self.o_proj(out.flatten(1))
+
+    def attend_kernels(self, qkv: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+        """The kernel path from the fused q/k/v product [T, (H + 2 KVH) D] to the attention's output [T, H, D]:
+        q/k norms and rotary, the new keys and values stored, attention over the cache."""
         from engine.kernels.rotary import rope_and_store
 
         c = self.c
-        qkv = self.qkv(x)
         norms = {}
         if c.qk_norm:  # the kernel normalises each q and k head before rotating, rounding as the family does
             norms = dict(q_norm=self.q_norm.weight, k_norm=self.k_norm.weight, norm_eps=c.rms_norm_eps,
                          norm_style="gemma" if c.gemma_norms else "llama")
         q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
                            **norms)
-        out = kernel_attention(q, k_cache, v_cache, meta, self.attn.scale, self.attn.window)
-        return self.o_proj(out.flatten(1))
+        return kernel_attention(q, k_cache, v_cache, meta, self.attn.scale, self.attn.window)
 
 
 class MLP(nn.Module):
@@ -184,6 +189,13 @@ class DecoderLayer(nn.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def fuses_few_rows(self) -> bool:
+        """Whether CausalLM._forward_few_rows runs this layer: Llama-style norms around each branch, plain (not
+        tensor-parallel, not quantized) q/k/v and o, and a SiLU MLP of plain products or a mixture of experts."""
+        attn, mlp = self.self_attn, self.mlp
+        plain = [attn.qkv, attn.o_proj] + ([mlp.gate_up, mlp.down_proj] if isinstance(mlp, MLP) else [])
+        return not self.sandwich and all(type(p) is nn.Linear for p in plain) and not (isinstance(mlp, MLP) and mlp.gelu)
+
     def mlp_norm(self) -> nn.Module:
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
@@ -226,6 +238,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.set_rope()
         self.kernels = False
+        self.few_rows = 0  # use_kernels: steps of up to this many tokens take _forward_few_rows
         self.cpu_ops = False
 
     def set_rope(self, device: torch.device | None = None) -> None:
@@ -247,6 +260,7 @@ class CausalLM(nn.Module):
 
     def use_kernels(self, max_positions: int) -> None:
         """Switch to the kernel path (the GPU's; the CPU runs it only under TRITON_INTERPRET, in tests)."""
+        from engine.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
         from engine.kernels.rotary import rope_table
 
         self.fuse_projections()
@@ -255,6 +269,7 @@ class CausalLM(nn.Module):
                 module.fold()
         self.rope_tables = [rope_table(inv_freq, max_positions) for inv_freq in self.inv_freqs]
         self.kernels = True
+        self.few_rows = GEMV_MAX_ROWS if all(layer.fuses_few_rows() for layer in self.model.layers) else 0
 
     def use_cpu_ops(self) -> None:
         """Flare's C++ ops for a quantized fp32 core on the CPU (the loader calls this where they build,
@@ -291,8 +306,10 @@ class CausalLM(nn.Module):
         `images` (a vision-language model's prompt rows, engine/model/qwen3_vl.py) replace their tokens' embeddings
         and add to the first layers' outputs."""
         if self.kernels:
-            return self._forward_residual(input_ids, positions, kv_cache,
-                                          meta.kernel if isinstance(meta, AttentionMetadata) else meta, images)
+            meta = meta.kernel if isinstance(meta, AttentionMetadata) else meta
+            if images is None and input_ids.shape[0] <= self.few_rows:
+                return self._forward_few_rows(input_ids, positions, kv_cache, meta)
+            return self._forward_residual(input_ids, positions, kv_cache, meta, images)
         if self.cpu_ops:
             return self._forward_residual(input_ids, positions, kv_cache, meta, images)
         rotations = self.rotations(positions)
@@ -371,6 +388,31 @@ class CausalLM(nn.Module):
             if images is not None:  # the layer's output is residual + x: adding to x adds to it
                 x = images.after_layer(i, x)
         return add_rms_norm(x, residual, self.model.norm.kernel_weight(), eps)[0]
+
+    def _forward_few_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                          meta: KernelMetadata) -> torch.Tensor:
+        """The kernel path for a step of up to `few_rows` tokens (a decode step of a few sequences): each
+        projection is one gemv (engine/kernels/gemv.py) with the RMSNorm before it as its prologue and the
+        residual add after it as its epilogue, so the residual stream is updated in place and no norm, add or SiLU
+        kernel runs between them. A MoE layer's MLP keeps its own kernels."""
+        from engine.kernels.gemv import gemv
+        from engine.kernels.rmsnorm import add_rms_norm
+
+        eps = self.config.rms_norm_eps
+        tables, rope_positions = self.rope_inputs(positions)
+        stream = self.embed(input_ids)  # a tensor of this step's own: the epilogues write into it
+        for i, layer in enumerate(self.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = gemv(stream, attn.qkv.weight, attn.qkv.bias, norm=(layer.input_layernorm.kernel_weight(), eps))
+            out = attn.attend_kernels(qkv, rope_positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+            gemv(out.flatten(1), attn.o_proj.weight, attn.o_proj.bias, residual=stream)
+            norm = (layer.post_attention_layernorm.kernel_weight(), eps)
+            if isinstance(mlp, MLP):
+                gemv(gemv(stream, mlp.gate_up.weight, norm=norm), mlp.down_proj.weight, silu_mul=True,
+                     residual=stream)
+            else:
+                stream += mlp.forward_kernels(add_rms_norm(stream, None, *norm)[0])
+        return add_rms_norm(stream, None, self.model.norm.kernel_weight(), eps)[0]
 
     def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The kernel path's rotary: a table per distinct rope, and the row of it each token reads."""
