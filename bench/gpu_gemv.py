@@ -30,9 +30,9 @@ from engine.kernels.rmsnorm import add_rms_norm
 DEVICE = "cuda"
 HIDDEN, INTER, QKV = 4096, 14336, 6144
 PROJECTIONS = {"q/k/v": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate/up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-SWEEP = [GemvConfig(*c) for c in [(8, 256, 4, 3), (8, 512, 4, 3), (8, 512, 4, 4), (16, 128, 4, 3), (16, 256, 4, 3),
-                                  (16, 256, 4, 4), (16, 256, 8, 4), (16, 512, 8, 3), (32, 128, 4, 3), (32, 128, 8, 4),
-                                  (32, 256, 8, 3), (64, 64, 4, 4), (64, 128, 8, 3), (4, 512, 4, 4), (4, 1024, 4, 3)]]
+SWEEP = [GemvConfig(*c) for c in [(8, 512, 4, 3), (8, 512, 4, 1), (8, 512, 2, 3), (4, 512, 4, 3), (4, 512, 2, 3),
+                                  (8, 1024, 4, 3), (8, 1024, 8, 3), (16, 512, 4, 3), (4, 1024, 4, 3), (2, 1024, 4, 3),
+                                  (8, 256, 2, 3), (16, 256, 4, 3), (4, 2048, 8, 3), (2, 2048, 4, 3)]]
 
 
 def random(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
@@ -43,7 +43,7 @@ def bench_sweep() -> None:
     say("## gemv block configurations (BLOCK_N, BLOCK_K, warps, stages): graph ms and TB/s on the weight")
     g = torch.Generator(device=DEVICE).manual_seed(1)
     weights = {name: random(n, k, g=g, scale=k**-0.5) for name, (n, k) in PROJECTIONS.items()}
-    for rows in (1, 4):
+    for rows in (1, 2, 4):
         inputs = {name: random(rows, k, g=g) for name, (_, k) in PROJECTIONS.items()}
         say(f"### {rows} row(s)")
         say("| config | " + " | ".join(PROJECTIONS) + " |")

@@ -37,52 +37,51 @@ class GemvConfig:
 
 def gemv_config(rows: int, n_out: int, k_in: int) -> GemvConfig:
     """The block configuration for a product of this shape (bench/gpu_gemv.py sweeps them on an H200)."""
-    return GemvConfig(block_n=16, block_k=256 if rows == 1 else 128, num_warps=4, num_stages=3)
+    return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
 
 @triton.jit
-def _gemv(x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, rows, n_out, k_in, stride_x, stride_w, stride_o, eps,
-          ROWS: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
-          ADD_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, ROWS)
+def _gemv(x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_x, stride_w, stride_o, eps,
+          PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The row is the grid's fastest dimension: the programs of one weight block run side by side, so a step of a
+    # few rows reads each block from memory once and from the L2 cache for the other rows.
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    live = r < rows
     dtype = out_ptr.dtype.element_ty
     w_ptrs = w_ptr + (n % n_out).to(tl.int64)[:, None] * stride_w + k[None, :]  # wrapped rows: no mask on N
-    x_ptrs = x_ptr + r[:, None] * stride_x + k[None, :]
+    x_ptrs = x_ptr + row * stride_x + k
     # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
-    squares = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, k_in, BLOCK_K):
         if EVEN_K:
-            x_mask = live[:, None]
             w = tl.load(w_ptrs)
+            a = tl.load(x_ptrs).to(tl.float32)
         else:
-            x_mask = live[:, None] & (k < k_in - start)[None, :]
             w = tl.load(w_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
-        a = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            a = tl.load(x_ptrs, mask=k < k_in - start, other=0.0).to(tl.float32)
         if PROLOGUE == 1:
             squares += a * a
-            a = a * tl.load(norm_ptr + start + k, mask=k < k_in - start, other=0.0).to(tl.float32)[None, :]
+            a = a * tl.load(norm_ptr + start + k, mask=k < k_in - start, other=0.0).to(tl.float32)
         elif PROLOGUE == 2:
-            up = tl.load(x_ptrs + k_in, mask=x_mask, other=0.0).to(tl.float32)
+            up = tl.load(x_ptrs + k_in, mask=k < k_in - start, other=0.0).to(tl.float32)
             silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
             a = (silu * up).to(dtype).to(tl.float32)
-        acc += w.to(tl.float32)[None, :, :] * a[:, None, :]
+        acc += w.to(tl.float32) * a[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    y = tl.sum(acc, 2)
+    y = tl.sum(acc, 1)
     if PROLOGUE == 1:
-        y = y / tl.sqrt(tl.sum(squares, 1) / k_in + eps)[:, None]
+        y = y / tl.sqrt(tl.sum(squares, 0) / k_in + eps)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + n % n_out).to(tl.float32)[None, :]
+        y += tl.load(bias_ptr + n % n_out).to(tl.float32)
     y = y.to(dtype)
-    mask = live[:, None] & (n < n_out)[None, :]
-    out_ptrs = out_ptr + r[:, None] * stride_o + n[None, :]
+    out_ptrs = out_ptr + row * stride_o + n
     if ADD_RESIDUAL:  # out is the residual, added to in place, rounded as the unfused add: the product, then the sum
-        y = (y.to(tl.float32) + tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
-    tl.store(out_ptrs, y, mask=mask)
+        y = (y.to(tl.float32) + tl.load(out_ptrs, mask=n < n_out, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(out_ptrs, y, mask=n < n_out)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -101,11 +100,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = residual if residual is not None else torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     prologue = RMS_NORM if norm is not None else SILU_MUL if silu_mul else NO_PROLOGUE
-    _gemv[(triton.cdiv(n_out, config.block_n),)](
-        x, weight, bias if bias is not None else weight, norm_weight, out, rows, n_out, k_in, x.stride(0),
-        weight.stride(0), out.stride(0), eps, ROWS=triton.next_power_of_2(rows), PROLOGUE=prologue,
-        HAS_BIAS=bias is not None, ADD_RESIDUAL=residual is not None, EVEN_K=k_in % config.block_k == 0,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    _gemv[(rows, triton.cdiv(n_out, config.block_n))](
+        x, weight, bias if bias is not None else weight, norm_weight, out, n_out, k_in, x.stride(0),
+        weight.stride(0), out.stride(0), eps, PROLOGUE=prologue, HAS_BIAS=bias is not None,
+        ADD_RESIDUAL=residual is not None, EVEN_K=k_in % config.block_k == 0, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
