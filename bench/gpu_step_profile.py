@@ -24,7 +24,7 @@ from engine.model.loader import load_model
 MAX_GAP_US = 50  # longer idle stretches are the host's, between steps
 
 
-def kernel_table(executor: GraphExecutor, context: int, page_size: int, steps: int) -> None:
+def kernel_table(executor: GraphExecutor, context: int, page_size: int, steps: int, layers: int) -> None:
     plan = decode_plan(1, context, page_size)
     wall = time_steps(executor, plan, 50)
     gpu = statistics.median(end - start for start, end, _, _ in list(executor.spans)[-50:])
@@ -44,6 +44,13 @@ def kernel_table(executor: GraphExecutor, context: int, page_size: int, steps: i
         if time / steps >= 1.0:
             print(f"| {time / steps:.1f} | {count / steps:.1f} | {time / count:.2f} | {name[:100]} |")
     ordered = sorted(events, key=lambda e: e.time_range.start)
+    for name, (time, count) in per_kernel.items():  # a kernel that runs several times a layer: each place apart
+        places = count // steps // layers
+        if places > 1 and count == places * steps * layers:
+            times = [e.device_time for e in ordered if e.name == name]
+            each = [statistics.mean(times[place::places]) for place in range(places)]
+            print(f"{name[:40]}, each of its {places} launches a layer in order, µs: "
+                  + ", ".join(f"{t:.2f}" for t in each))
     gaps = [b.time_range.start - a.time_range.end for a, b in zip(ordered, ordered[1:])]
     inside = [gap for gap in gaps if 0 <= gap < MAX_GAP_US]
     print(f"gaps between kernels (< {MAX_GAP_US} µs): {len(inside) / steps:.0f} a step, "
@@ -67,7 +74,7 @@ def main() -> int:
                              torch.device("cuda"), manifest.context_limit, caps.prefill_chunk_size)
     executor.kv_cache.normal_()  # attention over random keys, not zeros
     for context in contexts:
-        kernel_table(executor, context, caps.page_size, args.steps)
+        kernel_table(executor, context, caps.page_size, args.steps, model.config.num_layers)
     executor.close()
     return 0
 
