@@ -16,7 +16,6 @@ path does): within the kernel tests' tolerance of the reference, and the same in
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,18 +30,11 @@ NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """BLOCK_N weight rows per program, read in BLOCK_K slices; pdl: launched as a programmatic dependent launch
-    where the GPU has it (compute capability 9: the kernel's first weight loads overlap the previous kernel's end)."""
+    """BLOCK_N weight rows per program, read in BLOCK_K slices."""
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    pdl: bool = True
-
-
-@functools.cache
-def dependent_launch(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def gemv_config(rows: int, n_out: int, k_in: int) -> GemvConfig:
@@ -53,7 +45,7 @@ def gemv_config(rows: int, n_out: int, k_in: int) -> GemvConfig:
 @triton.jit
 def _gemv(x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_x, stride_w, stride_o, eps,
           PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
-          PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # The row is the grid's fastest dimension: the programs of one weight block run side by side, so a step of a
     # few rows reads each block from memory once and from the L2 cache for the other rows.
     row = tl.program_id(0).to(tl.int64)
@@ -62,22 +54,15 @@ def _gemv(x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_x, stri
     dtype = out_ptr.dtype.element_ty
     w_ptrs = w_ptr + (n % n_out).to(tl.int64)[:, None] * stride_w + k[None, :]  # wrapped rows: no mask on N
     x_ptrs = x_ptr + row * stride_x + k
-    # Weights are never written by the kernels before: the first slice is asked for before waiting for them (PDL),
-    # and each next slice before the current one's products.
-    w = tl.load(w_ptrs, mask=(k < k_in)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may take free multiprocessors; it waits below too
-        tl.extra.cuda.gdc_wait()  # x, the residual and the cache are the kernels' before
     # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, k_in, BLOCK_K):
-        current = w
-        w_ptrs += BLOCK_K
-        w = tl.load(w_ptrs, mask=(k < k_in - start - BLOCK_K)[None, :], other=0.0)
         if EVEN_K:
+            w = tl.load(w_ptrs)
             a = tl.load(x_ptrs).to(tl.float32)
         else:
+            w = tl.load(w_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
             a = tl.load(x_ptrs, mask=k < k_in - start, other=0.0).to(tl.float32)
         if PROLOGUE == 1:
             squares += a * a
@@ -86,7 +71,8 @@ def _gemv(x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_x, stri
             up = tl.load(x_ptrs + k_in, mask=k < k_in - start, other=0.0).to(tl.float32)
             silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
             a = (silu * up).to(dtype).to(tl.float32)
-        acc += current.to(tl.float32) * a[None, :]
+        acc += w.to(tl.float32) * a[None, :]
+        w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     y = tl.sum(acc, 1)
     if PROLOGUE == 1:
@@ -103,25 +89,24 @@ def _gemv(x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_x, stri
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
          residual: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [T, K] (T <= MAX_ROWS) times weight [N, K]^T (+ bias), with
+    """x [T, K] times weight [N, K]^T (+ bias), with
     - norm (norm_weight [K], eps): of rms_norm(x) * norm_weight instead of x;
     - silu_mul: x is [T, 2K], a fused [gate | up], and the product is of SiLU(gate) * up;
     - residual [T, N]: the result is added to it, in place, and it is returned.
     config: gemv_config's for the shape when not given."""
     rows = x.shape[0]
     n_out, k_in = weight.shape
-    assert rows <= MAX_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1 and not (norm and silu_mul)
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and not (norm and silu_mul)
     assert x.shape[1] == (2 * k_in if silu_mul else k_in)
     config = config or gemv_config(rows, n_out, k_in)
     out = residual if residual is not None else torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
-    pdl = config.pdl and dependent_launch(x.device)
     prologue = RMS_NORM if norm is not None else SILU_MUL if silu_mul else NO_PROLOGUE
     _gemv[(rows, triton.cdiv(n_out, config.block_n))](
         x, weight, bias if bias is not None else weight, norm_weight, out, n_out, k_in, x.stride(0),
         weight.stride(0), out.stride(0), eps, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-        ADD_RESIDUAL=residual is not None, EVEN_K=k_in % config.block_k == 0, PDL=pdl, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl)
+        ADD_RESIDUAL=residual is not None, EVEN_K=k_in % config.block_k == 0, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
