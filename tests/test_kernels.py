@@ -328,6 +328,9 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, path: str)
     out = fused_moe(x, w13, w2, weights, ids, config)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
+    residual = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
+    summed = fused_moe(x, w13, w2, weights, ids, config, residual=residual.clone())
+    assert torch.equal(summed, out + residual)  # the in-place add rounds as the unfused one
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

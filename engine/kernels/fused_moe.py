@@ -208,18 +208,21 @@ def _down(h_ptr, w_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_p
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | RowsConfig | None = None) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K] int32 -> [T, H]."""
+              topk_ids: torch.Tensor, config: MoeConfig | RowsConfig | None = None,
+              residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K] int32 -> [T, H].
+    With a residual [T, H], the result is added to it in place and it is returned."""
     check_shapes(x, w13, w2)
     pairs = topk_ids.numel()
     if pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if residual is None else residual
     # Once here, so that neither path converts per kernel (no-ops when the routing came from route_in_one_program).
     weights, ids = topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous()
     c = config or moe_config(pairs, w2.shape[0])
     if isinstance(c, RowsConfig):
-        return fused_moe_rows(x, w13, w2, weights, ids, c)
-    return fused_moe_grouped(x, w13, w2, weights, ids, c)
+        return fused_moe_rows(x, w13, w2, weights, ids, c, residual)
+    out = fused_moe_grouped(x, w13, w2, weights, ids, c)
+    return out if residual is None else residual.add_(out)
 
 
 def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:

@@ -67,7 +67,8 @@ def _gate_up_rows(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride
 
 @triton.jit
 def _down_rows(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_ht, stride_we, stride_wn, stride_yt,
-               TOP_K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               TOP_K: tl.constexpr, K_POW2: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.arange(0, K_POW2)
     live = slot < TOP_K
@@ -90,13 +91,17 @@ def _down_rows(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
     y = (tl.sum(acc, 2).to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)
-    tl.store(y_ptr + token.to(tl.int64) * stride_yt + n, tl.sum(y, 0).to(dtype), mask=n < hidden)
+    y = tl.sum(y, 0).to(dtype)
+    y_ptrs = y_ptr + token.to(tl.int64) * stride_yt + n
+    if ADD_RESIDUAL:  # y is the residual stream, added to in place, the sum rounded as the unfused add rounds it
+        y = (y.to(tl.float32) + tl.load(y_ptrs, mask=n < hidden, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(y_ptrs, y, mask=n < hidden)
 
 
 def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, c: RowsConfig) -> torch.Tensor:
+                   topk_ids: torch.Tensor, c: RowsConfig, residual: torch.Tensor | None = None) -> torch.Tensor:
     """fused_moe's rows path: pair p = t*K + k reads token t and expert topk_ids[t, k] directly. topk_weights [T, K]
-    float32 and topk_ids [T, K] int32, contiguous."""
+    float32 and topk_ids [T, K] int32, contiguous. With a residual [T, H], the result is added to it in place."""
     tokens, hidden = x.shape
     inter, top_k = w2.shape[2], topk_ids.shape[1]
     k_pow2 = triton.next_power_of_2(top_k)
@@ -104,10 +109,10 @@ def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, c.block_n))](
         x, w13, h, topk_ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
         BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
-    y = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    y = residual if residual is not None else torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_n = max(1, c.block_n // k_pow2)  # output columns per program: BLOCK_N weight rows over the K experts
     _down_rows[(tokens, triton.cdiv(hidden, down_n))](
         h, w2, y, topk_weights, topk_ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOP_K=top_k, K_POW2=k_pow2, BLOCK_N=down_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
+        TOP_K=top_k, K_POW2=k_pow2, ADD_RESIDUAL=residual is not None, BLOCK_N=down_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
         num_stages=c.num_stages)
     return y

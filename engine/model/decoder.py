@@ -394,7 +394,7 @@ class CausalLM(nn.Module):
         """The kernel path for a step of up to `few_rows` tokens (a decode step of a few sequences): each
         projection is one gemv (engine/kernels/gemv.py) with the RMSNorm before it as its prologue and the
         residual add after it as its epilogue, so the residual stream is updated in place and no norm, add or SiLU
-        kernel runs between them. A MoE layer's MLP keeps its own kernels."""
+        kernel runs between them. A MoE layer's MLP keeps its own kernels, its down kernel adding to the stream."""
         from engine.kernels.gemv import gemv
         from engine.kernels.rmsnorm import add_rms_norm
 
@@ -411,7 +411,7 @@ class CausalLM(nn.Module):
                 gemv(gemv(stream, mlp.gate_up.weight, norm=norm), mlp.down_proj.weight, silu_mul=True,
                      residual=stream)
             else:
-                stream += mlp.forward_kernels(add_rms_norm(stream, None, *norm)[0])
+                mlp.forward_kernels(add_rms_norm(stream, None, *norm)[0], residual=stream)
         return add_rms_norm(stream, None, self.model.norm.kernel_weight(), eps)[0]
 
     def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:

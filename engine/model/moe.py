@@ -50,11 +50,15 @@ class SparseMoE(nn.Module):
             out.index_add_(0, token, y * weights[token, slot, None])
         return self._reduce(out)
 
-    def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_kernels(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With a residual (one rank only), the output is added to it in place by the down kernel."""
         from engine.kernels.fused_moe import fused_moe
         from engine.kernels.moe_routing import route_in_one_program
 
         weights, ids = route_in_one_program(self.gate(x), self.top_k, self.norm_topk_prob)
+        if residual is not None:
+            assert self.tp is None
+            return fused_moe(x, self.w13, self.w2, weights, ids, residual=residual)
         return self._reduce(fused_moe(x, self.w13, self.w2, weights, ids))
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
