@@ -6,7 +6,7 @@ import logging
 import random
 import time
 from array import array
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -29,6 +29,10 @@ HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 MAX_LABELS = 256  # label token ids one query of a scored prefill reads
 SHORT_PROMPT = 128  # ids: below this, min() and max() beat packing for numpy (which costs 40 µs cold, 2 hot)
+# With a step in flight and no prompt waiting, the next step is planned this long before the one in flight is
+# expected to end: the host's plan and submit take under a millisecond at 256 live requests, and the loop's sleep
+# wakes within a millisecond of its deadline.
+SUBMIT_LEAD = 0.002
 
 
 def ids_below(ids: list[int], limit: int) -> bool:
@@ -79,7 +83,8 @@ class Engine:
         self.stopping = False
         self._frontends: dict[bytes, float] = {}  # identity -> last time heard from
         self._owned: dict[bytes, set[str]] = defaultdict(set)
-        self._steps_in_flight = 0
+        # When each step in flight is expected to end (monotonic seconds; 0.0 where its shape's cost is unknown).
+        self._expected_ends: deque[float] = deque()
         self._seed = random.SystemRandom()
         self._last_heartbeat = 0.0
         self.grammars = grammars  # None: structured output is refused (no tokenizer for the grammar engine)
@@ -93,7 +98,7 @@ class Engine:
         poller.register(self.executor.wake_fd, zmq.POLLIN)
         if self.grammars is not None:
             poller.register(self.grammars.wake_fd, zmq.POLLIN)
-        while not (self.stopping and self._steps_in_flight == 0):
+        while not (self.stopping and not self._expected_ends):
             self.turn()
             # Whatever could be submitted was; sleep until a message, a completion or the next heartbeat.
             poller.poll(self._sleep_ms())
@@ -103,19 +108,38 @@ class Engine:
         self._ingest()
         self._admit_compiled()
         for plan, completion in self.executor.poll():
-            self._steps_in_flight -= 1
+            self._expected_ends.popleft()
             self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
-        while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
+        while self.executor.can_submit() and self._next_step_due() and (plan := self.scheduler.plan()) is not None:
             self.count_start(plan)
             self.scheduler.commit(plan, self.executor.next_fence())
             self.executor.submit(self._with_masks(plan))
-            self._steps_in_flight += 1
+            self._expect_end(plan)
         self._heartbeat()
         self.telemetry.maybe_publish(self.scheduler)
 
     def _sleep_ms(self) -> int:
         wake = min(self._last_heartbeat + HEARTBEAT_INTERVAL, self.telemetry.next_publish)
+        if self._expected_ends and self.executor.can_submit() and self.scheduler.has_work():
+            wake = min(wake, self._expected_ends[-1] - SUBMIT_LEAD)  # a deferred step (_next_step_due)
         return max(int((wake - time.monotonic()) * 1000), 1)
+
+    def _next_step_due(self) -> bool:
+        """Whether to plan a step now. The first step in flight, always; a second one, when a prompt waits for it or
+        the first is expected to end within SUBMIT_LEAD: planned earlier, a prompt that arrives in the meantime would
+        wait for the step after it (the queue time of issue 16's sharegpt row)."""
+        if not self._expected_ends or self.scheduler.waiting or self.scheduler.prefilling:
+            return True
+        end = self._expected_ends[-1]
+        return end == 0.0 or end - time.monotonic() <= SUBMIT_LEAD
+
+    def _expect_end(self, plan: Plan) -> None:
+        """A submitted step's expected end: its shape's cost after the steps before it (or from now)."""
+        cost = self.scheduler.costs.estimate(plan.shape)
+        now = time.monotonic()
+        last = self._expected_ends[-1] if self._expected_ends else 0.0
+        self._expected_ends.append(max(now, last) + cost if cost > 0 and (last > 0 or not self._expected_ends)
+                                   else 0.0)
 
     def publish_step(self, plan: Plan, completion: Completion, result: StepResult) -> None:
         """A completed step's telemetry, and its tokens and finishes to their frontends."""

@@ -140,6 +140,11 @@ class RequestScheduler:
     def has_work(self) -> bool:
         return bool(self.waiting) or self.live > 0
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether some admitted request's prompt is not all computed yet."""
+        return self._prefilling > 0
+
     # --- planning -----------------------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         decoders = self._decode_candidates()
