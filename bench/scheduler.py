@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from itertools import compress
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +30,7 @@ from common.protocol import ModelCard, SamplingParams
 from engine.core import Engine
 from engine.executor.frames import PageTableMirror, host_views, make_layout, pack
 from engine.executor.graph import decode_capacities
-from engine.scheduler.plan import Completion
+from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, fields
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
@@ -78,9 +79,10 @@ def measure(active: int, steps: int, prompt_len: int = 200) -> dict[str, tuple[f
         # decode step writes every request's page table, as after a preemption storm.
         _, pack_times = timed(lambda: pack(plan, layout, frame, views, mirror, scheduler.page_size, active)
                               if plan.kind == "decode" else None)
-        sampled = [row for row in plan.rows if row.sample]  # the executor's work: not timed
-        completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
-                                (7,) * len(sampled), 0.01)
+        # The executor's work, not timed: the sampled rows' slots and generations, as GraphExecutor reads them.
+        sample = list(fields(plan.rows, SAMPLE))
+        completion = Completion(fence, tuple(compress(fields(plan.rows, SLOT), sample)),
+                                tuple(compress(fields(plan.rows, GENERATION), sample)), (7,) * sum(sample), 0.01)
         result, complete_times = timed(lambda: scheduler.complete(completion, plan))
         _, engine_complete_times = timed(lambda: engine.publish_step(plan, completion, result))
         while frontend.poll(0):

@@ -12,16 +12,17 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import and_
+from operator import and_, ge
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
 from engine.scheduler.policy import (Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price)
 from engine.scheduler.prefix import PrefixReuse
-from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, Plan, Row
+from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
 from engine.scheduler.request import Phase, Request
 
 if TYPE_CHECKING:
@@ -30,9 +31,6 @@ if TYPE_CHECKING:
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
 WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
-# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step: the next row is that
-# list with two or three items replaced, made a Row in one copy.
-AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX = (Row._fields.index(name) for name in ("start", "page_table", "output_index"))
 
 
 NOTHING_PLANNED: tuple[None, tuple, int, list] = (None, (), 0, [])
@@ -89,6 +87,8 @@ class RequestScheduler:
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
         self._epoch_bumps = 0
+        self._phase_changes = 0
+        self._cohort: DecodeCohort | None = None  # the steady decode steps' requests (engine/scheduler/cohort.py)
         self.policy = policy
         self.costs = GraphCostModel(policy)
         self.speculation = None
@@ -142,6 +142,12 @@ class RequestScheduler:
 
     # --- planning -----------------------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
+        if self.speculation is None and not self.constrained and not self._prefilling and \
+                not self.prefix.pending_copies and (not self.waiting or None not in self.slots):
+            plan = self._plan_steady()
+            if plan is not None:
+                return plan
+        self._cohort = None  # (a step planned row by row may change what its requests' rows hold)
         decoders = self._decode_candidates()
         depths = self._draft_depths(decoders)
         # A request that would draft waits for its step in flight rather than take the second frame (its proposal
@@ -203,6 +209,31 @@ class RequestScheduler:
             else "prefill"
         plan = Plan.of_kind(kind, tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
         self._planned = (plan, copies, self._epoch_bumps, planned)
+        return plan
+
+    def _plan_steady(self) -> Plan | None:
+        """A decode step of the cohort's requests, as columns; None when the step is not steady (some candidate
+        has no row to move on, or a page is missing and none is free): it is planned row by row then. The same
+        plan as the row-by-row one: nothing waits to prefill, copies, drafts or is constrained, so the decode step
+        is the only candidate, and each row is its request's last decode row moved on, on pages allocated in row
+        order."""
+        version = (self._epoch_bumps, self._phase_changes)
+        cohort = self._cohort
+        if cohort is None or not cohort.steady(version):
+            cohort = self._cohort = DecodeCohort.of(self._decode_candidates(), version, self.page_size)
+            if cohort is None:
+                return None
+        grow, missing = cohort.missing_pages()
+        if len(grow):
+            if sum(missing) > self.pages.free_count:
+                return None  # _reserve's eviction or preemption decides
+            for i, count in zip(grow.tolist(), missing):
+                if count > 0:
+                    cohort.requests[i].pages.extend(self.pages.allocate(count))
+            cohort.grow(grow)
+        rows = cohort.rows()
+        plan = Plan.of_kind("decode", rows, shape=("decode", decode_capacity(len(rows))))
+        self._planned = (plan, (), self._epoch_bumps, cohort.requests)
         return plan
 
     def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
@@ -303,6 +334,14 @@ class RequestScheduler:
         # (Each row's request is the one planned: a slot's request with the row's generation is that placement.)
         self._planned = NOTHING_PLANNED
         self.prefix.copies_committed(copies, fence)
+        if type(rows) is DecodeRows:
+            cohort = self._cohort
+            ends = cohort.committed(rows) if cohort is not None and cohort.requests is requests else \
+                rows.columns[AT_START] + 1
+            for request, end in zip(requests, ends.tolist()):
+                request.scheduled = end
+                request.row_fence = fence
+            return
         for row, request in zip(rows, requests):
             request.scheduled = row.start + row.length
             request.row_fence = fence
@@ -335,8 +374,10 @@ class RequestScheduler:
         return running
 
     def _set_phase(self, request: Request, phase: Phase) -> None:
-        """Every phase change goes through here, which counts the requests prefilling."""
+        """Every phase change goes through here, which counts the requests prefilling, and the changes (a decode
+        cohort holds while there are none)."""
         self._prefilling += (phase is PREFILL) - (request.phase is PREFILL)
+        self._phase_changes += 1
         request.phase = phase
 
     def _place(self, request: Request) -> None:
@@ -497,6 +538,10 @@ class RequestScheduler:
         its token as _commit_token does. The rows' requests that ended while the step was in flight are left out
         (looked for after the loop, only when there are some). Returns the requests whose token ends them, with
         that token, in row order: they end once the step's other news is in."""
+        if type(rows) is DecodeRows:
+            ending = self._complete_steady(rows, completion, fence, result)
+            if ending is not None:
+                return ending
         tokens = completion.tokens
         now = time.monotonic()  # every token of the step is committed now
         requests = list(map(self.slots.__getitem__, map(SLOT, rows)))
@@ -532,6 +577,31 @@ class RequestScheduler:
                 kept = list(compress(live, map(SAMPLE, rows)))  # per sampling row
                 tokens, logprobs = compress(tokens, kept), compress(logprobs, kept)
         result.requests, result.token_ids, result.logprobs = committed, list(tokens), list(logprobs)
+        result.distinct = True
+        return ending
+
+    def _complete_steady(self, rows: DecodeRows, completion: Completion, fence: int,
+                         result: StepResult) -> list[tuple[Request, int]] | None:
+        """_complete_rows for a steady decode step whose requests all still hold their slots (None otherwise), in
+        passes over its columns: block publication for the rows that reach their request's `publish_from`, then
+        each token's commit, in row order as _complete_rows does both."""
+        requests = list(map(self.slots.__getitem__, fields(rows, SLOT)))
+        if None in requests or tuple([r.generation for r in requests]) != tuple(fields(rows, GENERATION)):
+            return None  # some request ended while the step was in flight
+        computed = (rows.columns[AT_START] + 1).tolist()
+        for i in compress(range(len(requests)), map(ge, computed, [r.publish_from for r in requests])):
+            self.prefix.publish(requests[i], computed[i], fence, self._try_allocate)
+        tokens = completion.tokens
+        now = time.monotonic()  # every token of the step is committed now
+        ending: list[tuple[Request, int]] = []
+        for request, token in zip(requests, tokens):
+            history = request.tokens
+            history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
+            request.last_commit = now
+            if token in request.stop_ids or len(history) - request.prompt_len >= request.max_outputs:
+                ending.append((request, token))
+        result.requests, result.token_ids = requests, list(tokens)
+        result.logprobs = list(completion.logprobs or (None,) * len(tokens))
         result.distinct = True
         return ending
 
@@ -605,9 +675,10 @@ class RequestScheduler:
             raise ValueError(f"completion fence {completion.fence} after {self._completed_fence}")
         if not (len(completion.slots) == len(completion.generations) == len(completion.tokens)):
             raise ValueError("completion columns differ in length")
-        sampled = list(compress(plan.rows, map(SAMPLE, plan.rows)))
-        if completion.error is None and (list(map(SLOT, sampled)) != list(completion.slots)
-                                         or list(map(GENERATION, sampled)) != list(completion.generations)):
+        rows = plan.rows
+        sampled = rows if type(rows) is DecodeRows else list(compress(rows, map(SAMPLE, rows)))  # (all sample)
+        if completion.error is None and (list(fields(sampled, SLOT)) != list(completion.slots)
+                                         or list(fields(sampled, GENERATION)) != list(completion.generations)):
             raise ValueError("completion rows differ from the plan's sampled rows")
         return sampled
 
