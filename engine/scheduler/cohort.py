@@ -9,69 +9,103 @@ takes its columns as a DecodeRows (engine/scheduler/plan.py).
 
 from __future__ import annotations
 
-from operator import attrgetter
+import time
+from collections.abc import Callable
+from itertools import compress
+from operator import attrgetter, contains, ge
 
 import numpy as np
 
+from common.protocol import Logprobs
+from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.plan import DecodeRows, Row
 from engine.scheduler.request import Request
 
 # Where a decode row's fields (Request.decode_row, a list in Row order) hold what moves from step to step.
 AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_PROMPT_LEN = (
     Row._fields.index(name) for name in ("start", "page_table", "output_index", "prompt_len"))
+# The fields of a request's decode rows that differ between requests (the others, but for start, page table and output
+# index, are the same in every decode row: one token, sampled, from the device, with no history, prompt targets, bans,
+# label queries or drafts, as RequestScheduler._decode_row says).
+PER_REQUEST = tuple(Row._fields.index(name) for name in (
+    "slot", "generation", "sampling", "seed", "prompt_len", "epoch", "images", "rope_shift"))
 DECODE_ROW = attrgetter("decode_row")
 
 
 class DecodeCohort:
     """Decoding requests, in slot order, whose next rows are their last decode rows moved on. Made by the scheduler
     when every decode candidate has such a row (Request.decode_row), and valid while its `version` (the scheduler's
-    count of epoch bumps and phase changes) holds: nobody placed, preempted, ended, or newly decoding."""
+    count of epoch bumps and phase changes) holds: nobody placed, preempted, ended, or newly decoding. When some
+    requests leave (ended, or drew their last output), the rest keep their columns (`subset`)."""
 
     def __init__(self, requests: list[Request], version: tuple[int, int], page_size: int) -> None:
         self.requests = requests
         self.version = version
         self.page_size = page_size
-        # The rows' fields in Row order; those at AT_START, AT_PAGE_TABLE and AT_OUTPUT_INDEX are replaced per plan.
-        self.columns = list(zip(*map(DECODE_ROW, requests)))
-        self.tables = list(self.columns[AT_PAGE_TABLE])  # (a decode_row's table may be short: `grow` catches up)
+        rows = list(map(DECODE_ROW, requests))
+        self.constant = {i: value for i, value in enumerate(rows[0]) if i not in PER_REQUEST}
+        self.fields = {i: [row[i] for row in rows] for i in PER_REQUEST}  # Row index -> a value per request
+        self.tables = [row[AT_PAGE_TABLE] for row in rows]  # (a decode_row's table may be short: `plan` catches up)
         self.table_ends = np.fromiter(map(len, self.tables), np.int64, len(requests)) * page_size
         self.scheduled = np.array([r.scheduled for r in requests], dtype=np.int64)
-        self.prompt_lens = np.array(self.columns[AT_PROMPT_LEN], dtype=np.int64)
-        # A request stops being a decode candidate once its scheduled positions reach this (its last output drawn).
+        self.prompt_lens = np.array(self.fields[AT_PROMPT_LEN], dtype=np.int64)
+        # A request stops being a decode candidate once its scheduled positions reach this (its last output drawn),
+        # and ends once its tokens are more than this.
         self.limits = self.prompt_lens + np.array([r.max_outputs for r in requests], dtype=np.int64) - 1
+        self.stop_ids = [r.stop_ids for r in requests]
 
     @classmethod
-    def of(cls, requests: list[Request], version: tuple[int, int], page_size: int) -> DecodeCohort | None:
-        """The cohort of these decode candidates; None when some has no decode row to move on (its first in this
-        epoch, or min_tokens still bans its stop ids): the scheduler plans that step row by row."""
+    def of(cls, requests: list[Request], version: tuple[int, int], page_size: int,
+           last: DecodeCohort | None = None) -> DecodeCohort | None:
+        """The cohort of these decode candidates (the last cohort's columns for them when they all were in it); None
+        when some has no decode row to move on (its first in this epoch, or min_tokens still bans its stop ids): the
+        scheduler plans that step row by row."""
         if not requests or None in map(DECODE_ROW, requests):
             return None
+        if last is not None:
+            staying = set(requests)
+            keep = [request in staying for request in last.requests]
+            if sum(keep) == len(requests):  # (both lists are in slot order)
+                return last._subset(keep, version)
         return cls(requests, version, page_size)
+
+    def _subset(self, keep: list[bool], version: tuple[int, int]) -> DecodeCohort:
+        cohort = object.__new__(DecodeCohort)
+        cohort.version, cohort.page_size, cohort.constant = version, self.page_size, self.constant
+        cohort.requests, cohort.tables, cohort.stop_ids = (list(compress(column, keep))
+                                                           for column in (self.requests, self.tables, self.stop_ids))
+        cohort.fields = {i: list(compress(column, keep)) for i, column in self.fields.items()}
+        mask = np.array(keep, dtype=bool)
+        cohort.table_ends, cohort.scheduled, cohort.prompt_lens, cohort.limits = (
+            self.table_ends[mask], self.scheduled[mask], self.prompt_lens[mask], self.limits[mask])
+        return cohort
 
     def steady(self, version: tuple[int, int]) -> bool:
         """Whether the next decode step's rows are this cohort's: nothing changed, and no request drew its last."""
         return self.version == version and bool((self.scheduled < self.limits).all())
 
-    def missing_pages(self) -> tuple[np.ndarray, list[int]]:
-        """The rows whose next position lies past their page table, and how many pages each request lacks for it
-        (0 when it holds them already)."""
+    def plan(self, pages: PageAllocator) -> DecodeRows | None:
+        """The next decode step's rows: each request's last decode row at its next position. A row whose position
+        lies past its table takes the pages its request lacks, in row order, as the scheduler's _reserve would;
+        None (nothing allocated) when the free pages are too few: eviction or preemption must decide."""
         grow = np.flatnonzero(self.scheduled >= self.table_ends)
-        size, requests = self.page_size, self.requests
-        ends = (self.scheduled[grow] + 1).tolist()
-        return grow, [-(-end // size) - len(requests[i].pages) for i, end in zip(grow.tolist(), ends)]
-
-    def grow(self, rows: np.ndarray) -> None:
-        """The tables of these rows, to the pages their requests hold for the next position (allocated already)."""
-        size = self.page_size
-        for i in rows.tolist():
-            request = self.requests[i]
-            table = tuple(request.pages[:-(-(int(self.scheduled[i]) + 1) // size)])
-            self.tables[i] = request.decode_row[AT_PAGE_TABLE] = table
-            self.table_ends[i] = len(table) * size
-
-    def rows(self) -> DecodeRows:
-        """The next decode step's rows: each request's last decode row at its next position."""
-        columns = list(self.columns)
+        if len(grow):
+            size, requests = self.page_size, self.requests
+            rows, ends = grow.tolist(), (self.scheduled[grow] + 1).tolist()
+            missing = [-(-end // size) - len(requests[i].pages) for i, end in zip(rows, ends)]
+            if sum(missing) > pages.free_count:
+                return None
+            for i, end, count in zip(rows, ends, missing):
+                request = requests[i]
+                if count > 0:
+                    request.pages.extend(pages.allocate(count))
+                table = tuple(request.pages[:-(-end // size)])
+                self.tables[i] = request.decode_row[AT_PAGE_TABLE] = table
+                self.table_ends[i] = len(table) * size
+        count = len(self.requests)
+        columns: list = [(value,) * count for value in self.constant.values()]
+        for i, column in self.fields.items():  # (PER_REQUEST and `constant` are each in Row order)
+            columns.insert(i, column)
         columns[AT_START] = self.scheduled
         columns[AT_PAGE_TABLE] = tuple(self.tables)
         columns[AT_OUTPUT_INDEX] = self.scheduled + 1 - self.prompt_lens
@@ -81,3 +115,34 @@ class DecodeCohort:
         """A plan of this cohort's rows was committed: each request's scheduled positions, now one more."""
         self.scheduled = rows.columns[AT_START] + 1
         return self.scheduled
+
+    def complete(self, rows: DecodeRows, live: list[bool] | None, tokens: tuple[int, ...],
+                 logprobs: tuple[Logprobs | None, ...], publish: Callable[[Request, int], None]
+                 ) -> tuple[list[Request], list[int], list[Logprobs | None], list[tuple[Request, int]]]:
+        """A completed step of this cohort's rows, whose requests hold their slots still where `live` says (None:
+        all do): publication of the blocks that reach a request's `publish_from`, then each token's commit, as
+        RequestScheduler._complete_rows does row by row. Returns the live rows' requests, tokens and logprobs, and
+        the requests whose token ends them, with that token, in row order."""
+        requests, computed, limits, stop_ids = self.requests, rows.columns[AT_START] + 1, self.limits, self.stop_ids
+        if live is not None:
+            requests, tokens, logprobs, stop_ids = (list(compress(column, live))
+                                                    for column in (requests, tokens, logprobs, stop_ids))
+            kept = np.array(live, dtype=bool)
+            computed, limits = computed[kept], limits[kept]
+        computed = computed.tolist()
+        for i in compress(range(len(requests)), map(ge, computed, [r.publish_from for r in requests])):
+            publish(requests[i], computed[i])
+        histories = [r.tokens for r in requests]
+        for history, token in zip(histories, tokens):
+            history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
+        now = time.monotonic()  # every token of the step is committed now
+        for request in requests:
+            request.last_commit = now
+        # Which tokens end their request: a pass at C speed for each reason, and a look at the rows only when some
+        # token does (most steps none).
+        ending: list[tuple[Request, int]] = []
+        long = np.fromiter(map(len, histories), np.int64, len(requests)) > limits
+        if long.any() or any(map(contains, stop_ids, tokens)):
+            ending = [(request, token) for request, token, stops, at_limit in zip(requests, tokens, stop_ids, long)
+                      if at_limit or token in stops]
+        return requests, list(tokens), list(logprobs), ending

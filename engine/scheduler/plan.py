@@ -57,9 +57,9 @@ class Row(NamedTuple):
 # Getters of Row fields, for passes over a step's rows at C speed (map(SLOT, rows), or `fields`): at 256 rows a Python
 # loop per field costs several times more.
 _GETTER_NAMES = ("slot", "generation", "start", "length", "tokens", "page_table", "sample", "output_index", "sampling",
-                 "seed", "prompt_targets", "scores", "rope_shift", "draft")
-(SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED, PROMPT_TARGETS, SCORES,
- ROPE_SHIFT, DRAFT) = _GETTERS = tuple(itemgetter(Row._fields.index(name)) for name in _GETTER_NAMES)
+                 "seed", "prompt_targets", "banned", "scores", "rope_shift", "draft")
+(SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED, PROMPT_TARGETS, BANNED,
+ SCORES, ROPE_SHIFT, DRAFT) = _GETTERS = tuple(itemgetter(Row._fields.index(name)) for name in _GETTER_NAMES)
 _FIELD_INDEX = {getter: Row._fields.index(name) for getter, name in zip(_GETTERS, _GETTER_NAMES)}
 
 

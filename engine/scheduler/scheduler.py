@@ -12,7 +12,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import and_, ge
+from operator import and_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -89,6 +89,9 @@ class RequestScheduler:
         self._epoch_bumps = 0
         self._phase_changes = 0
         self._cohort: DecodeCohort | None = None  # the steady decode steps' requests (engine/scheduler/cohort.py)
+        # Committed plans of a cohort, in fence order until they complete: (fence, rows, cohort, epoch bumps made
+        # before the plan was).
+        self._steady: deque[tuple[int, DecodeRows, DecodeCohort, int]] = deque()
         self.policy = policy
         self.costs = GraphCostModel(policy)
         self.speculation = None
@@ -166,13 +169,13 @@ class RequestScheduler:
         size = self.page_size
         for request in decoders:
             # None once preempted (by an earlier reservation of this plan too), and while min_tokens bans stop ids
-            fields = request.decode_row
+            moved = request.decode_row
             start = request.scheduled
-            if fields is not None and start < len(fields[AT_PAGE_TABLE]) * size and \
+            if moved is not None and start < len(moved[AT_PAGE_TABLE]) * size and \
                     (not drafts or request not in drafts):
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
-                fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
-                rows.append(tuple.__new__(Row, fields))
+                moved[AT_START], moved[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
+                rows.append(tuple.__new__(Row, moved))
                 planned.append(request)
                 continue
             if request.slot < 0:
@@ -220,18 +223,12 @@ class RequestScheduler:
         version = (self._epoch_bumps, self._phase_changes)
         cohort = self._cohort
         if cohort is None or not cohort.steady(version):
-            cohort = self._cohort = DecodeCohort.of(self._decode_candidates(), version, self.page_size)
+            cohort = self._cohort = DecodeCohort.of(self._decode_candidates(), version, self.page_size, cohort)
             if cohort is None:
                 return None
-        grow, missing = cohort.missing_pages()
-        if len(grow):
-            if sum(missing) > self.pages.free_count:
-                return None  # _reserve's eviction or preemption decides
-            for i, count in zip(grow.tolist(), missing):
-                if count > 0:
-                    cohort.requests[i].pages.extend(self.pages.allocate(count))
-            cohort.grow(grow)
-        rows = cohort.rows()
+        rows = cohort.plan(self.pages)
+        if rows is None:
+            return None
         plan = Plan.of_kind("decode", rows, shape=("decode", decode_capacity(len(rows))))
         self._planned = (plan, (), self._epoch_bumps, cohort.requests)
         return plan
@@ -336,8 +333,11 @@ class RequestScheduler:
         self.prefix.copies_committed(copies, fence)
         if type(rows) is DecodeRows:
             cohort = self._cohort
-            ends = cohort.committed(rows) if cohort is not None and cohort.requests is requests else \
-                rows.columns[AT_START] + 1
+            if cohort is not None and cohort.requests is requests:
+                ends = cohort.committed(rows)
+                self._steady.append((fence, rows, cohort, epoch_bumps))
+            else:
+                ends = rows.columns[AT_START] + 1
             for request, end in zip(requests, ends.tolist()):
                 request.scheduled = end
                 request.row_fence = fence
@@ -476,6 +476,10 @@ class RequestScheduler:
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
         sampled = self._validate(completion, plan)
         fence, error, slots = completion.fence, completion.error, self.slots
+        steady = self._steady
+        while steady and steady[0][0] < fence:  # (plans whose completions never came: the engine stopped them)
+            steady.popleft()
+        cohort = steady.popleft() if steady and steady[0][1] is plan.rows else None
         self._completed_fence = fence
         if error is None and plan.rows:
             self.costs.observe(plan.shape, completion.duration)
@@ -485,7 +489,8 @@ class RequestScheduler:
         self.prefix.cache.advance_completed(fence)
         result = StepResult()
         if error is None and plan.kind != "verify":
-            ending = self._complete_rows(plan.rows, completion, fence, result)
+            ending = self._complete_steady(cohort, completion, fence, result) if cohort is not None else \
+                self._complete_rows(plan.rows, completion, fence, result)
             self._retire(fence)
             self._complete_prompt_logprobs(completion)
             self._complete_scores(completion, plan, result)
@@ -538,10 +543,6 @@ class RequestScheduler:
         its token as _commit_token does. The rows' requests that ended while the step was in flight are left out
         (looked for after the loop, only when there are some). Returns the requests whose token ends them, with
         that token, in row order: they end once the step's other news is in."""
-        if type(rows) is DecodeRows:
-            ending = self._complete_steady(rows, completion, fence, result)
-            if ending is not None:
-                return ending
         tokens = completion.tokens
         now = time.monotonic()  # every token of the step is committed now
         requests = list(map(self.slots.__getitem__, map(SLOT, rows)))
@@ -580,28 +581,19 @@ class RequestScheduler:
         result.distinct = True
         return ending
 
-    def _complete_steady(self, rows: DecodeRows, completion: Completion, fence: int,
-                         result: StepResult) -> list[tuple[Request, int]] | None:
-        """_complete_rows for a steady decode step whose requests all still hold their slots (None otherwise), in
-        passes over its columns: block publication for the rows that reach their request's `publish_from`, then
-        each token's commit, in row order as _complete_rows does both."""
-        requests = list(map(self.slots.__getitem__, fields(rows, SLOT)))
-        if None in requests or tuple([r.generation for r in requests]) != tuple(fields(rows, GENERATION)):
-            return None  # some request ended while the step was in flight
-        computed = (rows.columns[AT_START] + 1).tolist()
-        for i in compress(range(len(requests)), map(ge, computed, [r.publish_from for r in requests])):
-            self.prefix.publish(requests[i], computed[i], fence, self._try_allocate)
-        tokens = completion.tokens
-        now = time.monotonic()  # every token of the step is committed now
-        ending: list[tuple[Request, int]] = []
-        for request, token in zip(requests, tokens):
-            history = request.tokens
-            history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
-            request.last_commit = now
-            if token in request.stop_ids or len(history) - request.prompt_len >= request.max_outputs:
-                ending.append((request, token))
-        result.requests, result.token_ids = requests, list(tokens)
-        result.logprobs = list(completion.logprobs or (None,) * len(tokens))
+    def _complete_steady(self, steady: tuple[int, DecodeRows, DecodeCohort, int], completion: Completion,
+                         fence: int, result: StepResult) -> list[tuple[Request, int]]:
+        """_complete_rows for a step of a cohort's rows (DecodeCohort.complete): its requests are the cohort's,
+        which all hold their slots still unless some request was placed, preempted or ended since it was planned."""
+        _, rows, cohort, epoch_bumps = steady
+        live = None
+        if epoch_bumps != self._epoch_bumps:
+            generations = fields(rows, GENERATION)
+            live = [request is self.slots[slot] and request.generation == generation
+                    for request, slot, generation in zip(cohort.requests, fields(rows, SLOT), generations)]
+        result.requests, result.token_ids, result.logprobs, ending = cohort.complete(
+            rows, live, completion.tokens, completion.logprobs or (None,) * len(completion.tokens),
+            lambda request, computed: self.prefix.publish(request, computed, fence, self._try_allocate))
         result.distinct = True
         return ending
 
