@@ -35,8 +35,9 @@ DECODE_ROW = attrgetter("decode_row")
 class DecodeCohort:
     """Decoding requests, in slot order, whose next rows are their last decode rows moved on. Made by the scheduler
     when every decode candidate has such a row (Request.decode_row), and valid while its `version` (the scheduler's
-    count of epoch bumps and phase changes) holds: nobody placed, preempted, ended, or newly decoding. When some
-    requests leave (ended, or drew their last output), the rest keep their columns (`subset`)."""
+    counts of epoch bumps and of requests that started decoding) holds: nobody placed, preempted, ended, or newly
+    decoding. When some
+    requests leave (ended, preempted, or drew their last output), the rest keep their columns (`without`)."""
 
     def __init__(self, requests: list[Request], version: tuple[int, int], page_size: int) -> None:
         self.requests = requests
@@ -55,34 +56,38 @@ class DecodeCohort:
         self.stop_ids = [r.stop_ids for r in requests]
 
     @classmethod
-    def of(cls, requests: list[Request], version: tuple[int, int], page_size: int,
-           last: DecodeCohort | None = None) -> DecodeCohort | None:
-        """The cohort of these decode candidates (the last cohort's columns for them when they all were in it); None
-        when some has no decode row to move on (its first in this epoch, or min_tokens still bans its stop ids): the
-        scheduler plans that step row by row."""
-        if not requests or None in map(DECODE_ROW, requests):
+    def of(cls, requests: list[Request], version: tuple[int, int], page_size: int) -> DecodeCohort | None:
+        """The cohort of these decode candidates; None when some has no decode row to move on (its first in this
+        epoch, or min_tokens still bans its stop ids): the scheduler plans that step row by row."""
+        if not requests or None in [r.decode_row for r in requests]:
             return None
-        if last is not None:
-            staying = set(requests)
-            keep = [request in staying for request in last.requests]
-            if sum(keep) == len(requests):  # (both lists are in slot order)
-                return last._subset(keep, version)
         return cls(requests, version, page_size)
-
-    def _subset(self, keep: list[bool], version: tuple[int, int]) -> DecodeCohort:
-        cohort = object.__new__(DecodeCohort)
-        cohort.version, cohort.page_size, cohort.constant = version, self.page_size, self.constant
-        cohort.requests, cohort.tables, cohort.stop_ids = (list(compress(column, keep))
-                                                           for column in (self.requests, self.tables, self.stop_ids))
-        cohort.fields = {i: list(compress(column, keep)) for i, column in self.fields.items()}
-        mask = np.array(keep, dtype=bool)
-        cohort.table_ends, cohort.scheduled, cohort.prompt_lens, cohort.limits = (
-            self.table_ends[mask], self.scheduled[mask], self.prompt_lens[mask], self.limits[mask])
-        return cohort
 
     def steady(self, version: tuple[int, int]) -> bool:
         """Whether the next decode step's rows are this cohort's: nothing changed, and no request drew its last."""
         return self.version == version and bool((self.scheduled < self.limits).all())
+
+    def without(self, left: set[Request], version: tuple[int, int]) -> DecodeCohort:
+        """This cohort less the requests that left it (ended or preempted: `left` may hold others too) and those
+        that drew their last output: a copy of each column without their rows."""
+        gone = sorted({i for i, request in enumerate(self.requests) if request in left} |
+                      set(np.flatnonzero(self.scheduled >= self.limits).tolist()))
+
+        def rest(column: list) -> list:
+            column = list(column)
+            for i in reversed(gone):
+                del column[i]
+            return column
+
+        keep = np.ones(len(self.requests), dtype=bool)
+        keep[gone] = False
+        cohort = object.__new__(DecodeCohort)
+        cohort.version, cohort.page_size, cohort.constant = version, self.page_size, self.constant
+        cohort.requests, cohort.tables, cohort.stop_ids = map(rest, (self.requests, self.tables, self.stop_ids))
+        cohort.fields = {i: rest(column) for i, column in self.fields.items()}
+        cohort.table_ends, cohort.scheduled, cohort.prompt_lens, cohort.limits = (
+            column[keep] for column in (self.table_ends, self.scheduled, self.prompt_lens, self.limits))
+        return cohort
 
     def plan(self, pages: PageAllocator) -> DecodeRows | None:
         """The next decode step's rows: each request's last decode row at its next position. A row whose position

@@ -87,8 +87,9 @@ class RequestScheduler:
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
         self._epoch_bumps = 0
-        self._phase_changes = 0
+        self._decoding_starts = 0  # phase changes to DECODE: a new decode candidate
         self._cohort: DecodeCohort | None = None  # the steady decode steps' requests (engine/scheduler/cohort.py)
+        self._left: set[Request] = set()  # requests whose epoch was bumped since the cohort's version
         # Committed plans of a cohort, in fence order until they complete: (fence, rows, cohort, epoch bumps made
         # before the plan was).
         self._steady: deque[tuple[int, DecodeRows, DecodeCohort, int]] = deque()
@@ -150,7 +151,7 @@ class RequestScheduler:
             plan = self._plan_steady()
             if plan is not None:
                 return plan
-        self._cohort = None  # (a step planned row by row may change what its requests' rows hold)
+        self._cohort, self._left = None, set()  # (a step planned row by row may change its requests' rows)
         decoders = self._decode_candidates()
         depths = self._draft_depths(decoders)
         # A request that would draft waits for its step in flight rather than take the second frame (its proposal
@@ -220,11 +221,16 @@ class RequestScheduler:
         plan as the row-by-row one: nothing waits to prefill, copies, drafts or is constrained, so the decode step
         is the only candidate, and each row is its request's last decode row moved on, on pages allocated in row
         order."""
-        version = (self._epoch_bumps, self._phase_changes)
+        version = (self._epoch_bumps, self._decoding_starts)
         cohort = self._cohort
         if cohort is None or not cohort.steady(version):
-            cohort = self._cohort = DecodeCohort.of(self._decode_candidates(), version, self.page_size, cohort)
-            if cohort is None:
+            if cohort is not None and cohort.version[1] == version[1]:  # requests left it, none joined
+                cohort = cohort.without(self._left, version)
+            else:
+                cohort = DecodeCohort.of(self._decode_candidates(), version, self.page_size)
+            self._cohort = cohort
+            self._left = set()
+            if cohort is None or not cohort.requests:
                 return None
         rows = cohort.plan(self.pages)
         if rows is None:
@@ -374,10 +380,10 @@ class RequestScheduler:
         return running
 
     def _set_phase(self, request: Request, phase: Phase) -> None:
-        """Every phase change goes through here, which counts the requests prefilling, and the changes (a decode
-        cohort holds while there are none)."""
+        """Every phase change goes through here, which counts the requests prefilling, and those that start decoding
+        (a decode cohort holds while none do)."""
         self._prefilling += (phase is PREFILL) - (request.phase is PREFILL)
-        self._phase_changes += 1
+        self._decoding_starts += phase is DECODE
         request.phase = phase
 
     def _place(self, request: Request) -> None:
@@ -432,6 +438,8 @@ class RequestScheduler:
         is built anew."""
         request.epoch += 1
         request.decode_row = None
+        if self._cohort is not None:
+            self._left.add(request)
         self._epoch_bumps += 1
 
     def _decode_row(self, request: Request) -> Row:
