@@ -4,14 +4,16 @@ packing of the plan into its input frame (engine/executor/frames.py `pack`, into
 GraphExecutor does, on the CPU), at 1 to 256 live requests (DESIGN.md, Scheduling, The engine loop and Executors;
 issue 16 asks for <= 300 us of scheduling at 256 on the GPU host).
 
-    python -m bench.scheduler [--steps 300] [--repeats 3] [--clock wall|cpu] [--active 64 256]
+    python -m bench.scheduler [--steps 300] [--repeats 3] [--clock wall|cpu] [--percentile P] [--active 64 256]
 
 No model runs: completions are made up (token 7, never a stop token), so the table shows only the host's Python
 work per step, which the engine must hide behind the device's step time (not included: the executor's launch calls
 and reading back the sampled tokens). Outputs go to a frontend's socket over ZeroMQ inproc, drained between steps.
 The phase columns show wall time (perf_counter) or, with `--clock cpu`, CPU time of this process (process_time),
 the steadier of the two on a machine shared with other work; the last column is always CPU time. Each size runs
-`--repeats` times and reports the fastest run by that clock (the least disturbed one).
+`--repeats` times and reports the fastest run by that clock (the least disturbed one). Each phase is its mean over
+the steps, or with `--percentile P` its P-th percentile (10: what a step costs when other work leaves it alone; the
+total is then the sum of the phases' percentiles).
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def timed(call: Callable[[], Any]) -> tuple[Any, tuple[float, float]]:
     return result, (time.perf_counter() - wall, time.process_time() - cpu)
 
 
-def measure(active: int, steps: int, prompt_len: int = 200) -> dict[str, tuple[float, float]]:
-    """Per phase: (wall us, CPU us) per steady decode step."""
+def measure(active: int, steps: int, prompt_len: int = 200,
+            percentile: float | None = None) -> dict[str, tuple[float, float]]:
+    """Per phase: (wall us, CPU us) per steady decode step, the mean or the given percentile over the steps."""
     scheduler = RequestScheduler(active, active, num_pages=active * 16, page_size=64, prefill_chunk_size=512)
     context = zmq.Context.instance()
     socket, frontend = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
@@ -67,8 +70,7 @@ def measure(active: int, steps: int, prompt_len: int = 200) -> dict[str, tuple[f
         prompt = [(i * 31 + j) % 1000 + 1 for j in range(prompt_len)]
         scheduler.add(Request(f"r{i}", b"b", prompt_len, prompt, params, i, frozenset({0}), 10**6, float(i)))
     fence = 0
-    wall = dict.fromkeys(PHASES, 0.0)
-    cpu = dict.fromkeys(PHASES, 0.0)
+    times: dict[str, list[tuple[float, float]]] = {phase: [] for phase in PHASES}  # (wall, CPU) s per step
     measured = 0
     while measured < steps:
         plan, plan_times = timed(scheduler.plan)
@@ -89,14 +91,14 @@ def measure(active: int, steps: int, prompt_len: int = 200) -> dict[str, tuple[f
             frontend.recv_multipart()
         engine_times = tuple(map(sum, zip(engine_submit_times, engine_complete_times)))
         if plan.kind == "decode":  # steady state: every request decoding
-            for phase, (seconds, cpu_seconds) in zip(PHASES, (plan_times, commit_times, complete_times,
-                                                              engine_times, pack_times)):
-                wall[phase] += seconds
-                cpu[phase] += cpu_seconds
+            for phase, phase_times in zip(PHASES, (plan_times, commit_times, complete_times, engine_times,
+                                                   pack_times)):
+                times[phase].append(phase_times)
             measured += 1
     socket.close(linger=0)
     frontend.close(linger=0)
-    return {phase: (1e6 * wall[phase] / steps, 1e6 * cpu[phase] / steps) for phase in PHASES}
+    summary = np.mean if percentile is None else lambda a, axis: np.percentile(a, percentile, axis=axis)
+    return {phase: tuple((1e6 * summary(np.array(times[phase]), axis=0)).tolist()) for phase in PHASES}
 
 
 def main() -> None:
@@ -105,13 +107,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="what the phase columns show (the fastest run by that clock is reported)")
+    parser.add_argument("--percentile", type=float, help="each phase's percentile over the steps (default: the mean)")
     parser.add_argument("--active", type=int, nargs="+", default=[1, 16, 64, 256])
     args = parser.parse_args()
     clock = 0 if args.clock == "wall" else 1
     print(f"{'active':>7} {'plan us':>9} {'commit us':>10} {'complete us':>12} {'engine us':>10} {'pack us':>8}"
           f" {'total us':>9} {'us/request':>11} {'total CPU us':>13}")
     for active in args.active:
-        runs = [measure(active, args.steps) for _ in range(args.repeats)]
+        runs = [measure(active, args.steps, percentile=args.percentile) for _ in range(args.repeats)]
         best = min(runs, key=lambda run: sum(run[phase][clock] for phase in PHASES))
         plan, commit, complete, engine, packing = (best[phase][clock] for phase in PHASES)
         total, total_cpu = plan + commit + complete + engine + packing, sum(best[phase][1] for phase in PHASES)

@@ -133,7 +133,7 @@ class DecodeCohort:
         if live is not None:
             requests, tokens, logprobs, stop_ids = (list(compress(column, live))
                                                     for column in (requests, tokens, logprobs, stop_ids))
-            kept = np.array(live, dtype=bool)
+            kept = np.fromiter(live, bool, len(live))
             computed, limits = computed[kept], limits[kept]
         computed = computed.tolist()
         for i in compress(range(len(requests)), map(ge, computed, [r.publish_from for r in requests])):

@@ -12,7 +12,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import and_
+from operator import and_, is_
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -596,9 +596,10 @@ class RequestScheduler:
         _, rows, cohort, epoch_bumps = steady
         live = None
         if epoch_bumps != self._epoch_bumps:
-            generations = fields(rows, GENERATION)
-            live = [request is self.slots[slot] and request.generation == generation
-                    for request, slot, generation in zip(cohort.requests, fields(rows, SLOT), generations)]
+            # A row is stale when its request left its slot (ended): the request in a slot is the row's placement
+            # (the row's generation) exactly when it is the row's request, since a request is placed again only
+            # after a preemption, which waits for its steps in flight.
+            live = list(map(is_, map(self.slots.__getitem__, fields(rows, SLOT)), cohort.requests))
         result.requests, result.token_ids, result.logprobs, ending = cohort.complete(
             rows, live, completion.tokens, completion.logprobs or (None,) * len(completion.tokens),
             lambda request, computed: self.prefix.publish(request, computed, fence, self._try_allocate))
