@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from itertools import compress
-from operator import attrgetter, contains, ge
+from operator import attrgetter, contains
 
 import numpy as np
 
@@ -54,6 +54,9 @@ class DecodeCohort:
         # and ends once its tokens are more than this.
         self.limits = self.prompt_lens + np.array([r.max_outputs for r in requests], dtype=np.int64) - 1
         self.stop_ids = [r.stop_ids for r in requests]
+        self.histories = [r.tokens for r in requests]  # (a request's token list is the same list all its life)
+        # PrefixReuse.publish has no work for a request before its computed positions reach this.
+        self.publish_from = np.array([r.publish_from for r in requests], dtype=np.int64)
 
     @classmethod
     def of(cls, requests: list[Request], version: tuple[int, int], page_size: int) -> DecodeCohort | None:
@@ -84,10 +87,12 @@ class DecodeCohort:
         keep[gone] = False
         cohort = object.__new__(DecodeCohort)
         cohort.version, cohort.page_size, cohort.constant = version, self.page_size, self.constant
-        cohort.requests, cohort.tables, cohort.stop_ids = map(rest, (self.requests, self.tables, self.stop_ids))
+        cohort.requests, cohort.tables, cohort.stop_ids, cohort.histories = map(
+            rest, (self.requests, self.tables, self.stop_ids, self.histories))
         cohort.fields = {i: rest(column) for i, column in self.fields.items()}
-        cohort.table_ends, cohort.scheduled, cohort.prompt_lens, cohort.limits = (
-            column[keep] for column in (self.table_ends, self.scheduled, self.prompt_lens, self.limits))
+        cohort.table_ends, cohort.scheduled, cohort.prompt_lens, cohort.limits, cohort.publish_from = (
+            column[keep] for column in (self.table_ends, self.scheduled, self.prompt_lens, self.limits,
+                                        self.publish_from))
         return cohort
 
     def plan(self, pages: PageAllocator) -> DecodeRows | None:
@@ -129,16 +134,18 @@ class DecodeCohort:
         all do): publication of the blocks that reach a request's `publish_from`, then each token's commit, as
         RequestScheduler._complete_rows does row by row. Returns the live rows' requests, tokens and logprobs, and
         the requests whose token ends them, with that token, in row order."""
-        requests, computed, limits, stop_ids = self.requests, rows.columns[AT_START] + 1, self.limits, self.stop_ids
+        requests, computed = self.requests, rows.columns[AT_START] + 1
+        due = np.flatnonzero(computed >= self.publish_from).tolist()
+        limits, stop_ids, histories = self.limits, self.stop_ids, self.histories
         if live is not None:
-            requests, tokens, logprobs, stop_ids = (list(compress(column, live))
-                                                    for column in (requests, tokens, logprobs, stop_ids))
-            kept = np.fromiter(live, bool, len(live))
-            computed, limits = computed[kept], limits[kept]
-        computed = computed.tolist()
-        for i in compress(range(len(requests)), map(ge, computed, [r.publish_from for r in requests])):
-            publish(requests[i], computed[i])
-        histories = [r.tokens for r in requests]
+            due = [i for i in due if live[i]]
+            requests, tokens, logprobs, stop_ids, histories = (
+                list(compress(column, live)) for column in (requests, tokens, logprobs, stop_ids, histories))
+            limits = limits[np.fromiter(live, bool, len(live))]
+        for i in due:  # (publish_from may lag, by a cohort that `without` made meanwhile: a call with no work)
+            request = self.requests[i]
+            publish(request, int(computed[i]))
+            self.publish_from[i] = request.publish_from
         for history, token in zip(histories, tokens):
             history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
         now = time.monotonic()  # every token of the step is committed now
