@@ -32,7 +32,7 @@ from common.protocol import ModelCard, SamplingParams
 from engine.core import Engine
 from engine.executor.frames import PageTableMirror, host_views, make_layout, pack
 from engine.executor.graph import decode_capacities
-from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, fields
+from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, Plan, fields
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
@@ -48,10 +48,29 @@ def timed(call: Callable[[], Any]) -> tuple[Any, tuple[float, float]]:
     return result, (time.perf_counter() - wall, time.process_time() - cpu)
 
 
+def decoding_scheduler(active: int, prompt_len: int = 200) -> RequestScheduler:
+    """A scheduler with `active` requests waiting to prefill `prompt_len`-token prompts and decode without end (their
+    stop id, 0, is never sampled here unless a benchmark says so)."""
+    scheduler = RequestScheduler(active, active, num_pages=active * 16, page_size=64, prefill_chunk_size=512)
+    params = SamplingParams(temperature=0.0, max_tokens=10**6)
+    for i in range(active):
+        prompt = [(i * 31 + j) % 1000 + 1 for j in range(prompt_len)]
+        scheduler.add(Request(f"r{i}", b"b", prompt_len, prompt, params, i, frozenset({0}), 10**6, float(i)))
+    return scheduler
+
+
+def sampled_completion(plan: Plan, fence: int, tokens: Callable[[int], tuple[int, ...]]) -> Completion:
+    """The executor's completion of a plan (its sampled rows' slots and generations, read as GraphExecutor reads
+    them), with tokens(count) for its sampled rows."""
+    sample = list(fields(plan.rows, SAMPLE))
+    return Completion(fence, tuple(compress(fields(plan.rows, SLOT), sample)),
+                      tuple(compress(fields(plan.rows, GENERATION), sample)), tokens(sum(sample)), 0.01)
+
+
 def measure(active: int, steps: int, prompt_len: int = 200,
             percentile: float | None = None) -> dict[str, tuple[float, float]]:
     """Per phase: (wall us, CPU us) per steady decode step, the mean or the given percentile over the steps."""
-    scheduler = RequestScheduler(active, active, num_pages=active * 16, page_size=64, prefill_chunk_size=512)
+    scheduler = decoding_scheduler(active, prompt_len)
     context = zmq.Context.instance()
     socket, frontend = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
     address = f"inproc://bench-scheduler-{next(_ADDRESSES)}"
@@ -65,10 +84,6 @@ def measure(active: int, steps: int, prompt_len: int = 200,
     width = 1 << 10  # pages a request's table may hold
     frame = np.zeros(layout.patches + 2 * active * width, dtype=np.int32)
     views, mirror = host_views(frame, layout), PageTableMirror(active, width)
-    params = SamplingParams(temperature=0.0, max_tokens=10**6)
-    for i in range(active):
-        prompt = [(i * 31 + j) % 1000 + 1 for j in range(prompt_len)]
-        scheduler.add(Request(f"r{i}", b"b", prompt_len, prompt, params, i, frozenset({0}), 10**6, float(i)))
     fence = 0
     times: dict[str, list[tuple[float, float]]] = {phase: [] for phase in PHASES}  # (wall, CPU) s per step
     measured = 0
@@ -81,10 +96,7 @@ def measure(active: int, steps: int, prompt_len: int = 200,
         # decode step writes every request's page table, as after a preemption storm.
         _, pack_times = timed(lambda: pack(plan, layout, frame, views, mirror, scheduler.page_size, active)
                               if plan.kind == "decode" else None)
-        # The executor's work, not timed: the sampled rows' slots and generations, as GraphExecutor reads them.
-        sample = list(fields(plan.rows, SAMPLE))
-        completion = Completion(fence, tuple(compress(fields(plan.rows, SLOT), sample)),
-                                tuple(compress(fields(plan.rows, GENERATION), sample)), (7,) * sum(sample), 0.01)
+        completion = sampled_completion(plan, fence, lambda count: (7,) * count)  # (the executor's: not timed)
         result, complete_times = timed(lambda: scheduler.complete(completion, plan))
         _, engine_complete_times = timed(lambda: engine.publish_step(plan, completion, result))
         while frontend.poll(0):
