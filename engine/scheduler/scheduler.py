@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from itertools import compress
 from operator import and_, is_
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from engine.scheduler.policy import (Candidate, GraphCostModel, PolicyConfig, ch
 from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
 from engine.scheduler.request import Phase, Request
+from engine.scheduler.results import Finished, StepResult
 
 if TYPE_CHECKING:
     from engine.speculative.planner import Choice, Proposer
@@ -34,30 +34,6 @@ WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE,
 
 
 NOTHING_PLANNED: tuple[None, tuple, int, list] = (None, (), 0, [])
-
-
-@dataclass(frozen=True)
-class Finished:
-    request: Request
-    reason: str  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-
-
-@dataclass
-class StepResult:
-    """What a completion changed: new tokens, in order, as columns (the request, the token, its logprobs when
-    asked), and requests that ended."""
-
-    finished: list[Finished] = field(default_factory=list)
-    requests: list[Request] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs | None] = field(default_factory=list)
-    distinct: bool = False  # each request of `requests` is there once (a step without drafts: one token each)
-
-    @property
-    def tokens(self) -> list[tuple[Request, int, Logprobs | None]]:
-        """(request, token, logprobs) per new token."""
-        return list(zip(self.requests, self.token_ids, self.logprobs))
 
 
 class StalePlan(ValueError):
