@@ -36,8 +36,8 @@ class DecodeCohort:
     """Decoding requests, in slot order, whose next rows are their last decode rows moved on. Made by the scheduler
     when every decode candidate has such a row (Request.decode_row), and valid while its `version` (the scheduler's
     counts of epoch bumps and of requests that started decoding) holds: nobody placed, preempted, ended, or newly
-    decoding. When some
-    requests leave (ended, preempted, or drew their last output), the rest keep their columns (`without`)."""
+    decoding. When some requests leave (ended, preempted, or drew their last output), the rest keep their columns
+    (`without`)."""
 
     def __init__(self, requests: list[Request], version: tuple[int, int], page_size: int) -> None:
         self.requests = requests
@@ -103,7 +103,7 @@ class DecodeCohort:
         if len(grow):
             size, requests = self.page_size, self.requests
             rows, ends = grow.tolist(), (self.scheduled[grow] + 1).tolist()
-            missing = [-(-end // size) - len(requests[i].pages) for i, end in zip(rows, ends)]
+            missing = [max(-(-end // size) - len(requests[i].pages), 0) for i, end in zip(rows, ends)]
             if sum(missing) > pages.free_count:
                 return None
             for i, end, count in zip(rows, ends, missing):
