@@ -361,7 +361,7 @@ class GraphExecutor:
             self._prompt_logprobs(extras.prompt, k)
         mode = "extras" if extras is not None and extras.sample else "masked" if plan.masks else "plain"
         rt.graphLaunch(self._exec[(seqs, greedy, mode)], model)
-        labels = self._gather_labels(plan, k) if any(row.scores for row in plan.rows) else ()
+        labels = self._gather_labels(plan, k) if any(fields(plan.rows, SCORES)) else ()
         verified = self._accept(plan, k, layout) if verify else 0
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)
