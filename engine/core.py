@@ -20,7 +20,8 @@ from engine.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
 from engine.scheduler.plan import Completion, Plan
 from engine.telemetry import EngineTelemetry
 from engine.scheduler.request import Request
-from engine.scheduler.scheduler import Finished, RequestScheduler, StepResult
+from engine.scheduler.results import Finished, StepResult
+from engine.scheduler.scheduler import RequestScheduler
 
 log = logging.getLogger("flare.engine")
 

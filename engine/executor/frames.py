@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from engine.kernels.extend_attention import extend_blocks, max_blocks
-from engine.scheduler.plan import (LENGTH, OUTPUT_INDEX, ROPE_SHIFT, SAMPLE, SEED, SLOT, START, TOKENS, Plan,
-                                   Row)
+from engine.scheduler.plan import (GENERATION, LENGTH, OUTPUT_INDEX, PAGE_TABLE, ROPE_SHIFT, SAMPLE, SAMPLING, SEED,
+                                   SLOT, START, TOKENS, DecodeRows, Plan, Row, fields)
 
 HEADER = 16  # words; word 0 is the number of page-table patches
 ALIGN = 16  # words: 64-byte sections keep every view aligned for the kernels and for int64 fields
@@ -31,6 +31,7 @@ BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
 TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
 TEMPERATURE = attrgetter("temperature")  # for passes over a step's sampling parameters at C speed
 SEEN_KEY = itemgetter(*(Row._fields.index(name) for name in ("generation", "page_table", "sampling", "seed")))
+SEEN_FIELDS = (GENERATION, PAGE_TABLE, SAMPLING, SEED)  # SEEN_KEY's, as DecodeRows's columns
 # Per-sequence fields that depend only on the row's request (its sampling settings and seed), with their padding:
 # PageTableMirror keeps them per slot, so a step gathers them by slot instead of reading every row's. A new such field
 # is one more entry here (its dtype comes from SEQ_FIELDS).
@@ -85,7 +86,7 @@ class PageTableMirror:
         self.tables = np.zeros((slots, width), np.int64)
         self.lengths = np.zeros(slots, np.int64)
 
-    def changes(self, rows: tuple[Row, ...], slots: list[int] | None = None) -> tuple[list[int], list[int]]:
+    def changes(self, rows: Sequence[Row], slots: list[int] | None = None) -> tuple[list[int], list[int]]:
         """(flat indices, pages) to write, the rows' fields kept; `slots`: the rows' (a pass saved when the caller
         has them). A request's table only grows, so usually only its new pages are written. A row whose known pages
         changed (another generation, or a page replaced) is rewritten whole.
@@ -94,8 +95,9 @@ class PageTableMirror:
         (the scheduler shares a decode row's table, and always its SamplingParams, from step to step, so the
         comparison is mostly of identical objects): at large batch only the few rows that gained a page, or are new
         to their slot, are looked at one by one, the others in two passes at C speed."""
-        slots = list(map(SLOT, rows)) if slots is None else slots
-        keys = list(map(SEEN_KEY, rows))
+        slots = list(fields(rows, SLOT)) if slots is None else slots
+        keys = list(zip(*(fields(rows, key) for key in SEEN_FIELDS)) if type(rows) is DecodeRows else
+                    map(SEEN_KEY, rows))
         index: list[int] = []
         pages: list[int] = []
         for i in compress(range(len(rows)), map(ne, keys, map(self._seen.__getitem__, slots))):
@@ -135,20 +137,20 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     Python loop over the rows per field was the larger part of the host's step."""
     rows = plan.rows
     count = len(rows)
-    slot_list = list(map(SLOT, rows))
+    slot_list = list(fields(rows, SLOT))
     patch_index, patch_pages = mirror.changes(rows, slot_list)
     slots = np.fromiter(slot_list, np.int64, count)
-    starts = np.fromiter(map(START, rows), np.int64, count)
-    lengths = np.fromiter(map(LENGTH, rows), np.int64, count)
+    starts = _column(rows, START, np.int64)
+    lengths = _column(rows, LENGTH, np.int64)
     firsts = np.cumsum(lengths) - lengths  # each row's first token in the step
-    sample = np.fromiter(map(SAMPLE, rows), bool, count)
+    sample = _column(rows, SAMPLE, bool)
     _fill(views["slot"], slots, trash)
     _fill(views["query_start"], firsts, 0)
     _fill(views["query_len"], lengths, 0)
     _fill(views["context_len"], starts + lengths, 0)
     _fill(views["sample_row"], firsts + lengths - 1, 0)
     _fill(views["sample_slot"], np.where(sample, slots, trash), trash)
-    _fill(views["output_index"], np.fromiter(map(OUTPUT_INDEX, rows), np.int64, count), 0)
+    _fill(views["output_index"], _column(rows, OUTPUT_INDEX, np.int64), 0)
     for name, _, pad in REQUEST_FIELDS:
         _fill(views[name], mirror.fields[name][slots], pad)
     if layout.kind == "decode":  # a row's input is the slot's last sampled token, unless the host gives it
@@ -157,7 +159,7 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
         else:
             _fill(views["token"], [tokens[0] if tokens else -1 for tokens in map(TOKENS, rows)], 0)
         _fill(views["token_slot"], slots, trash)
-        _fill(views["position"], starts + np.fromiter(map(ROPE_SHIFT, rows), np.int64, count), 0)
+        _fill(views["position"], starts + _column(rows, ROPE_SHIFT, np.int64), 0)
         index = starts // page_size  # (PageTableMirror.changes has brought the mirror's tables to the rows')
         if (index >= mirror.lengths[slots]).any():
             raise ValueError("a decode row's position lies past its page table")
@@ -172,6 +174,12 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
     patches[0::2] = patch_index
     patches[1::2] = patch_pages
     return layout.patches + 2 * len(patch_index)
+
+
+def _column(rows: Sequence[Row], getter: Callable[[Row], object], dtype: type) -> np.ndarray:
+    """A field of every row as an array (a DecodeRows's start and output_index are arrays already)."""
+    column = fields(rows, getter)
+    return column if isinstance(column, np.ndarray) else np.fromiter(column, dtype, len(rows))
 
 
 def _pack_tokens(rows: tuple[Row, ...], views: dict[str, np.ndarray], page_size: int, trash: int) -> None:

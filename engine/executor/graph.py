@@ -52,7 +52,7 @@ from engine.executor.penalty_state import apply_known_tokens
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import VisionLanguageLM
-from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan
+from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan, fields
 
 log = logging.getLogger("flare.engine")
 
@@ -321,7 +321,7 @@ class GraphExecutor:
         if not rows:
             return None
         # Passes at C speed over the rows (plan.py's field getters): the checks run on every step.
-        if None in map(ROPE_SHIFT, rows):
+        if None in fields(rows, ROPE_SHIFT):
             return None
         if plan.kind == "verify":  # one-token rows in a decode graph, when nothing else needs a span
             if plan.masks or step_extras(rows, self._vocab) is not None or \
@@ -329,7 +329,7 @@ class GraphExecutor:
                 return None
             i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
-        if any(map(SCORES, rows)):
+        if any(fields(rows, SCORES)):
             index = graph_index(plan, self._vocab)
             if index is None or len(index[1]) > self._max_labels:
                 return None
@@ -346,7 +346,7 @@ class GraphExecutor:
         packed = replace(plan, rows=verify_rows(plan.rows)) if verify else plan
         words = pack(packed, layout, self._host_np[k], self._views[k][layout], self._mirror, self.page_size,
                      self.trash)
-        greedy = not any(map(TEMPERATURE, compress(map(SAMPLING, plan.rows), map(SAMPLE, plan.rows))))
+        greedy = not any(map(TEMPERATURE, compress(fields(plan.rows, SAMPLING), fields(plan.rows, SAMPLE))))
         rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
         rt.eventRecord(self._start[k], model)
         rt.memcpyAsync(self._buffers.frame.data_ptr(), self._host[k].data_ptr(), words * 4, H2D, model)
@@ -361,7 +361,7 @@ class GraphExecutor:
             self._prompt_logprobs(extras.prompt, k)
         mode = "extras" if extras is not None and extras.sample else "masked" if plan.masks else "plain"
         rt.graphLaunch(self._exec[(seqs, greedy, mode)], model)
-        labels = self._gather_labels(plan, k) if any(row.scores for row in plan.rows) else ()
+        labels = self._gather_labels(plan, k) if any(fields(plan.rows, SCORES)) else ()
         verified = self._accept(plan, k, layout) if verify else 0
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)
@@ -462,8 +462,8 @@ class GraphExecutor:
             verdicts = self._verdicts_host[k].numpy()[:2 * step.verified].reshape(2, -1)
             tokens, accepted = verify_results(rows, samples, verdicts)
         else:
-            tokens = list(compress(samples, map(SAMPLE, rows)))
-        sampled = list(compress(rows, map(SAMPLE, rows)))
+            tokens = list(compress(samples, fields(rows, SAMPLE)))
+        sample = list(fields(rows, SAMPLE))
         start = self._rt.eventElapsedTime(self._origin, self._start[k])
         end = self._rt.eventElapsedTime(self._origin, self._end[k])
         self.spans.append((start, end, len(step.plan.rows), step.kind))
@@ -475,7 +475,8 @@ class GraphExecutor:
         if extras is not None and extras.prompt.shape[1]:
             prompt = read_prompt_logprobs(rows, self._prompt_out_host[k].numpy()[:extras.prompt.shape[1]],
                                           self._extras.top)
-        return Completion(step.fence, tuple(map(SLOT, sampled)), tuple(map(GENERATION, sampled)),
+        return Completion(step.fence, tuple(compress(fields(rows, SLOT), sample)),
+                          tuple(compress(fields(rows, GENERATION), sample)),
                           tuple(tokens), (end - start) / 1000, scores=scores, accepted=tuple(accepted),
                           logprobs=logprobs, prompt_logprobs=prompt)
 

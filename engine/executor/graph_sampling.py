@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import attrgetter, is_not, itemgetter
+from operator import attrgetter, is_not
 
 import numpy as np
 import torch
@@ -38,13 +38,12 @@ from engine.executor.penalty_state import known_tokens, penalised_rows
 from engine.kernels.penalties import process_logits
 from engine.model.decoder import CausalLM
 from engine.sampling import token_logprobs
-from engine.scheduler.plan import PROMPT_TARGETS, SAMPLING, Row
+from engine.scheduler.plan import BANNED, PROMPT_TARGETS, SAMPLING, Row, fields
 
 TOP_LOGPROBS = 20  # alternatives per token every extras step computes: the OpenAI maximum
 MAX_BANNED = 16  # banned ids per row an extras frame carries (the stop ids before min_tokens)
 PROMPT_ROWS = 256  # prompt positions per launch of the prompt-logprobs graph
 PENALTIES = ("presence", "frequency", "repetition")
-BANNED = itemgetter(Row._fields.index("banned"))
 LOGPROBS, PROMPT_LOGPROBS = attrgetter("logprobs"), attrgetter("prompt_logprobs")
 _DEFAULTS = {"presence": 0.0, "frequency": 0.0, "repetition": 1.0}
 _PARAMS = {"presence": attrgetter("presence_penalty"), "frequency": attrgetter("frequency_penalty"),
@@ -79,8 +78,8 @@ def device_extras_views(words: torch.Tensor, seqs: int) -> dict[str, torch.Tenso
 # --- what a step needs (host, every step: passes at C speed) -----------------------------------------------------
 def samples_extras(rows: Sequence[Row]) -> bool:
     """Whether the step's sampling needs the extras graph: a penalty, logprobs or a ban in some row."""
-    params = list(map(SAMPLING, rows))
-    return any_penalty(params) or any(map(is_not, map(LOGPROBS, params), repeat(None))) or any(map(BANNED, rows))
+    params = list(fields(rows, SAMPLING))
+    return any_penalty(params) or any(map(is_not, map(LOGPROBS, params), repeat(None))) or any(fields(rows, BANNED))
 
 
 def graph_holds_extras(rows: Sequence[Row]) -> bool:
@@ -106,7 +105,7 @@ class StepExtras:
 
 def step_extras(rows: Sequence[Row], vocab: int) -> StepExtras | None:
     """None for a plain step (the common case, decided in passes at C speed)."""
-    prompt = any(map(PROMPT_TARGETS, rows))
+    prompt = any(fields(rows, PROMPT_TARGETS))
     sample = samples_extras(rows)
     if not prompt and not sample:
         return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from dataclasses import replace
 
 import msgspec
 import zmq
@@ -132,6 +133,8 @@ class Leader:
 
     def prepare(self, fence: int, plan: Plan) -> None:
         """Send the step and wait until every rank is ready to run it."""
+        if type(plan.rows) is not tuple:  # a steady decode step's columns (DecodeRows) travel as Rows
+            plan = replace(plan, rows=tuple(plan.rows))
         self._send_all(Prepare(fence, plan))
         self._gather(Ready, fence, SILENCE_LIMIT)
 

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import repeat
 from operator import itemgetter
 from typing import NamedTuple
+
+import numpy as np
 
 from common.protocol import ImageInput, Logprobs, SamplingParams
 
@@ -50,17 +54,63 @@ class Row(NamedTuple):
     proposer: str = ""
 
 
-# Getters of Row fields, for passes over a step's rows at C speed (map(SLOT, rows)): at 256 rows a Python loop per
-# field costs several times more.
-(SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED, PROMPT_TARGETS, SCORES,
- ROPE_SHIFT, DRAFT) = (itemgetter(Row._fields.index(name)) for name in (
-    "slot", "generation", "start", "length", "tokens", "page_table", "sample", "output_index", "sampling", "seed",
-    "prompt_targets", "scores", "rope_shift", "draft"))
+# Getters of Row fields, for passes over a step's rows at C speed (map(SLOT, rows), or `fields`): at 256 rows a Python
+# loop per field costs several times more.
+_GETTER_NAMES = ("slot", "generation", "start", "length", "tokens", "page_table", "sample", "output_index", "sampling",
+                 "seed", "prompt_targets", "banned", "scores", "rope_shift", "draft")
+(SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED, PROMPT_TARGETS, BANNED,
+ SCORES, ROPE_SHIFT, DRAFT) = _GETTERS = tuple(itemgetter(Row._fields.index(name)) for name in _GETTER_NAMES)
+_FIELD_INDEX = {getter: Row._fields.index(name) for getter, name in zip(_GETTERS, _GETTER_NAMES)}
+
+
+class DecodeRows(Sequence[Row]):
+    """A steady decode step's rows as columns (DESIGN.md, Scheduling): the same requests as a step before, each moved
+    on by a position. The scheduler builds them without a Row per request, and the step's hot readers (commit,
+    complete, the graph executor's frame) take whole columns (`fields`); any other reader sees Rows, made once, on
+    first use. `columns` are in Row field order: `start` and `output_index` int64 arrays, the others sequences."""
+
+    __slots__ = ("columns", "_rows")
+
+    def __init__(self, columns: tuple[Sequence, ...]) -> None:
+        self.columns = columns
+        self._rows: tuple[Row, ...] | None = None
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        if self._rows is None:  # (tuple.__new__ over zipped columns: no Python call per row)
+            self._rows = tuple(map(tuple.__new__, repeat(Row), zip(*(
+                column.tolist() if isinstance(column, np.ndarray) else column for column in self.columns))))
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if self._rows is None and isinstance(index, int):  # one row (the few a frame looks at), not all of them
+            return tuple.__new__(Row, [column[index].item() if isinstance(column, np.ndarray) else column[index]
+                                       for column in self.columns])
+        return self.rows[index]
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.rows)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (tuple, DecodeRows)) and self.rows == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def fields(rows: Sequence[Row], getter: itemgetter) -> Iterable:
+    """One field of every row, in row order, for a pass at C speed: a DecodeRows's column as it is (an int64 array for
+    start and output_index), else a map of the getter over the rows."""
+    if type(rows) is DecodeRows:
+        return rows.columns[_FIELD_INDEX[getter]]
+    return map(getter, rows)
 
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    rows: tuple[Row, ...]
+    rows: Sequence[Row]  # a tuple of Rows, or a steady decode step's DecodeRows
     # KV pages to copy (source, destination) before the step's forward: private copies of partial pages for exact
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
@@ -70,22 +120,22 @@ class Plan:
     masks: bytes = b""
 
     @classmethod
-    def of_kind(cls, kind: str, rows: tuple[Row, ...], **fields: object) -> Plan:
+    def of_kind(cls, kind: str, rows: Sequence[Row], **values: object) -> Plan:
         """A plan whose maker knows its kind (what `kind` would compute): no pass over the rows finds it again."""
-        plan = cls(rows, **fields)
+        plan = cls(rows, **values)
         plan.__dict__["kind"] = kind  # where cached_property keeps what it computed
         return plan
 
     # Both cached: each is a pass over the rows, and the engine and executors ask several times a step.
     @cached_property
     def num_tokens(self) -> int:
-        return sum(row.length for row in self.rows)
+        return sum(fields(self.rows, LENGTH))
 
     @cached_property
     def kind(self) -> str:
-        if any(map(DRAFT, self.rows)):
+        if any(fields(self.rows, DRAFT)):
             return "verify"
-        tokens = list(map(TOKENS, self.rows))  # a decode row's are None; any other row's a non-empty tuple
+        tokens = list(fields(self.rows, TOKENS))  # a decode row's are None; any other row's a non-empty tuple
         decode = None in tokens
         prefill = any(tokens)
         return "mixed" if decode and prefill else "decode" if decode else "prefill"

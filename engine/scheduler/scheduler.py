@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 from itertools import compress
-from operator import and_
+from operator import and_, is_
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
 from engine.scheduler.policy import (Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price)
 from engine.scheduler.prefix import PrefixReuse
-from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, Plan, Row
+from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
 from engine.scheduler.request import Phase, Request
+from engine.scheduler.results import Finished, StepResult
 
 if TYPE_CHECKING:
     from engine.speculative.planner import Choice, Proposer
@@ -30,36 +31,9 @@ if TYPE_CHECKING:
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
 WAITING, PREFILL, DECODE, FINISHED = Phase.WAITING, Phase.PREFILL, Phase.DECODE, Phase.FINISHED
-# Where a decode row's fields (Request.decode_row, a list) hold what moves from step to step: the next row is that
-# list with two or three items replaced, made a Row in one copy.
-AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX = (Row._fields.index(name) for name in ("start", "page_table", "output_index"))
 
 
 NOTHING_PLANNED: tuple[None, tuple, int, list] = (None, (), 0, [])
-
-
-@dataclass(frozen=True)
-class Finished:
-    request: Request
-    reason: str  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-
-
-@dataclass
-class StepResult:
-    """What a completion changed: new tokens, in order, as columns (the request, the token, its logprobs when
-    asked), and requests that ended."""
-
-    finished: list[Finished] = field(default_factory=list)
-    requests: list[Request] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Logprobs | None] = field(default_factory=list)
-    distinct: bool = False  # each request of `requests` is there once (a step without drafts: one token each)
-
-    @property
-    def tokens(self) -> list[tuple[Request, int, Logprobs | None]]:
-        """(request, token, logprobs) per new token."""
-        return list(zip(self.requests, self.token_ids, self.logprobs))
 
 
 class StalePlan(ValueError):
@@ -89,6 +63,12 @@ class RequestScheduler:
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
         self._epoch_bumps = 0
+        self._decoding_starts = 0  # phase changes to DECODE: a new decode candidate
+        self._cohort: DecodeCohort | None = None  # the steady decode steps' requests (engine/scheduler/cohort.py)
+        self._left: set[Request] = set()  # requests whose epoch was bumped since the cohort's version
+        # Committed plans of a cohort, in fence order until they complete: (fence, rows, cohort, epoch bumps made
+        # before the plan was).
+        self._steady: deque[tuple[int, DecodeRows, DecodeCohort, int]] = deque()
         self.policy = policy
         self.costs = GraphCostModel(policy)
         self.speculation = None
@@ -147,6 +127,12 @@ class RequestScheduler:
 
     # --- planning -----------------------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
+        if self.speculation is None and not self.constrained and not self._prefilling and \
+                not self.prefix.pending_copies and (not self.waiting or None not in self.slots):
+            plan = self._plan_steady()
+            if plan is not None:
+                return plan
+        self._cohort, self._left = None, set()  # (a step planned row by row may change its requests' rows)
         decoders = self._decode_candidates()
         depths = self._draft_depths(decoders)
         # A request that would draft waits for its step in flight rather than take the second frame (its proposal
@@ -165,13 +151,13 @@ class RequestScheduler:
         size = self.page_size
         for request in decoders:
             # None once preempted (by an earlier reservation of this plan too), and while min_tokens bans stop ids
-            fields = request.decode_row
+            moved = request.decode_row
             start = request.scheduled
-            if fields is not None and start < len(fields[AT_PAGE_TABLE]) * size and \
+            if moved is not None and start < len(moved[AT_PAGE_TABLE]) * size and \
                     (not drafts or request not in drafts):
                 # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
-                fields[AT_START], fields[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
-                rows.append(tuple.__new__(Row, fields))
+                moved[AT_START], moved[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
+                rows.append(tuple.__new__(Row, moved))
                 planned.append(request)
                 continue
             if request.slot < 0:
@@ -208,6 +194,30 @@ class RequestScheduler:
             else "prefill"
         plan = Plan.of_kind(kind, tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
         self._planned = (plan, copies, self._epoch_bumps, planned)
+        return plan
+
+    def _plan_steady(self) -> Plan | None:
+        """A decode step of the cohort's requests, as columns; None when the step is not steady (some candidate
+        has no row to move on, or a page is missing and none is free): it is planned row by row then. The same
+        plan as the row-by-row one: nothing waits to prefill, copies, drafts or is constrained, so the decode step
+        is the only candidate, and each row is its request's last decode row moved on, on pages allocated in row
+        order."""
+        version = (self._epoch_bumps, self._decoding_starts)
+        cohort = self._cohort
+        if cohort is None or not cohort.steady(version):
+            if cohort is not None and cohort.version[1] == version[1]:  # requests left it, none joined
+                cohort = cohort.without(self._left, version)
+            else:
+                cohort = DecodeCohort.of(self._decode_candidates(), version, self.page_size)
+            self._cohort = cohort
+            self._left = set()
+            if cohort is None or not cohort.requests:
+                return None
+        rows = cohort.plan(self.pages)
+        if rows is None:
+            return None
+        plan = Plan.of_kind("decode", rows, shape=("decode", decode_capacity(len(rows))))
+        self._planned = (plan, (), self._epoch_bumps, cohort.requests)
         return plan
 
     def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
@@ -308,6 +318,17 @@ class RequestScheduler:
         # (Each row's request is the one planned: a slot's request with the row's generation is that placement.)
         self._planned = NOTHING_PLANNED
         self.prefix.copies_committed(copies, fence)
+        if type(rows) is DecodeRows:
+            cohort = self._cohort
+            if cohort is not None and cohort.requests is requests:
+                ends = cohort.committed(rows)
+                self._steady.append((fence, rows, cohort, epoch_bumps))
+            else:
+                ends = rows.columns[AT_START] + 1
+            for request, end in zip(requests, ends.tolist()):
+                request.scheduled = end
+                request.row_fence = fence
+            return
         for row, request in zip(rows, requests):
             request.scheduled = row.start + row.length
             request.row_fence = fence
@@ -340,8 +361,10 @@ class RequestScheduler:
         return running
 
     def _set_phase(self, request: Request, phase: Phase) -> None:
-        """Every phase change goes through here, which counts the requests prefilling."""
+        """Every phase change goes through here, which counts the requests prefilling, and those that start decoding
+        (a decode cohort holds while none do)."""
         self._prefilling += (phase is PREFILL) - (request.phase is PREFILL)
+        self._decoding_starts += phase is DECODE
         request.phase = phase
 
     def _place(self, request: Request) -> None:
@@ -396,6 +419,8 @@ class RequestScheduler:
         is built anew."""
         request.epoch += 1
         request.decode_row = None
+        if self._cohort is not None:
+            self._left.add(request)
         self._epoch_bumps += 1
 
     def _decode_row(self, request: Request) -> Row:
@@ -440,6 +465,10 @@ class RequestScheduler:
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
         sampled = self._validate(completion, plan)
         fence, error, slots = completion.fence, completion.error, self.slots
+        steady = self._steady
+        while steady and steady[0][0] < fence:  # (plans whose completions never came: the engine stopped them)
+            steady.popleft()
+        cohort = steady.popleft() if steady and steady[0][1] is plan.rows else None
         self._completed_fence = fence
         if error is None and plan.rows:
             self.costs.observe(plan.shape, completion.duration)
@@ -449,7 +478,8 @@ class RequestScheduler:
         self.prefix.cache.advance_completed(fence)
         result = StepResult()
         if error is None and plan.kind != "verify":
-            ending = self._complete_rows(plan.rows, completion, fence, result)
+            ending = self._complete_steady(cohort, completion, fence, result) if cohort is not None else \
+                self._complete_rows(plan.rows, completion, fence, result)
             self._retire(fence)
             self._complete_prompt_logprobs(completion)
             self._complete_scores(completion, plan, result)
@@ -540,6 +570,23 @@ class RequestScheduler:
         result.distinct = True
         return ending
 
+    def _complete_steady(self, steady: tuple[int, DecodeRows, DecodeCohort, int], completion: Completion,
+                         fence: int, result: StepResult) -> list[tuple[Request, int]]:
+        """_complete_rows for a step of a cohort's rows (DecodeCohort.complete): its requests are the cohort's,
+        which all hold their slots still unless some request was placed, preempted or ended since it was planned."""
+        _, rows, cohort, epoch_bumps = steady
+        live = None
+        if epoch_bumps != self._epoch_bumps:
+            # A row is stale when its request left its slot (ended): the request in a slot is the row's placement
+            # (the row's generation) exactly when it is the row's request, since a request is placed again only
+            # after a preemption, which waits for its steps in flight.
+            live = list(map(is_, map(self.slots.__getitem__, fields(rows, SLOT)), cohort.requests))
+        result.requests, result.token_ids, result.logprobs, ending = cohort.complete(
+            rows, live, completion.tokens, completion.logprobs or (None,) * len(completion.tokens),
+            lambda request, computed: self.prefix.publish(request, computed, fence, self._try_allocate))
+        result.distinct = True
+        return ending
+
     def _retire(self, fence: int) -> None:
         """Requests that ended with steps in flight are gone once the last of those steps completed."""
         if self._retiring:
@@ -610,9 +657,10 @@ class RequestScheduler:
             raise ValueError(f"completion fence {completion.fence} after {self._completed_fence}")
         if not (len(completion.slots) == len(completion.generations) == len(completion.tokens)):
             raise ValueError("completion columns differ in length")
-        sampled = list(compress(plan.rows, map(SAMPLE, plan.rows)))
-        if completion.error is None and (list(map(SLOT, sampled)) != list(completion.slots)
-                                         or list(map(GENERATION, sampled)) != list(completion.generations)):
+        rows = plan.rows
+        sampled = rows if type(rows) is DecodeRows else list(compress(rows, map(SAMPLE, rows)))  # (all sample)
+        if completion.error is None and (list(fields(sampled, SLOT)) != list(completion.slots)
+                                         or list(fields(sampled, GENERATION)) != list(completion.generations)):
             raise ValueError("completion rows differ from the plan's sampled rows")
         return sampled
 
