@@ -126,10 +126,13 @@ class Engine:
         return max(int((wake - time.monotonic()) * 1000), 1)
 
     def _next_step_due(self) -> bool:
-        """Whether to plan a step now. The first step in flight, always; a second one, when a prompt waits for it or
-        the first is expected to end within SUBMIT_LEAD: planned earlier, a prompt that arrives in the meantime would
-        wait for the step after it (the queue time of issue 16's sharegpt row)."""
-        if not self._expected_ends or self.scheduler.waiting or self.scheduler.prefilling:
+        """Whether to plan a step now. The first step in flight, always; a second one, when a prompt waits for it,
+        when every slot is taken (no prompt could join it), or when the first is expected to end within SUBMIT_LEAD:
+        planned earlier, a prompt that arrives in the meantime would wait for the step after it (the queue time of
+        issue 16's sharegpt row). A step that ends before its expected end leaves the GPU idle for the host's
+        planning, so a full server does not defer."""
+        scheduler = self.scheduler
+        if not self._expected_ends or scheduler.waiting or scheduler.prefilling or None not in scheduler.slots:
             return True
         end = self._expected_ends[-1]
         return end == 0.0 or end - time.monotonic() <= SUBMIT_LEAD

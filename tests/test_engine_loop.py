@@ -50,7 +50,7 @@ class HeldExecutor:
         pass
 
 
-def make_engine() -> tuple[Engine, HeldExecutor, zmq.Socket]:
+def make_engine(max_active: int = 8) -> tuple[Engine, HeldExecutor, zmq.Socket]:
     context = zmq.Context.instance()
     address = f"inproc://engine-loop-{uuid.uuid4().hex[:8]}"
     router = context.socket(zmq.ROUTER)
@@ -62,7 +62,7 @@ def make_engine() -> tuple[Engine, HeldExecutor, zmq.Socket]:
     dealer.connect(address)
     executor = HeldExecutor()
     card = wire.ModelCard(["test"], "test", "llama", 4096, [0])
-    scheduler = RequestScheduler(8, 64, 64, 16, 512, bytes(range(32)))
+    scheduler = RequestScheduler(max_active, 64, 64, 16, 512, bytes(range(32)))
     engine = Engine(card, executor, scheduler, 1000, router, EngineTelemetry(telemetry, "engine-loop"),
                     address + "-telemetry")
     return engine, executor, dealer
@@ -95,3 +95,14 @@ def test_a_second_decode_step_waits_for_the_first_to_near_its_end_unless_a_promp
     slots = {r.slot for r in executor.in_flight[1].rows}
     requests = {r.request_id: r for r in engine.scheduler.slots if r is not None}
     assert requests[second].slot in slots and requests[first].slot in slots
+
+
+def test_a_full_server_does_not_defer_its_second_step() -> None:
+    """No prompt could join the next step, so waiting for one would only risk an idle GPU."""
+    engine, executor, dealer = make_engine(max_active=1)
+    submit(engine, dealer, [5, 6, 7, 8])
+    engine.turn()
+    executor.release()  # costs known, as above
+    engine.turn()
+    engine.turn()
+    assert len(executor.in_flight) == 2
