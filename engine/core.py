@@ -86,6 +86,7 @@ class Engine:
         self._owned: dict[bytes, set[str]] = defaultdict(set)
         # When each step in flight is expected to end (monotonic seconds; 0.0 where its shape's cost is unknown).
         self._expected_ends: deque[float] = deque()
+        self._defer_until = 0.0  # when the next step is due, if the last turn deferred it (_deferral)
         self._seed = random.SystemRandom()
         self._last_heartbeat = 0.0
         self.grammars = grammars  # None: structured output is refused (no tokenizer for the grammar engine)
@@ -111,7 +112,10 @@ class Engine:
         for plan, completion in self.executor.poll():
             self._expected_ends.popleft()
             self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
-        while self.executor.can_submit() and self._next_step_due() and (plan := self.scheduler.plan()) is not None:
+        while self.executor.can_submit():
+            self._defer_until = self._deferral()
+            if self._defer_until or (plan := self.scheduler.plan()) is None:
+                break
             self.count_start(plan)
             self.scheduler.commit(plan, self.executor.next_fence())
             self.executor.submit(self._with_masks(plan))
@@ -121,21 +125,21 @@ class Engine:
 
     def _sleep_ms(self) -> int:
         wake = min(self._last_heartbeat + HEARTBEAT_INTERVAL, self.telemetry.next_publish)
-        if self._expected_ends and self.executor.can_submit() and self.scheduler.has_work():
-            wake = min(wake, self._expected_ends[-1] - SUBMIT_LEAD)  # a deferred step (_next_step_due)
+        if self._defer_until:
+            wake = min(wake, self._defer_until)
         return max(int((wake - time.monotonic()) * 1000), 1)
 
-    def _next_step_due(self) -> bool:
-        """Whether to plan a step now. The first step in flight, always; a second one, when a prompt waits for it,
-        when every slot is taken (no prompt could join it), or when the first is expected to end within SUBMIT_LEAD:
-        planned earlier, a prompt that arrives in the meantime would wait for the step after it (the queue time of
-        issue 16's sharegpt row). A step that ends before its expected end leaves the GPU idle for the host's
-        planning, so a full server does not defer."""
+    def _deferral(self) -> float:
+        """0.0 to plan a step now, else when to (monotonic seconds). The first step in flight, always; a second one,
+        when a prompt waits for it, when every slot is taken (no prompt could join it), or SUBMIT_LEAD before the
+        first is expected to end: planned earlier, a prompt that arrives in the meantime would wait for the step
+        after it (the queue time of issue 16's sharegpt row). A step that ends before its expected end leaves the GPU
+        idle for the host's planning, so a full server does not defer."""
         scheduler = self.scheduler
         if not self._expected_ends or scheduler.waiting or scheduler.prefilling or None not in scheduler.slots:
-            return True
-        end = self._expected_ends[-1]
-        return end == 0.0 or end - time.monotonic() <= SUBMIT_LEAD
+            return 0.0
+        due = self._expected_ends[-1] - SUBMIT_LEAD
+        return due if self._expected_ends[-1] and due > time.monotonic() else 0.0
 
     def _expect_end(self, plan: Plan) -> None:
         """A submitted step's expected end: its shape's cost after the steps before it (or from now)."""

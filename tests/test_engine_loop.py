@@ -1,4 +1,4 @@
-"""The engine loop's timing of its second step in flight (engine/core.py `_next_step_due`): the real Engine on inproc
+"""The engine loop's timing of its second step in flight (engine/core.py `_deferral`): the real Engine on inproc
 sockets, with an executor whose steps complete only when the test releases them."""
 
 from __future__ import annotations
