@@ -39,31 +39,33 @@ using flare_cpu::MIN_MULTIPLY_ADDS_PER_THREAD;
 using flare_cpu::MIN_WORK_PER_THREAD;
 
 // What each code width takes: the integer type of the inputs, rounded per group of 32 to steps of
-// (largest |x|) / LARGEST, and the tile, R rows sharing each register of codes and C blocks each broadcast input
-// (R x C accumulators of each kind in the registers, with C blocks' codes).
+// (largest |x|) / LARGEST.
 //   4-bit codes meet int8 inputs: vpmaddubsw multiplies 32 unsigned codes by 32 signed inputs and adds pairs into
 //   int16 (at most 2 * 15 * 127 a pair, so a group's 16 pairs a lane sum exactly in int16, at most 30480), and one
 //   vpmaddwd against ones a group widens the sums to int32; VNNI's vpdpbusd does both in one. 64 multiply-adds a
-//   lane a group, against 16 instructions of vpmaddwd and 16 adds for int16 inputs.
+//   lane a group take 8 vpmaddubsw and 8 adds, against 16 vpmaddwd and 16 adds with int16 inputs (AVX2, one
+//   thread, 16 x 576 -> 1536: 65 -> 110 GMAC/s; VNNI 95 -> 160; bench/README.md, "int8 inputs").
 //   8-bit codes meet int16 inputs (8-bit codes by int8 inputs would overflow vpmaddubsw's int16 pair sums):
 //   vpmaddwd, 2 products a lane, then an add; VNNI's vpdpwssd does both.
-// Tiles measured best (GMAC/s, one thread, 16 and 512 rows of SmolLM2's shapes): see bench/README.md.
-// One row (a decode step) takes BLOCKS_OF_ONE_ROW blocks at a time instead.
 template <int BITS>
 struct Inputs;
 template <>
 struct Inputs<4> {
   using T = int8_t;
   static constexpr float LARGEST = 127.f;
-  static constexpr int ROWS = VNNI ? 6 : 4, BLOCKS = VNNI ? 2 : 1;
 };
 template <>
 struct Inputs<8> {
   using T = int16_t;
   static constexpr float LARGEST = 32767.f;
-  static constexpr int ROWS = VNNI ? 6 : 4, BLOCKS = VNNI ? 2 : 1;
 };
-constexpr int BLOCKS_OF_ONE_ROW = 4;
+// Rows of a tile that share each register of codes, and blocks a tile of them: R x C int32 (or int16) and fp32
+// accumulators and C registers of codes in the registers. Measured best (GMAC/s, one thread, 16 and 512 rows of
+// SmolLM2's shapes), with int16 inputs: with AVX2's 16 registers 4 x 1 (of 4 x 1, 4 x 2, 3 x 2, 2 x 3, 8 x 1: 65
+// against 37-55), with AVX-512's 32, 6 x 2 (of 4 x 2, 4 x 3, 6 x 2, 8 x 2: 92-97 against 65-89); with int8 inputs
+// on AVX2, 4 x 1, 2 x 2 and 5 x 1 alike (110-119), 3 x 1 and 6 x 1 slower (80-100). One row (a decode step) takes
+// more blocks instead.
+constexpr int ROWS = VNNI ? 6 : 4, BLOCKS = VNNI ? 2 : 1, BLOCKS_OF_ONE_ROW = 4;
 
 // The largest |value| of four vectors.
 inline float abs_max(const __m256 part[4], __m256 sign) {
@@ -249,7 +251,7 @@ template <int BITS, int R, typename S>
 void rows_against_blocks(const typename Inputs<BITS>::T* xq, const float* xscale, const float* xsum, int64_t K,
                          int64_t G, const uint8_t* codes, const S* scales, const S* mins, int64_t b0, int64_t b1,
                          float* out, int64_t N) {
-  constexpr int C = R == 1 ? BLOCKS_OF_ONE_ROW : Inputs<BITS>::BLOCKS;
+  constexpr int C = R == 1 ? BLOCKS_OF_ONE_ROW : BLOCKS;
   const int64_t block_bytes = G * GROUP * BITS, block_values = G * COLUMNS;
   int64_t b = b0;
   for (; b + C <= b1; b += C)
@@ -276,7 +278,6 @@ template <int BITS, typename S>
 void quant_mm_kernel(const float* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, const S* mins,
                      int64_t N, float* out) {
   using X = typename Inputs<BITS>::T;
-  constexpr int64_t ROWS = Inputs<BITS>::ROWS;
   const int64_t G = K / GROUP, blocks = N / COLUMNS;
   std::vector<X> xq(M * K);
   std::vector<float> xscale(M * G), xsum(M * G);
