@@ -12,19 +12,24 @@
 //
 // Per group g of 32 inputs, column n and row r:
 //     sum_k x[k] w[k] = scale[g] * sum_k x[k] code[k] + min[g] * sum_k x[k].
-// Each row's x is rounded once per call to 16-bit integers per group, xq = round(x / xscale[g]) with
-// xscale[g] = max |x| over the group / 32767 (an error of at most 2^-16 of the group's largest |x|; bfloat16, what
-// PyTorch's kernel takes, keeps 2^-9 of each value). Then D = sum_k xq[k] code[k] is exact in int32 (vpmaddwd: 16
-// products an instruction), and each output is the fp32 chain, over the groups in order,
+// Each row's x is rounded once per call to integers per group, xq = round(x / xscale[g]) with xscale[g] = max |x|
+// over the group / 127 for 4-bit codes (int8, as llama.cpp's Q8_1 for its Q4 blocks: an error of at most 2^-8 of
+// the group's largest |x|) and / 32767 for 8-bit ones (int16: 2^-16); bfloat16, what PyTorch's kernel takes, keeps
+// 2^-9 of each value. Then D = sum_k xq[k] code[k] is exact in int32 (4-bit: vpmaddubsw, 32 products an
+// instruction, pair sums exact in int16 over a group, or vpdpbusd; 8-bit: vpmaddwd, 16, or vpdpwssd), and each
+// output is the fp32 chain, over the groups in order,
 //     acc = fma(float(D[g]), scale[g] * xscale[g], acc);  acc = fma(min[g], xsum[g], acc)
-// from acc = 0. Every output of every row runs exactly these operations whatever rows and columns share a call:
-// the integer sums are exact in any order, and the chain is the same.
+// from acc = 0, xsum[g] the sum of the group's x (8-bit) or of its rounded x, xscale[g] * sum xq (4-bit: the
+// minimum's term then carries the codes' rounding, and the two cancel where GGUF's weights centre on 0). Every
+// output of every row runs exactly these operations whatever rows and columns share a call: the integer sums are
+// exact in any order, and the chain is the same.
 //
-// Output columns go in blocks of 8, one column an int32 lane: a register of 16 int16 holds two consecutive codes
-// of each of the block's 8 columns, and vpmaddwd against a row's two inputs at those positions (one 32-bit
-// broadcast) adds both products into each column's lane. A tile of R rows x C blocks shares each register of
-// codes among its rows and each broadcast input among its blocks (the products of many rows: prefill, 16 decode
-// rows), instead of reading each row's inputs once per column.
+// Output columns go in blocks of 8, one column an int32 lane: a register holds, in each 32-bit lane, consecutive
+// codes of one of the block's 8 columns (4 as bytes after unpacking 4-bit ones, 2 as int16 of 8-bit ones), and one
+// multiply-add against a 32-bit broadcast of a row's inputs at those positions adds their products into each
+// column's lane. A tile of R rows x C blocks shares each register of codes among its rows and each broadcast input
+// among its blocks (the products of many rows: prefill, 16 decode rows), instead of reading each row's inputs once
+// per column.
 //
 // Layouts (N a multiple of 8; block b is columns 8b..8b+7, and holds rows 8b..8b+7 of each tensor, so blocks
 // concatenate like rows):

@@ -11,7 +11,8 @@ minimum per 32 weights).
 
 Two kernels run them. Where the CPU has AVX2/FMA, Flare's own (cpu_quant.cpp, built by cpu_quant.py): the codes
 are repacked once at load time (`pack`) and every product reads them as they are, with the fp32 input rounded
-to 16-bit integers per group of 32 (at most 2^-16 of the group's largest |x|). It runs prefill chunks too, although
+per group of 32 to int8 for 4-bit codes (at most 2^-8 of the group's largest |x|, llama.cpp's Q8_1 rounding) and
+to int16 for 8-bit ones (2^-16). It runs prefill chunks too, although
 dequantizing to fp32 for PyTorch's GEMM is faster from 32 rows on (15 against 22 ms at 512 x 576 -> 1536, two
 threads): a row's product must not depend on the rows beside it, or a prompt's last position would score
 differently with its prefix cached than without (the input rounding turns the GEMM's other summation order into
@@ -230,7 +231,8 @@ def dequantize_all(state: dict[str, torch.Tensor]) -> None:
 def output_layer(quantized: QuantLinear, rows: Callable[[], torch.Tensor]) -> nn.Module:
     """A quantized core's output layer, given its QuantLinear and its dense rows (`rows()`, the tied embedding's
     weight or the head dequantized). Flare's kernel runs as it is: its fp32 logits differ from the dense product's by
-    the 16-bit rounding of its inputs alone (2^-16 of a group's largest |x|: under 1e-3 in SmolLM2's logits), and
+    the rounding of its inputs alone (8-bit codes, as SmolLM2's: int16, 2^-16 of a group's largest |x|, under 1e-3
+    in SmolLM2's logits; 4-bit codes: int8, 2^-8), and
     refining them cost 15-20% of the layer (0.3 ms of CPU a row at one stream, 3 ms for sixteen: a top-k over the
     vocabulary, a gather of 64 dense rows and their products).
     PyTorch's kernel returns bfloat16-rounded logits, which RefinedLogits refines."""
