@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from bench.gpu_evidence import run_sections, say
 from bench.gpu_kernels import graph_ms, max_diff
 from engine.kernels.activation import silu_and_mul
-from engine.kernels.gemv import GemvConfig, gemv, gemv_config, gemv_reference
+from engine.kernels.gemv import GemvConfig, gemv, gemv_reference
 from engine.kernels.rmsnorm import add_rms_norm
 
 DEVICE = "cuda"
@@ -59,7 +59,7 @@ def bench_sweep() -> None:
                     cells.append(type(error).__name__)
             say(f"| {label} | " + " | ".join(cells) + " |")
         row("cuBLAS (F.linear)", lambda x, w: F.linear(x, w))
-        row("gemv_config (the model's)", lambda x, w: gemv(x, w, config=gemv_config(rows, *w.shape)))
+        row("DEFAULT_CONFIG (the model's)", lambda x, w: gemv(x, w))
         for config in SWEEP:
             row(str(tuple(vars(config).values())), lambda x, w, config=config: gemv(x, w, config=config))
 
@@ -83,10 +83,10 @@ def bench_layer() -> None:
 
         def fused() -> torch.Tensor:
             residual = stream.clone()
-            gemv(residual, w["q/k/v"], norm=(norms[0], 1e-5), config=gemv_config(rows, *w["q/k/v"].shape))
-            gemv(attn, w["o"], residual=residual, config=gemv_config(rows, *w["o"].shape))
-            gate_up = gemv(residual, w["gate/up"], norm=(norms[1], 1e-5), config=gemv_config(rows, *w["gate/up"].shape))
-            return gemv(gate_up, w["down"], silu_mul=True, residual=residual, config=gemv_config(rows, *w["down"].shape))
+            gemv(residual, w["q/k/v"], norm=(norms[0], 1e-5))
+            gemv(attn, w["o"], residual=residual)
+            gate_up = gemv(residual, w["gate/up"], norm=(norms[1], 1e-5))
+            return gemv(gate_up, w["down"], silu_mul=True, residual=residual)
         before, after = graph_ms(unfused), graph_ms(fused)
         say(f"| {rows} | {before:.4f} | {layer_bytes / before / 1e9:.2f} | {after:.4f} | "
             f"{layer_bytes / after / 1e9:.2f} | {max_diff(fused(), unfused()):.4f} |")

@@ -37,9 +37,8 @@ class GemvConfig:
     num_stages: int
 
 
-def gemv_config(rows: int, n_out: int, k_in: int) -> GemvConfig:
-    """The block configuration for a product of this shape (bench/gpu_gemv.py sweeps them on an H200)."""
-    return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+# The sweep's best at one row for every 8B projection (bench/gpu_gemv.py on an H200; docs/gpu.md).
+DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -93,12 +92,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     - norm (norm_weight [K], eps): of rms_norm(x) * norm_weight instead of x;
     - silu_mul: x is [T, 2K], a fused [gate | up], and the product is of SiLU(gate) * up;
     - residual [T, N]: the result is added to it, in place, and it is returned.
-    config: gemv_config's for the shape when not given."""
+    config: DEFAULT_CONFIG when not given."""
     rows = x.shape[0]
     n_out, k_in = weight.shape
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and not (norm and silu_mul)
     assert x.shape[1] == (2 * k_in if silu_mul else k_in)
-    config = config or gemv_config(rows, n_out, k_in)
+    config = config or DEFAULT_CONFIG
     out = residual if residual is not None else torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     prologue = RMS_NORM if norm is not None else SILU_MUL if silu_mul else NO_PROLOGUE

@@ -113,6 +113,6 @@ def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     down_n = max(1, c.block_n // k_pow2)  # output columns per program: BLOCK_N weight rows over the K experts
     _down_rows[(tokens, triton.cdiv(hidden, down_n))](
         h, w2, y, topk_weights, topk_ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOP_K=top_k, K_POW2=k_pow2, ADD_RESIDUAL=residual is not None, BLOCK_N=down_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
-        num_stages=c.num_stages)
+        TOP_K=top_k, K_POW2=k_pow2, ADD_RESIDUAL=residual is not None, BLOCK_N=down_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages)
     return y

@@ -194,7 +194,8 @@ class DecoderLayer(nn.Module):
         tensor-parallel, not quantized) q/k/v and o, and a SiLU MLP of plain products or a mixture of experts."""
         attn, mlp = self.self_attn, self.mlp
         plain = [attn.qkv, attn.o_proj] + ([mlp.gate_up, mlp.down_proj] if isinstance(mlp, MLP) else [])
-        return not self.sandwich and all(type(p) is nn.Linear for p in plain) and not (isinstance(mlp, MLP) and mlp.gelu)
+        return not self.sandwich and all(type(p) is nn.Linear for p in plain) and \
+            not (isinstance(mlp, MLP) and mlp.gelu)
 
     def mlp_norm(self) -> nn.Module:
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
