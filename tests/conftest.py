@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -46,9 +47,18 @@ def fp32_core_dir(core_dir: Path) -> Path:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and that the kernel will not hand out on its own: below the ephemeral range
+    (32768-60999 on Linux), which outgoing connections and port-0 binds draw from. A port asked of the kernel
+    (`bind(0)`) comes from that range, and a process started meanwhile (gloo's rendezvous of a `--tp 2` run)
+    can take it before the frontend binds it: CI saw that as 'address already in use'."""
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 class Server:
