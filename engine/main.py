@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
-                             step_tokens, graphs=not args.eager and channel is None)
+                             step_tokens, graphs=not args.eager)
     if channel:
         channel.start()
         if isinstance(channel, Follower):

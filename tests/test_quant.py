@@ -30,7 +30,7 @@ PRODUCT_TOLERANCE = 2**-7
 # products to int8 steps of their group of 32 (as llama.cpp's Q4 x Q8_1 products do; 8-bit ones to int16), 1.51 to
 # 1.54, with greedy tokens equal on two prompts and a near tie flipped on the haiku's (fp32 top two 0.14 apart;
 # with int16 inputs for 4-bit products too, as before 2026-12-02: 0.01, at half the speed without AVX-512 VNNI;
-# bench/README.md, "int8 inputs for 4-bit products").
+# bench/results-cpu-kernels.md, "int8 inputs for 4-bit products").
 LOGIT_TOLERANCE = 2.0
 NEW_TOKENS = 24
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (gloo): sharding rules, greedy tokens over 2 and 3 ranks equal a single rank's (a tiny
 random core through flare-engine processes and the wire; SmolLM2 through `flare run --tp R` and the openai client),
 and rank failure (a rank killed mid-stream or while idle: clients get an error, the other ranks exit, `flare run`
-names the rank)."""
+names the rank). On two GPUs: the ranks' captured graphs (NCCL inside them) give one rank's tokens."""
 
 from __future__ import annotations
 
@@ -119,11 +119,12 @@ def single_rank_tokens(core: Path, prompts: list[list[int]], page_size: int, chu
     return [r.tokens[len(p):] for p, r in zip(prompts, requests)]
 
 
-def start_ranks(core: Path, world: int, address: str, logs: Path) -> list[subprocess.Popen]:
+def start_ranks(core: Path, world: int, address: str, logs: Path, device: str = "cpu",
+                extra: list[str] = ()) -> list[subprocess.Popen]:
     """The engine ranks as `flare run --tp` starts them, logging to files."""
     return [subprocess.Popen([sys.executable, "-m", *command], stdout=(logs / f"rank{rank}.log").open("w"),
                              stderr=subprocess.STDOUT, start_new_session=True)
-            for rank, command in enumerate(engine_commands(core, address, world, "cpu"))]
+            for rank, command in enumerate(engine_commands(core, address, world, device, extra))]
 
 
 class WireClient:
@@ -225,6 +226,28 @@ def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> N
         for rank in ranks:
             rank.kill()
         exit_statuses(ranks, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text"])
+def test_ranks_on_two_gpus_run_graphs_with_one_ranks_tokens(family: str, tmp_path: Path) -> None:
+    """Each rank's GraphExecutor holds the all-reduces in its captured graphs (NCCL); fp32, so greedy tokens equal
+    one rank's on the CPU, and the ranks' eager executors (`--eager`) give the same."""
+    core = write_tiny_core(tmp_path, family)
+    expected = [(t, "length", None) for t in single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)]
+    for extra in ([], ["--eager"]):
+        address = f"ipc://{tmp_path}/engine-{len(extra)}.sock"
+        ranks = start_ranks(core, 2, address, tmp_path, "cuda", extra)
+        try:
+            client = WireClient(address)
+            got = client.generate(PROMPTS)
+            client.close()
+            assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected, extra
+            ranks[0].send_signal(signal.SIGTERM)
+            assert exit_statuses(ranks, 60) == [0, 0], (tmp_path / "rank1.log").read_text()
+        finally:
+            exit_statuses(ranks, 0.1)
 
 
 def test_experts_split_by_columns_keep_each_experts_gate_and_up_rows_together() -> None:
