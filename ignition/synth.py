@@ -1,6 +1,6 @@
 """`ignition synth`: a core with random weights of a real architecture, for benchmarks and tests (nothing is
 downloaded). The tokenizer is a byte-level BPE built here to the architecture's vocabulary size: the 256 byte
-symbols, then merges of ever longer pieces, then the chat special tokens in the last ids.
+symbols, then merges of ever longer pieces of printable ASCII, then the chat special tokens in the last ids.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ignition.export import DTYPES
 from engine.model.config import text_config
 from ignition.families import expected_shapes, family_of
 
+BYTE_LEVEL_SPACE = "\u0120"  # how byte-level BPE spells a space ("Ġ")
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")  # before SPECIALS, so eos stays last
 CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -153,17 +154,24 @@ class SynthSource:
 
 
 def byte_level_bpe(vocab_size: int, specials: tuple[str, ...] = SPECIALS) -> Tokenizer:
-    """A byte-level BPE of exactly `vocab_size` ids: bytes, merges (printable pieces first), special tokens."""
+    """A byte-level BPE of exactly `vocab_size` ids: bytes, merges of printable ASCII (letters and digits first),
+    special tokens.
+
+    Only the 256 byte tokens can be part of a character: as in real vocabularies (0.6% of SmolLM2's tokens are not
+    valid UTF-8 alone), a random-weight model's tokens are nearly all whole text. With merges over every byte, 72%
+    were not, and a stream's detokenizer held them back, so a client's TTFT and inter-token times on a synth core
+    measured those hold-backs rather than the server (docs/gpu.md, the eighth session's batch-1 TTFTs)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: (not ch.isalnum(), ch))
     regular = vocab_size - len(specials)
     if regular < len(alphabet):
         raise CoreError(f"a byte-level vocabulary needs more than {len(alphabet) + len(specials)} ids")
     vocab = {ch: i for i, ch in enumerate(alphabet)}
     merges: list[tuple[str, str]] = []
-    pieces = list(alphabet)
-    while len(vocab) < regular:  # each round appends every existing piece + every byte, until the vocab is full
+    printable = [ch for ch in alphabet if "!" <= ch <= "~"] + [BYTE_LEVEL_SPACE]
+    pieces = printable
+    while len(vocab) < regular:  # each round appends every existing piece + every printable byte, until full
         grown = []
-        for left, right in itertools.product(pieces, alphabet):
+        for left, right in itertools.product(pieces, printable):
             if len(vocab) == regular:
                 break
             if left + right not in vocab:

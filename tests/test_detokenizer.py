@@ -73,7 +73,7 @@ def test_bytes_that_never_complete_a_character_arrive_at_the_end() -> None:
     from ignition.synth import byte_level_bpe
 
     tokenizer = byte_level_bpe(49152)
-    ids = [20628] * 7 + [30033] * 17
+    ids = [tokenizer.token_to_id("\u00a9")] * 7 + [tokenizer.token_to_id("\u00b0")] * 17  # bytes 0xa9, 0xb0
     detokenizer = IncrementalDetokenizer(tokenizer, [])
     pieces = [detokenizer.add([token]) for token in ids]
     assert "".join(pieces) != tokenizer.decode(ids)  # the run is still held back before the end
