@@ -4,6 +4,7 @@ fails, which rank took it down."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,18 @@ GROUP_FAILED = 3
 RANK_GRACE = 15.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(low: int = 10000, high: int = 20000) -> int:
+    """A port of [low, high) that nothing is bound to now. Below the kernel's ephemeral range (32768-60999 on Linux),
+    which outgoing connections and port-0 binds draw from: a port asked of the kernel could be taken by another
+    process's connection (a starting rank's gloo mesh, say) before its own process binds it; these cannot."""
+    while True:
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def engine_commands(core: Path, address: str, world_size: int, device: str | None,

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +14,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from common import ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,18 +47,9 @@ def fp32_core_dir(core_dir: Path) -> Path:
 
 
 def free_port() -> int:
-    """A port that is free now and that the kernel will not hand out on its own: below the ephemeral range
-    (32768-60999 on Linux), which outgoing connections and port-0 binds draw from. A port asked of the kernel
-    (`bind(0)`) comes from that range, and a process started meanwhile (gloo's rendezvous of a `--tp 2` run)
-    can take it before the frontend binds it: CI saw that as 'address already in use'."""
-    while True:
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    """A port for a test's server, in a range of its own: `flare run` picks its ranks' ports below 20000 (CI saw a
+    port from `bind(0)` taken by a `--tp 2` run's gloo connections before the frontend bound it)."""
+    return ranks.free_port(20000, 32000)
 
 
 class Server:
