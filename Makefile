@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml
 	  if [ -n "$$major" ]; then $(BIN)/pip install -q -e ".[ignition,test,cuda$$major]"; \
 	  else echo "make: a GPU is present but this torch has no CUDA: flare will serve on the CPU"; fi; fi
 	$(MAKE) --no-print-directory pillow-simd stock-pillow
-	@# Flare's AVX2 int4/int8 kernel (engine/model/cpu_quant.cpp), compiled once into torch's extension cache here
+	@# Flare's AVX2 int4/int8 kernel (engine/kernels/cpu/quant.cpp), compiled once into torch's extension cache here
 	@# so that tests and servers load it ready; where it cannot build, quantized cores run PyTorch's kernel.
-	$(BIN)/python -m engine.model.cpu_quant
+	$(BIN)/python -m engine.kernels.cpu.extension
 	touch $@
 
 # Frontends decode images with Pillow-SIMD, which shares the `PIL` package with Pillow: it goes in after everything
@@ -44,7 +44,7 @@ pillow-simd:
 	CC="cc $$(grep -q -w avx2 /proc/cpuinfo && echo -mavx2)" \
 	  $(BIN)/pip install -q --no-deps --no-binary pillow-simd --force-reinstall $(PILLOW_SIMD)
 
-# Stock Pillow of the same base version, beside the venv (not on its path): the resize comparison and bench/images.py.
+# Stock Pillow of the same base version, beside the venv (not on its path): the resize comparison and bench/lab/host/images.py.
 stock-pillow:
 	$(BIN)/pip install -q --no-deps --upgrade --target .cache/stock-pillow pillow==12.1.1
 

@@ -14,7 +14,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 # Model families the engine serves (engine/model/config.py).
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_vl")
-# A decision model's settings and prompt template, carried into a core as they are (frontend/decision_prompts.py).
+# A decision model's settings and prompt template, carried into a core as they are (frontend/decisions/prompts.py).
 DECISION_FILES = ("decision.json", "decision_template.jinja")
 
 

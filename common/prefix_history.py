@@ -6,7 +6,7 @@ so two cores never share entries. An exact endpoint inside a block hashes its al
 Conditioning events (an image's identity at an absolute token position) enter the key of every prefix that consumes
 that position, in the order they were added. RecentHistories lends a new sequence the keys of the beginning it shares
 with one of the last few long ones (a 16k-token system prompt sent again), so only the rest is hashed. Keys are compared
-across hosts (frontends route by them): tests/test_prefix_history.py holds them to their definition.
+across hosts (frontends route by them): tests/common/test_prefix_history.py holds them to their definition.
 """
 
 from __future__ import annotations

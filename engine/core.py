@@ -16,12 +16,12 @@ from common import protocol as wire
 from common.mrope import mrope_delta
 from common.vision import ImageProcessing
 from engine.executor.base import Executor
-from engine.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
+from engine.sampling.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
 from engine.scheduler.plan import Completion, Plan
-from engine.telemetry import EngineTelemetry
 from engine.scheduler.request import Request
 from engine.scheduler.results import Finished, StepResult
 from engine.scheduler.scheduler import RequestScheduler
+from engine.telemetry import EngineTelemetry
 
 log = logging.getLogger("flare.engine")
 
@@ -106,7 +106,7 @@ class Engine:
             poller.poll(self._sleep_ms())
 
     def turn(self) -> None:
-        """One pass of the loop without its sleep (bench/host_path.py drives the engine's host work with it)."""
+        """One pass of the loop without its sleep (bench/lab/host/first_token.py drives the engine's host work with it)."""
         self._ingest()
         self._admit_compiled()
         for plan, completion in self.executor.poll():
@@ -282,7 +282,7 @@ class Engine:
             return reject(400, "structured output is not available: this engine has no grammar engine")
         return None
 
-    # --- structured output (engine/grammar.py) ------------------------------------------------------------------
+    # --- structured output (engine/sampling/grammar.py) ------------------------------------------------------------------
     def _admit_compiled(self) -> None:
         if self.grammars is None:
             return

@@ -16,13 +16,12 @@ from pathlib import Path
 import torch
 import zmq
 
+from common import protocol
 from common.errors import CoreError
 from common.manifest import Manifest
-from common import protocol
 from common.protocol import ModelCard
 from common.ranks import GROUP_FAILED
 from engine.core import Engine
-from engine.grammar import GrammarCompiler
 from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, make_executor
 from engine.model.loader import DTYPES, load_model
@@ -30,6 +29,7 @@ from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
 from engine.parallel.step_channel import Follower, RankFailure, connect
 from engine.parallel.worker import serve
+from engine.sampling.grammar import GrammarCompiler
 from engine.scheduler.scheduler import RequestScheduler
 from engine.speculative.factory import MODES, make_proposer, target_share
 from engine.telemetry import EngineTelemetry

@@ -10,12 +10,12 @@ from dataclasses import dataclass, field, replace
 
 from common.errors import ExecutionFailed
 from common.protocol import Constraint, ImageInput, Logprobs, SamplingParams, Submit
+from frontend.api.logprobs import TokenLogprob, unpack
+from frontend.chat.tools import ToolCall
 from frontend.detokenizer import IncrementalDetokenizer, StopMatcher
-from frontend.replicas import Replicas
 from frontend.metrics import RequestTimer
-from frontend.logprobs import TokenLogprob, unpack
 from frontend.model import ServedModel
-from frontend.tools import ToolCall
+from frontend.replicas import Replicas
 
 
 @dataclass
@@ -25,7 +25,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     message_ends: list[int] = field(default_factory=list)
     arrival: float = 0.0
-    constraint: Constraint | None = None  # structured output (frontend/structured.py)
+    constraint: Constraint | None = None  # structured output (frontend/chat/structured.py)
     images: list[ImageInput] = field(default_factory=list)
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 from aiohttp import web
 
 from common.errors import CoreError
-from frontend import (anthropic_api, chat_page, completions_api, decisions_api, models_api, ollama_api, openai_api,
-                      responses_api)
-from frontend.image_decode import ImageLimits
+from frontend import chat_page
+from frontend.api import (anthropic_messages, decisions, models, ollama, openai_chat, openai_completions,
+                          openai_responses)
+from frontend.decisions.prompts import Decider
+from frontend.images.decode import ImageLimits
 from frontend.metrics import EngineSnapshots, frontend_gauges, serve_metrics
-from frontend.decision_prompts import Decider
 from frontend.model import ServedModel
 from frontend.replicas import ROUTINGS, Replicas
 from frontend.server import FRONTEND_KEY, Frontend, guard, health
@@ -55,11 +56,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def create_app(frontend: Frontend, body_limit: int) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=body_limit)
     app[FRONTEND_KEY] = frontend
-    app[decisions_api.DECIDER_KEY] = Decider(frontend.model)
+    app[decisions.DECIDER_KEY] = Decider(frontend.model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", serve_metrics)
     chat_page.add_routes(app)
-    for dialect in (models_api, openai_api, completions_api, responses_api, anthropic_api, ollama_api, decisions_api):
+    for dialect in (models, openai_chat, openai_completions, openai_responses, anthropic_messages, ollama, decisions):
         dialect.add_routes(app)
     return app
 

@@ -14,11 +14,11 @@ from tokenizers import Tokenizer
 from common.errors import InvalidRequest
 from common.manifest import DECISION_FILES, Manifest, load_manifest
 from common.protocol import ImageInput
-from frontend import reasoning, tool_parsers
+from frontend.chat import reasoning, tool_parsers
+from frontend.chat.templates import ChatTemplate, TemplateError
+from frontend.chat.tools import for_template, template_supports_tools
 from frontend.detokenizer import special_token_ids
 from frontend.prefix_tokens import PrefixTokenizer
-from frontend.templates import ChatTemplate, TemplateError
-from frontend.tools import for_template, template_supports_tools
 
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "chat_template.jinja"
@@ -32,7 +32,7 @@ class EncodedChat(NamedTuple):
     ids: list[int]
     message_ends: list[int]  # token positions where a message ended
     opens_reasoning: bool  # the prompt leaves <think> open: the reply starts inside its reasoning
-    images: list[ImageInput] = []  # prepared images, at their placeholders (frontend/image_inputs.py)
+    images: list[ImageInput] = []  # prepared images, at their placeholders (frontend/images/inputs.py)
 
 
 class ServedModel:

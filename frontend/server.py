@@ -12,13 +12,13 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest,
-                           NotFound, Unauthorized)
-from frontend.json_body import json_response
-from frontend.replicas import Replicas
-from frontend.errors_render import dialect_of, error_response
-from frontend.image_decode import ImageLimits
+from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest, NotFound,
+                            Unauthorized)
+from frontend.api.errors import dialect_of, error_response
+from frontend.api.json_body import json_response
+from frontend.images.decode import ImageLimits
 from frontend.model import ServedModel
+from frontend.replicas import Replicas
 
 log = logging.getLogger("flare.frontend")
 

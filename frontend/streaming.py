@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from frontend.json_body import json_bytes
+from frontend.api.json_body import json_bytes
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """Annotate a chat template with `mark()` calls where each message ends.
 
-The frontend renders the annotated template and records the offset of every mark (frontend/templates.py).
+The frontend renders the annotated template and records the offset of every mark (frontend/chat/templates.py).
 Message ends become prefix-cache checkpoints: turn N+1 of a conversation re-renders turns 1..N identically, so
 the engine can reuse the KV pages cached up to the end of turn N instead of recomputing them.
 

@@ -129,8 +129,8 @@ def keyed_server(core_dir: Path):
 @pytest.fixture(scope="module")
 def thinking_stack(core_dir: Path, tmp_path_factory):
     """A real frontend with Qwen3's template (it reasons) before the scripted engine: a 135M model does not think."""
-    from tests.api_scripted_engine import ScriptedStack
-    from tests.chat_family_cores import QWEN_TOKENS, differential_template, family_core
+    from tests.support.chat_family_cores import QWEN_TOKENS, differential_template, family_core
+    from tests.support.scripted_engine import ScriptedStack
 
     stack = ScriptedStack(family_core(core_dir, tmp_path_factory.mktemp("qwen3") / "core", "qwen3",
                                       differential_template("qwen3"), QWEN_TOKENS))

@@ -17,11 +17,11 @@ import torch
 from common.protocol import Logprobs
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
-from engine.executor.label_scores import eager_scores
-from engine.executor.penalty_state import apply_known_tokens, known_tokens
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import Tower, VisionLanguageLM
-from engine.sampling import apply_penalties, sample, token_logprobs
+from engine.sampling.label_scores import eager_scores
+from engine.sampling.penalty_state import apply_known_tokens, known_tokens
+from engine.sampling.sampler import apply_penalties, sample, token_logprobs
 from engine.scheduler.plan import Completion, Plan, Row
 from engine.speculative.verify import accept
 

@@ -17,7 +17,7 @@ from operator import attrgetter, itemgetter, ne
 import numpy as np
 import torch
 
-from engine.kernels.extend_attention import extend_blocks, max_blocks
+from engine.kernels.triton.extend_attention import extend_blocks, max_blocks
 from engine.scheduler.plan import (GENERATION, LENGTH, OUTPUT_INDEX, PAGE_TABLE, ROPE_SHIFT, SAMPLE, SAMPLING, SEED,
                                    SLOT, START, TOKENS, DecodeRows, Plan, Row, fields)
 

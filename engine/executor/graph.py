@@ -10,9 +10,9 @@ Graphs: one per decode capacity (1, 2, 4, ... max_active) and one per extend cap
 then 256-token steps, up to the prefill chunk plus a decode row per slot), so prefill and mixed steps are graphs
 too; one sampling graph per sequence capacity, greedy and random, each plain, with grammar masks (a constrained
 step uploads its packed masks beside its frame and launches the masked variant) or with the extras: penalties,
-min_tokens bans and logprobs, and one prompt-logprobs graph (engine/executor/graph_sampling.py). Scored prefills
+min_tokens bans and logprobs, and one prompt-logprobs graph (engine/sampling/graph_extras.py). Scored prefills
 (decisions) run in the extend graphs: the logits of a row's last token are in the logits buffer, and one gather by
-flat index, uploaded with the step, reads their labels' (engine/executor/label_scores.py). Verify steps
+flat index, uploaded with the step, reads their labels' (engine/sampling/label_scores.py). Verify steps
 (speculative decoding) run in the decode graphs: each position of a verify row is a one-token row with its token
 from the host (frames.verify_rows), so a batch of B rows of width W runs in the decode graph of capacity B x W; after
 the sampling graph, a few eager ops on the model stream accept the drafts and write each slot's next input token
@@ -41,17 +41,17 @@ import numpy as np
 import torch
 
 from engine.executor.eager import EagerExecutor, kv_cache_shape
-from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack,
-                                    verify_results, verify_rows, verify_spans)
-from engine.executor.graph_sampling import (PROMPT_ROWS, ExtrasBuffers, StepExtras, extras_words,
-                                            graph_holds_extras, host_extras_views, logprob_words, pack_extras,
-                                            prompt_logprobs_step, read_logprobs, read_prompt_logprobs, step_extras)
+from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
+                                    verify_rows, verify_spans)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
-from engine.executor.label_scores import Query, assemble, graph_index
-from engine.executor.penalty_state import apply_known_tokens
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import VisionLanguageLM
+from engine.sampling.graph_extras import (PROMPT_ROWS, ExtrasBuffers, StepExtras, extras_words, graph_holds_extras,
+                                          host_extras_views, logprob_words, pack_extras, prompt_logprobs_step,
+                                          read_logprobs, read_prompt_logprobs, step_extras)
+from engine.sampling.label_scores import Query, assemble, graph_index
+from engine.sampling.penalty_state import apply_known_tokens
 from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan, fields
 
 log = logging.getLogger("flare.engine")
@@ -106,7 +106,7 @@ class _Launched:
     labels: tuple[Query, ...] = ()  # the label queries whose logits the step gathered
     seqs: int = 0  # sequence rows the step sampled (a verify row counts one per position)
     verified: int = 0  # verify rows whose verdicts the step copied back
-    extras: StepExtras | None = None  # penalties, bans, logprobs, prompt logprobs (graph_sampling.py)
+    extras: StepExtras | None = None  # penalties, bans, logprobs, prompt logprobs (engine/sampling/graph_extras.py)
 
 
 @dataclass(frozen=True)

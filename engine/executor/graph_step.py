@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.frames import Layout, device_views
-from engine.executor.graph_sampling import ExtrasBuffers, extras_sample_step
-from engine.kernels.page_table import apply_patches
+from engine.kernels.triton.page_table import apply_patches
 from engine.model.attention import DecodeBatch, ExtendBatch, KernelMetadata
 from engine.model.decoder import CausalLM
-from engine.sampling import SamplingTensors, apply_token_mask, sample
+from engine.sampling.graph_extras import ExtrasBuffers, extras_sample_step
+from engine.sampling.sampler import SamplingTensors, apply_token_mask, sample
 from engine.speculative.verify import accept
 
 
@@ -25,7 +25,7 @@ class StaticBuffers:
     slot_tokens: torch.Tensor  # int64 [slots + 1]: each slot's last sampled token; the last entry is padding's
     logits: torch.Tensor  # float32 [max_seqs, vocab]
     sampled: torch.Tensor  # int64 [max_seqs]: the step's tokens, one per sequence row
-    masks: torch.Tensor  # int32 [max_seqs, ceil(vocab / 32)]: grammar masks of a constrained step (engine/grammar.py)
+    masks: torch.Tensor  # int32 [max_seqs, ceil(vocab / 32)]: grammar masks of a constrained step (engine/sampling/grammar.py)
 
     @classmethod
     def allocate(cls, words: int, slots: int, width: int, max_seqs: int, vocab: int,
@@ -52,7 +52,7 @@ def step_metadata(views: dict[str, torch.Tensor], layout: Layout, page_tables: t
 def model_step(model: CausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, layout: Layout,
                page_size: int, hidden_out: torch.Tensor | None = None) -> None:
     """Apply the frame's page-table patches, run the model, leave the sequences' logits in buffers.logits (and
-    every token's final hidden state in `hidden_out`, for prompt logprobs: engine/executor/graph_sampling.py)."""
+    every token's final hidden state in `hidden_out`, for prompt logprobs: engine/sampling/graph_extras.py)."""
     views = device_views(buffers.frame, layout)
     apply_patches(buffers.page_tables, buffers.frame[layout.patches:], buffers.frame[:1])
     ids = torch.where(views["token"] >= 0, views["token"], buffers.slot_tokens[views["token_slot"]])
@@ -64,7 +64,7 @@ def model_step(model: CausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, 
 
 
 def draw(views: dict[str, torch.Tensor], logits: torch.Tensor, greedy: bool) -> torch.Tensor:
-    """One token per row: argmax, or the explicit (seed, position) hash of engine/sampling.py."""
+    """One token per row: argmax, or the explicit (seed, position) hash of engine/sampling/sampler.py."""
     if greedy:
         return logits.argmax(dim=-1)
     zeros = torch.zeros_like(views["temperature"])
@@ -81,7 +81,7 @@ def sample_step(buffers: StaticBuffers, layout: Layout, greedy: bool, masked: bo
     """Draw one token per sequence row into buffers.sampled, and into slot_tokens for rows that sample (others
     write the padding entry).
     `masked`: the rows' grammar masks, uploaded into buffers.masks before the launch, are applied first.
-    `extras`: penalties, bans and logprobs around the draw (engine/executor/graph_sampling.py); the masks are
+    `extras`: penalties, bans and logprobs around the draw (engine/sampling/graph_extras.py); the masks are
     applied too, so a step without grammar masks sets them to allow everything."""
     views = device_views(buffers.frame, layout)
     seqs = layout.seqs

@@ -10,9 +10,9 @@ from operator import attrgetter, ne
 import numpy as np
 import torch
 
-from engine.model.attention import AttentionMetadata, PrefillSpan
 from common.protocol import SamplingParams
-from engine.sampling import SamplingTensors
+from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.sampling.sampler import SamplingTensors
 from engine.scheduler.plan import Plan, Row
 
 PRESENCE_PENALTY, FREQUENCY_PENALTY, REPETITION_PENALTY = (

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from engine.kernels.segment_attention import segment_bounds
+from engine.kernels.triton.segment_attention import segment_bounds
 from engine.model.qwen3_vl_vision import TowerInputs, VisionTower
 
 MIN_PATCHES = 1024

@@ -1,5 +1,1 @@
-"""Triton kernels for the GPU path, each with its plain-torch reference beside it (DESIGN.md, Model and kernels).
-
-Importing this package imports Triton: model code imports it only on the kernel path, so CPU serving never needs
-Triton, and tests can set TRITON_INTERPRET=1 before the first import to run the kernels on the CPU.
-"""
+"""The engine's kernels: Triton for the GPU (triton/) and C++ for quantized cores on the CPU (cpu/)."""

@@ -62,7 +62,7 @@ class DecodeBatch:
 
 @dataclass(frozen=True)
 class ExtendBatch:
-    """Sequences with any number of new tokens, cut into the kernel's blocks (engine/kernels/extend_attention.py)."""
+    """Sequences with any number of new tokens, cut into the kernel's blocks (engine/kernels/triton/extend_attention.py)."""
 
     page_tables: torch.Tensor
     seq_table: torch.Tensor  # [S]
@@ -92,7 +92,7 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
     extend kernel, its decode rows as one-token sequences, as a captured extend graph runs it (the extend kernel's
     key splits follow the step's live blocks, so leaving the decode rows out would split the spans' keys
     differently from the graph). Nothing here waits for the device (span sizes are host integers)."""
-    from engine.kernels.extend_attention import extend_blocks
+    from engine.kernels.triton.extend_attention import extend_blocks
 
     device = meta.slot_mapping.device
     count = meta.decode_rows.numel()
@@ -121,8 +121,8 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, window: int | None = None) -> torch.Tensor:
     """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined.
     With a window, a query sees its own key and the window - 1 before it (sliding-window layers)."""
-    from engine.kernels.decode_attention import decode_attention, num_splits
-    from engine.kernels.extend_attention import extend_attention
+    from engine.kernels.triton.decode_attention import decode_attention, num_splits
+    from engine.kernels.triton.extend_attention import extend_attention
 
     out = torch.empty_like(q)
     if meta.decode is not None:
@@ -215,7 +215,7 @@ class PagedAttention(torch.nn.Module):
         self.scale = scale
         self.window = window
         # A quantized CPU core's decode rows in one C++ call (flare_cpu::decode_attention, engine/model/
-        # cpu_attention.cpp; CausalLM.use_cpu_ops sets it): it stores their k/v and attends over their pages.
+        # engine/kernels/cpu/attention.cpp; CausalLM.use_cpu_ops sets it): it stores their k/v and attends over their pages.
         self.decode_op: Callable[..., torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -94,7 +94,7 @@ class Attention(nn.Module):
                        v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
         """The kernel path from the fused q/k/v product [T, (H + 2 KVH) D] to the attention's output [T, H, D]:
         q/k norms and rotary, the new keys and values stored, attention over the cache."""
-        from engine.kernels.rotary import rope_and_store
+        from engine.kernels.triton.rotary import rope_and_store
 
         c = self.c
         norms = {}
@@ -132,7 +132,7 @@ class MLP(nn.Module):
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward_kernels(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.activation import silu_and_mul
+        from engine.kernels.triton.activation import silu_and_mul
 
         gate_up = self.gate_up(x)
         if self.gelu:
@@ -201,7 +201,7 @@ class DecoderLayer(nn.Module):
         return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
 
     def decode_weights(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """The weights and code widths flare_cpu::decoder_layer takes (engine/model/cpu_decoder_layer.cpp), or None
+        """The weights and code widths flare_cpu::decoder_layer takes (engine/kernels/cpu/decoder_layer.cpp), or None
         where this layer is not of the shape it runs: Llama-style norms, fused q/k/v and gate/up, every product
         quantized for Flare's kernel without a bias, no q/k norms, SiLU (after use_cpu_ops set its op)."""
         attn, mlp = self.self_attn, self.mlp
@@ -261,8 +261,8 @@ class CausalLM(nn.Module):
 
     def use_kernels(self, max_positions: int) -> None:
         """Switch to the kernel path (the GPU's; the CPU runs it only under TRITON_INTERPRET, in tests)."""
-        from engine.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-        from engine.kernels.rotary import rope_table
+        from engine.kernels.triton.gemv import MAX_ROWS as GEMV_MAX_ROWS
+        from engine.kernels.triton.rotary import rope_table
 
         self.fuse_projections()
         for module in self.modules():
@@ -274,11 +274,11 @@ class CausalLM(nn.Module):
 
     def use_cpu_ops(self) -> None:
         """Flare's C++ ops for a quantized fp32 core on the CPU (the loader calls this where they build,
-        engine/model/cpu_quant.py): the kernel path's layer loop, each residual add folded into the norm after it
+        engine/kernels/cpu/extension.py): the kernel path's layer loop, each residual add folded into the norm after it
         (flare_cpu::add_rms_norm), rotary in one op, SiLU(gate) * up in one op, and decode rows' attention in one
         call over their pages (flare_cpu::decode_attention); in a step of decode rows only, each Llama-style layer in
         one call of the same functions (flare_cpu::decoder_layer). Each computes what the torch ops it replaces do,
-        within a few units in the last place of fp32 (tests/test_cpu_layer_ops.py)."""
+        within a few units in the last place of fp32 (tests/kernels/test_cpu_layer_ops.py)."""
         ops = torch.ops.flare_cpu
         for module in self.modules():
             if type(module) is RMSNorm:  # Gemma's (1 + w) norms keep their own forward
@@ -341,7 +341,7 @@ class CausalLM(nn.Module):
         the kernel path (Triton ops, `meta` a KernelMetadata) or a quantized CPU core's (C++ ops, `use_cpu_ops`)."""
         eps = self.config.rms_norm_eps
         if self.kernels:
-            from engine.kernels.rmsnorm import add_rms_norm
+            from engine.kernels.triton.rmsnorm import add_rms_norm
 
             tables, rope_positions = self.rope_inputs(positions)
 
@@ -393,11 +393,11 @@ class CausalLM(nn.Module):
     def _forward_few_rows(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                           meta: KernelMetadata) -> torch.Tensor:
         """The kernel path for a step of up to `few_rows` tokens (a decode step of a few sequences): each
-        projection is one gemv (engine/kernels/gemv.py) with the RMSNorm before it as its prologue and the
+        projection is one gemv (engine/kernels/triton/gemv.py) with the RMSNorm before it as its prologue and the
         residual add after it as its epilogue, so the residual stream is updated in place and no norm, add or SiLU
         kernel runs between them. A MoE layer's MLP keeps its own kernels, its down kernel adding to the stream."""
-        from engine.kernels.gemv import gemv
-        from engine.kernels.rmsnorm import add_rms_norm
+        from engine.kernels.triton.gemv import gemv
+        from engine.kernels.triton.rmsnorm import add_rms_norm
 
         eps = self.config.rms_norm_eps
         tables, rope_positions = self.rope_inputs(positions)
@@ -426,7 +426,7 @@ class CausalLM(nn.Module):
 def cpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) by Flare's C++ ops; with no residual, (rms_norm(x), x): the Triton
-    add_rms_norm's contract (engine/kernels/rmsnorm.py), for a quantized CPU core."""
+    add_rms_norm's contract (engine/kernels/triton/rmsnorm.py), for a quantized CPU core."""
     if residual is None:
         return torch.ops.flare_cpu.rms_norm(x, weight, eps), x
     return torch.ops.flare_cpu.add_rms_norm(x, residual, weight, eps)

@@ -9,7 +9,7 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
-from engine.model import cpu_quant
+from engine.kernels.cpu import extension
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.quant import (codes_of, dequantize, dequantize_all, is_quantized, output_layer, quantize_linears,
@@ -74,6 +74,6 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
         model.use_kernels(manifest.context_limit)
     elif quantized:
         model.fuse_projections()
-        if dtype == torch.float32 and cpu_quant.layer_ops_ready():
+        if dtype == torch.float32 and extension.layer_ops_ready():
             model.use_cpu_ops()
     return manifest, model.eval()

@@ -1,6 +1,6 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks the top k of E experts per token.
 
-Expert weights are stacked per layer, the layout the fused kernel reads in place (engine/kernels/fused_moe.py):
+Expert weights are stacked per layer, the layout the fused kernel reads in place (engine/kernels/triton/fused_moe.py):
 `w13 [E, 2I, H]` (each expert's gate_proj rows, then its up_proj rows) and `w2 [E, H, I]`; the router is `[E, H]`.
 Routing is transformers': softmax of the router logits in float32, top k, renormalised to sum to one when the family
 says (`norm_topk_prob`; Mixtral always).
@@ -52,8 +52,8 @@ class SparseMoE(nn.Module):
 
     def forward_kernels(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """With a residual (one rank only), the output is added to it in place by the down kernel."""
-        from engine.kernels.fused_moe import fused_moe
-        from engine.kernels.moe_routing import route_in_one_program
+        from engine.kernels.triton.fused_moe import fused_moe
+        from engine.kernels.triton.moe_routing import route_in_one_program
 
         weights, ids = route_in_one_program(self.gate(x), self.top_k, self.norm_topk_prob)
         if residual is not None:

@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
         return self.weight * self.normalise(x).to(x.dtype)
 
     def kernel_weight(self) -> torch.Tensor:
-        """The weight the fused add-RMSNorm kernel multiplies by (engine/kernels/rmsnorm.py)."""
+        """The weight the fused add-RMSNorm kernel multiplies by (engine/kernels/triton/rmsnorm.py)."""
         return self.weight
 
 

@@ -9,7 +9,7 @@ shape [N, K], codes `P.weight.q4` (uint8 [N, K/2], two codes a byte, low nibble 
 which is exactly GGUF's Q4_0, Q4_1 and Q8_0 blocks (and any block format of up to 8 bits with one scale and
 minimum per 32 weights).
 
-Two kernels run them. Where the CPU has AVX2/FMA, Flare's own (cpu_quant.cpp, built by cpu_quant.py): the codes
+Two kernels run them. Where the CPU has AVX2/FMA, Flare's own (engine/kernels/cpu/quant.cpp, built by engine/kernels/cpu/extension.py): the codes
 are repacked once at load time (`pack`) and every product reads them as they are, with the fp32 input rounded
 per group of 32 to int8 for 4-bit codes (at most 2^-8 of the group's largest |x|, llama.cpp's Q8_1 rounding) and
 to int16 for 8-bit ones (2^-16). It runs prefill chunks too, although
@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model import cpu_quant
+from engine.kernels.cpu import extension
 
 GROUP = 32
 COLUMNS = 8  # Flare's kernel takes outputs in blocks of 8
@@ -66,7 +66,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) 
 
 def pack(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [N, K] and their scales and mins [N, K/32] as Flare's kernel reads them (cpu_quant.cpp, "Layouts"):
+    """Codes [N, K] and their scales and mins [N, K/32] as Flare's kernel reads them (engine/kernels/cpu/quant.cpp, "Layouts"):
     outputs padded to a multiple of 8 with zero weights (cut from the product by QuantLinear) and taken in blocks
     of 8; per block and group, 32-byte chunks of 16-bit words, word i holding the codes of column i // 2 at inputs
     2p + i % 2 of the chunk's pairs p (16 // bits of them, from the low bits up); scales and mins per block as
@@ -108,7 +108,7 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         if bits not in (4, 8):
             raise ValueError(f"{bits}-bit codes are not supported (4 or 8)")
-        self.bits = bits if cpu_quant.quant_mm() is not None else None
+        self.bits = bits if extension.quant_mm() is not None else None
         if self.bits is not None:
             for name, tensor in zip(("codes", "scales", "mins"), pack(codes, *narrowest(scale, minimum), bits)):
                 self.register_buffer(name, tensor, persistent=False)

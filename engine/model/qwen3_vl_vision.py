@@ -13,7 +13,7 @@ cos/sin, each patch's image as a segment of rows), eagerly, optionally padded to
 (patch embedding, blocks, mergers), whose shapes depend only on the row count, so the GPU captures it in graphs at
 patch capacities (engine/executor/vision_graphs.py). Attention runs per image through torch's SDPA (the CPU's path,
 bitwise what transformers computes) or, after `use_kernels` (the GPU's path), as one Triton launch over every image
-(engine/kernels/segment_attention.py).
+(engine/kernels/triton/segment_attention.py).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Attention(nn.Module):
         q = (q * rows.cos + rotate_half(q) * rows.sin).to(x.dtype)
         k = (k * rows.cos + rotate_half(k) * rows.sin).to(x.dtype)
         if rows.bounds is not None:
-            from engine.kernels.segment_attention import segment_attention
+            from engine.kernels.triton.segment_attention import segment_attention
 
             return self.proj(segment_attention(q, k, v, rows.bounds).reshape(x.shape))
         # A batch dimension of one: SDPA's flash and memory-efficient kernels take only 4-D inputs, and its 3-D
@@ -216,7 +216,7 @@ class VisionTower(nn.Module):
         cos, sin = self.rotary(grids, padding)
         bounds = None
         if self.kernels:  # imported here: triton is the kernel path's, and the CPU's engine runs without it
-            from engine.kernels.segment_attention import segment_bounds
+            from engine.kernels.triton.segment_attention import segment_bounds
 
             bounds = segment_bounds(lengths, total + padding, positions.device)
         return TowerInputs(positions, cos, sin, tuple(lengths) + ((padding,) if padding else ()), bounds)

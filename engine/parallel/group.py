@@ -1,7 +1,7 @@
 """The tensor-parallel process group: joining it, and the two collectives the model forward calls.
 
-gloo on the CPU, NCCL on GPUs (one GPU per rank; bench/gpu_tp.py has run it on two H200s, the engine's ranks not
-yet: tests/test_tensor_parallel.py's GPU test). The group's TCPStore, hosted by rank 0 at --dist-address, also
+gloo on the CPU, NCCL on GPUs (one GPU per rank; bench/lab/gpu/tensor_parallel.py has run it on two H200s, the engine's ranks not
+yet: tests/engine/test_tensor_parallel.py's GPU test). The group's TCPStore, hosted by rank 0 at --dist-address, also
 hands the ranks the step channel's address.
 """
 

@@ -115,7 +115,7 @@ class Plan:
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
     shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
-    # Grammar masks (engine/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
+    # Grammar masks (engine/sampling/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
     masks: bytes = b""
 

@@ -6,12 +6,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.prefix_history import PrefixHistory
 from common.protocol import ImageInput, Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
-from common.prefix_history import PrefixHistory
 
 if TYPE_CHECKING:
-    from engine.speculative.planner import SpeculationState
+    from engine.scheduler.speculation import SpeculationState
 
 
 class Phase(enum.Enum):
@@ -66,7 +66,7 @@ class Request:
     # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
     label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     label_logits: dict[int, tuple[float, ...]] = field(default_factory=dict)
-    # Structured output: the request's llguidance matcher (engine/grammar.py), advanced on every committed token.
+    # Structured output: the request's llguidance matcher (engine/sampling/grammar.py), advanced on every committed token.
     # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
     grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted

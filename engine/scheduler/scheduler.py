@@ -19,14 +19,14 @@ import numpy as np
 from common.protocol import Logprobs
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
-from engine.scheduler.policy import (Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price)
-from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
+from engine.scheduler.policy import Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price
+from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.results import Finished, StepResult
 
 if TYPE_CHECKING:
-    from engine.speculative.planner import Choice, Proposer
+    from engine.scheduler.speculation import Choice, Proposer
 
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
@@ -73,7 +73,7 @@ class RequestScheduler:
         self.costs = GraphCostModel(policy)
         self.speculation = None
         if proposer is not None:
-            from engine.speculative.planner import Speculation
+            from engine.scheduler.speculation import Speculation
 
             self.speculation = Speculation(proposer, self.costs, self.counters)
         self._completed_fence = 0
@@ -241,7 +241,7 @@ class RequestScheduler:
             decode_value = sum(values)
             candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", batch)))
             if drafting:
-                from engine.speculative.planner import width_of
+                from engine.scheduler.speculation import width_of
 
                 value = sum(v * depths[r].expected if r in depths else v for v, r in zip(values, decoders))
                 width = width_of(max(choice.depth for choice in drafting))

@@ -12,7 +12,7 @@ from common.errors import CoreError
 from common.manifest import Manifest
 from engine.executor.eager import pages_for_budget
 from engine.model.loader import load_model
-from engine.speculative.planner import NgramProposer, Proposer
+from engine.scheduler.speculation import NgramProposer, Proposer
 
 log = logging.getLogger("flare.engine")
 

@@ -1,7 +1,7 @@
 """Verification: which drafts the target accepts, on the device, with no host synchronisation.
 
 Every position of a verify row is sampled by the target exactly as a plain decode step would sample it (the same
-filters, the same (seed, output position) noise of engine/sampling.py). A draft is accepted while it equals the
+filters, the same (seed, output position) noise of engine/sampling/sampler.py). A draft is accepted while it equals the
 target's sample at its position; the first disagreement yields the target's sample there (the correction), and a
 fully accepted row yields the sample after its last draft (the bonus). For greedy rows this is the longest matching
 prefix plus the target's token. For sampled rows it is rejection sampling with a one-hot proposal q = δ(d): the

@@ -1,0 +1,289 @@
+"""GPU kernel benchmarks (issues 12 and 16), printed as markdown tables. Run on the device machine:
+
+    python -m bench.lab.gpu.kernels [--out FILE] [--only moe|extend|decode|tiles|moe-configs]
+
+- Fused MoE (engine/kernels/triton/fused_moe.py) against its torch reference at batch 1, 16, 256, Qwen3-30B-A3B and
+  Mixtral-8x7B expert shapes (one layer, random bf16 weights): time, the bandwidth on the weights of the experts the
+  batch actually routes to (decode is bound by it), TFLOP/s, and the max abs difference from the reference.
+- Extend (prefill) attention (engine/kernels/triton/extend_attention.py), Llama-3.1-8B heads (32 query, 8 KV, head_dim
+  128, pages of 64), at 1k/4k/16k/32k context: a prompt chunk of up to 2048 new tokens ending the context and 64 new
+  tokens after a cached prefix; TFLOP/s of the causal work against a bf16 GEMM of the same token count
+  ([M, 4096] x [4096, 14336]) and torch's scaled_dot_product_attention on contiguous K/V; max abs difference from
+  the float32 reference.
+- Decode attention with and without a sliding window (Gemma 3's 1024): 8 rows at long contexts, 64 and 256 rows
+  at about 1k; the same rows through the extend kernel, as a mixed step's decode rows run (its narrow launch), with
+  the bandwidth on K and V (and with the decode kernel's two pipeline stages instead of three).
+- Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
+  the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
+
+Timing: CUDA events around each call after warm-up calls, the median of the repeats; where a column says "graph",
+CUDA events around 20 calls replayed from one captured graph, as the engine runs them (without the host's launch
+cost, which dominates a call of a few tens of microseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.lab.gpu.evidence import run_sections, say
+from engine.kernels.triton.decode_attention import decode_attention, decode_attention_reference, num_splits
+from engine.kernels.triton.extend_attention import (BLOCK_M, extend_attention, extend_attention_reference,
+                                                    extend_blocks, tile_config)
+from engine.kernels.triton.fused_moe import MoeConfig, fused_moe, fused_moe_reference
+from engine.kernels.triton.moe_routing import route, route_in_one_program
+from engine.kernels.triton.moe_rows import RowsConfig
+from engine.model.attention import multiprocessors
+
+MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # H, I, E, K
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 64
+CONTEXTS = [1024, 4096, 16384, 32768]
+# (batch, context): a long-context batch, and the decode rows of a 256-wide mixed step (the 8b-1024x768 row)
+DECODE_SHAPES = [(8, 4096), (8, 32768), (64, 1024), (256, 1152)]
+TILE_CONTEXT = 16384
+DEVICE = "cuda"
+
+
+def time_ms(fn: Callable[[], object], warmup: int = 3, repeats: int = 20) -> float:
+    """Median milliseconds of one call, each timed by CUDA events after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], replays: int = 20) -> float:
+    """Milliseconds of one call replayed from a CUDA graph, as the engine runs it (no launch cost on the host):
+    `replays` replays between two events, after a warm-up call and the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def max_diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max())
+
+
+def bench_moe() -> None:
+    say("## Fused MoE vs torch reference (one layer, bf16)")
+    say("| model | batch | fused ms | reference ms | speed-up | active experts | GB/s on their weights | "
+        "TFLOP/s | max abs diff | ref max abs |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for name, (hidden, inter, experts, top_k) in MOE_SHAPES.items():
+        w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g) * hidden**-0.5
+        w2 = torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16, generator=g) * inter**-0.5
+        for tokens in (1, 4, 16, 256):
+            x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            weights, ids = route(torch.randn(tokens, experts, device=DEVICE, generator=g), top_k, renormalize=True)
+            fused = time_ms(lambda: fused_moe(x, w13, w2, weights, ids))
+            reference = time_ms(lambda: fused_moe_reference(x, w13, w2, weights, ids), warmup=1, repeats=5)
+            active = int(ids.unique().numel())
+            weight_bytes = active * 3 * hidden * inter * 2
+            flops = 2 * tokens * top_k * 3 * hidden * inter
+            ref = fused_moe_reference(x, w13, w2, weights, ids)
+            say(f"| {name} | {tokens} | {fused:.3f} | {reference:.3f} | {reference / fused:.1f}x | {active} | "
+                f"{weight_bytes / fused / 1e6:.0f} | {flops / fused / 1e9:.1f} | "
+                f"{max_diff(fused_moe(x, w13, w2, weights, ids), ref):.4f} | {float(ref.abs().max()):.2f} |")
+        del w13, w2
+        torch.cuda.empty_cache()
+
+
+def extend_inputs(new: int, context: int, g: torch.Generator) -> tuple:
+    """One sequence of `new` tokens ending a `context`-token context, pages shuffled, and its block list."""
+    pages = -(-context // PAGE)
+    table = torch.randperm(pages, device=DEVICE, generator=g).to(torch.int32)[None]
+    cache = torch.randn(2, pages * PAGE, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    q = torch.randn(new, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    ints = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    meta = (table, ints([0]), ints([0]), ints([new]), ints([context]))
+    return q, cache[0], cache[1], meta, tuple(ints(v) for v in extend_blocks([new]))
+
+
+def causal_flops(new: int, context: int) -> float:
+    """QK^T and PV over the keys each new token sees (its position + 1), two flops a multiply-add."""
+    first = context - new
+    keys = new * first + new * (new + 1) / 2
+    return 4 * HEADS * HEAD_DIM * keys
+
+
+def bench_extend() -> None:
+    say("## Extend attention (Llama-3.1-8B heads, bf16, paged cache) vs a bf16 GEMM and torch SDPA")
+    say("| context | new tokens | kernel ms | TFLOP/s | in a graph ms | TFLOP/s | SDPA ms (contiguous) | SDPA TFLOP/s | "
+        f"GEMM [M,4096]x[4096,14336] TFLOP/s | max abs diff |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    scale = HEAD_DIM**-0.5
+    for context in CONTEXTS:
+        for new in sorted({min(context, 2048), 64}, reverse=True):
+            q, k_cache, v_cache, meta, blocks = extend_inputs(new, context, g)
+            out = torch.empty_like(q)
+            kernel = time_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE, scale))
+            replayed = graph_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE, scale))
+            ref = extend_attention_reference(q, k_cache, v_cache, *meta, PAGE, scale)
+            diff = max_diff(out, ref)
+            del ref
+            keys = k_cache[:context].transpose(0, 1)[None]  # contiguous K/V as a dense kernel would read them
+            values = v_cache[:context].transpose(0, 1)[None]
+            query = q.transpose(0, 1)[None]
+            mask = torch.arange(context, device=DEVICE)[None, :] <= torch.arange(context - new, context,
+                                                                                 device=DEVICE)[:, None]
+            sdpa = time_ms(lambda: F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=None if new == context else mask, is_causal=new == context,
+                scale=scale, enable_gqa=True))
+            a = torch.randn(new, 4096, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            b = torch.randn(4096, 14336, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            gemm = time_ms(lambda: a @ b)
+            flops = causal_flops(new, context)
+            say(f"| {context} | {new} | {kernel:.3f} | {flops / kernel / 1e9:.0f} | {replayed:.3f} | "
+                f"{flops / replayed / 1e9:.0f} | {sdpa:.3f} | "
+                f"{flops / sdpa / 1e9:.0f} | {2 * new * 4096 * 14336 / gemm / 1e9:.0f} | {diff:.4f} |")
+            del q, k_cache, v_cache, keys, values
+            torch.cuda.empty_cache()
+
+
+def bench_tiles() -> None:
+    say(f"## Extend attention tile configurations at {TILE_CONTEXT} context (TILE_M, BLOCK_N, warps, stages)")
+    say(f"default: {tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))}; BLOCK_M (host blocks) {BLOCK_M}")
+    say("| config | 2048 new ms | TFLOP/s | max abs diff | 64 new ms | TFLOP/s | max abs diff |")
+    say("| --- | --- | --- | --- | --- | --- | --- |")
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    cases = []
+    for new in (2048, 64):
+        q, k_cache, v_cache, meta, blocks = extend_inputs(new, TILE_CONTEXT, g)
+        cases.append((new, (q, k_cache, v_cache, meta, blocks),
+                      extend_attention_reference(q, k_cache, v_cache, *meta, PAGE, HEAD_DIM**-0.5)))
+    for config in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
+                   (64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 4, 3)]:
+        cells = []
+        for new, (q, k_cache, v_cache, meta, blocks), ref in cases:
+            out = torch.empty_like(q)
+            try:
+                ms = time_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE,
+                                                      HEAD_DIM**-0.5, config=config))
+                cells += [f"{ms:.3f}", f"{causal_flops(new, TILE_CONTEXT) / ms / 1e9:.0f}",
+                          f"{max_diff(out, ref):.4f}"]
+            except Exception as error:  # a configuration that does not compile (shared memory) says so
+                cells += [type(error).__name__, "-", "-"]
+        say(f"| {config} | " + " | ".join(cells) + " |")
+
+
+def bench_moe_configs() -> None:
+    say("## Fused MoE block configurations, Qwen3-30B-A3B experts, ms: grouped (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, "
+        "warps, stages) and rows (BLOCK_N weight rows per program, BLOCK_K, warps, stages)")
+    hidden, inter, experts, top_k = MOE_SHAPES["qwen3-30b-a3b"]
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16, generator=g) * inter**-0.5
+    batches = (1, 2, 4, 8, 16, 256)
+    inputs = []
+    for tokens in batches:
+        x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        logits = torch.randn(tokens, experts, device=DEVICE, generator=g)
+        weights, ids = route(logits, top_k, renormalize=True)
+        inputs.append((x, logits, weights, ids, fused_moe_reference(x, w13, w2, weights, ids)))
+    say("| config | " + " | ".join(f"batch {t}" for t in batches) + " |")
+    say("| --- |" + " --- |" * len(batches))
+    say("| default (moe_config), routing given | " + " | ".join(
+        f"{time_ms(lambda: fused_moe(x, w13, w2, w, i)):.3f}" for x, _, w, i, _ in inputs) + " |")
+    say("| default, route_in_one_program + fused_moe (the model's) | " + " | ".join(
+        f"{time_ms(lambda: fused_moe(x, w13, w2, *route_in_one_program(logits, top_k, True))):.3f}"
+        for x, logits, _, _, _ in inputs) + " |")
+    for config in [MoeConfig(16, 16, 128, 1, 4, 3), MoeConfig(16, 16, 256, 1, 4, 3),
+                   MoeConfig(16, 32, 64, 1, 4, 4), MoeConfig(16, 32, 128, 1, 4, 3), MoeConfig(16, 64, 128, 1, 4, 3),
+                   MoeConfig(16, 128, 128, 1, 4, 3), MoeConfig(32, 64, 64, 4, 4, 3), MoeConfig(64, 64, 64, 8, 4, 3),
+                   MoeConfig(64, 128, 64, 8, 8, 3), MoeConfig(128, 128, 64, 8, 8, 3),
+                   RowsConfig(8, 256, 4, 3), RowsConfig(16, 128, 4, 3), RowsConfig(16, 256, 4, 3),
+                   RowsConfig(16, 512, 8, 3), RowsConfig(32, 128, 4, 3), RowsConfig(32, 256, 8, 3),
+                   RowsConfig(64, 128, 8, 3), RowsConfig(8, 512, 4, 4)]:
+        cells = []
+        for x, _, w, i, ref in inputs:
+            try:
+                ms = time_ms(lambda: fused_moe(x, w13, w2, w, i, config=config))
+                bad = max_diff(fused_moe(x, w13, w2, w, i, config=config), ref) > 0.05 * float(ref.abs().max())
+                cells.append(f"{ms:.3f}" + (" WRONG" if bad else ""))
+            except Exception as error:
+                cells.append(type(error).__name__)
+        say(f"| {tuple(vars(config).values())} | " + " | ".join(cells) + " |")
+
+
+def bench_decode() -> None:
+    say("## Decode attention, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same rows "
+        "through the extend kernel (a mixed step's decode rows)")
+    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | "
+        "K/V TB/s | max abs diff | extend, 2 stages ms |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    two_stages = (*tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))[:3], 2)  # the decode kernel's depth
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    for batch, context in DECODE_SHAPES:
+        pages = -(-context // PAGE)
+        tables = torch.randperm(batch * pages, device=DEVICE, generator=g).to(torch.int32).view(batch, pages)
+        cache = torch.randn(2, batch * pages * PAGE, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16,
+                            generator=g)
+        q = torch.randn(batch, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        args = (q, cache[0], cache[1], tables, torch.arange(batch, dtype=torch.int32, device=DEVICE),
+                torch.full((batch,), context, dtype=torch.int32, device=DEVICE), PAGE, HEAD_DIM**-0.5)
+        splits = num_splits(batch, KV_HEADS, multiprocessors(torch.device(DEVICE)))
+        ints = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+        rows = (ints(list(range(batch))), ints([1] * batch))  # query start and length of each one-token sequence
+        blocks = tuple(ints(v) for v in extend_blocks([1] * batch))
+        out = torch.empty_like(q)
+        for window in (0, 1024):
+            ref = decode_attention_reference(*args, window=window)
+            ms = graph_ms(lambda: decode_attention(*args, splits=splits, window=window))
+            diff = max_diff(decode_attention(*args, splits=splits, window=window), ref)
+            extend = graph_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
+                                                      *blocks, PAGE, HEAD_DIM**-0.5, window=window))
+            extend_diff = max_diff(out, ref)
+            shallow = graph_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
+                                                       *blocks, PAGE, HEAD_DIM**-0.5, window=window,
+                                                       config=two_stages))
+            read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+            say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | "
+                f"{extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | {shallow:.3f} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="also write the tables to this file")
+    parser.add_argument("--only", choices=["moe", "extend", "decode", "tiles", "moe-configs"], action="append")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench.lab.gpu.kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    say(f"# Kernels on {torch.cuda.get_device_name()}")
+    sections = {"moe": bench_moe, "extend": bench_extend, "decode": bench_decode, "tiles": bench_tiles,
+                "moe-configs": bench_moe_configs}
+    run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
+                 args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""End-to-end serving on a GPU: the table of docs/gpu.md's targets, re-measured through `flare run` + `flare-bench`.
+
+    python3 -m bench.lab.gpu.serving OUT_DIR [--rows NAME,...] [--cores DIR] [--layers N]
+
+Each row starts the server its workload needs (synth cores of random bf16 weights, written once under --cores),
+runs `flare-bench serve` against it (completions endpoint, --ignore-eos) and prints the figure beside its target.
+Rows that share a server run back to back on it; beside its figure a row prints the mean TTFT as the client saw
+it, as the server measured it (frontend arrival to first token) and the engine's mean queue time (arrival to first
+step), the last two from /metrics. A row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for
+the `tp2-*` and `replicas2-*` rows); on the device machine pyzmq, msgspec and minijinja come as wheels (../shared/tools/gpu-wheels.sh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH = "import sys; from bench.main import main; sys.exit(main())"  # flare-bench, uninstalled
+PRESETS = {"llama-8b": "llama-3.1-8b", "qwen3-8b": "qwen3-8b", "smollm2": "smollm2-135m"}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    core: str  # a PRESETS key
+    server: tuple[str, ...]  # flags for `flare run`
+    bench: tuple[str, ...]  # flags for `flare-bench serve`
+    figures: tuple[str, ...]  # keys of the bench summary to print
+    target: str
+
+
+def bench(*flags: str) -> tuple[str, ...]:
+    return ("--endpoint", "completions", "--ignore-eos", "--seed", "0", *flags)
+
+
+MAX256 = ("--max-active", "256")
+MAX64 = ("--max-active", "64")
+BATCH1 = bench("--input-len", "512", "--output-len", "256", "--num-prompts", "8", "--max-concurrency", "1")
+MIXED256 = bench("--input-len", "562", "--range-ratio", "0.82", "--output-len", "256", "--num-prompts", "256")
+X768 = bench("--input-len", "1024", "--output-len", "256", "--num-prompts", "768", "--max-concurrency", "256")
+SHAREGPT8 = bench("--dataset", "sharegpt-synthetic", "--input-len", "256", "--output-len", "128",
+                  "--num-prompts", "256", "--request-rate", "8")
+C64 = bench("--input-len", "512", "--output-len", "128", "--num-prompts", "128", "--max-concurrency", "64")
+SHARED16 = bench("--dataset", "shared-prefix", "--prefix-len", "2000", "--num-groups", "16", "--input-len", "128",
+                 "--output-len", "128", "--num-prompts", "1024", "--max-concurrency", "64")
+# Structured output: every request constrained by a schema that cannot complete within 128 tokens (at least 40
+# objects of three fields), so all of them run to max_tokens through structural tokens, as the unconstrained row does.
+ITEM = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12},
+                                         "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"],
+        "additionalProperties": False}
+JSON64 = json.dumps({"response_format": {"type": "json_schema", "json_schema": {"name": "items", "schema": {
+    "type": "object", "properties": {"items": {"type": "array", "items": ITEM, "minItems": 40}},
+    "required": ["items"], "additionalProperties": False}}}})
+ROWS = [
+    Row("8b-batch1", "llama-8b", MAX256, BATCH1, ("mean_tpot_ms",), "mean TPOT <= 4.0 ms"),
+    Row("8b-mixed256", "llama-8b", MAX256, MIXED256, ("output_throughput",), ">= 8,000 output tok/s"),
+    Row("8b-1024x768", "llama-8b", MAX256, X768, ("total_token_throughput",), ">= 35,000 total tok/s"),
+    Row("8b-sharegpt", "llama-8b", MAX256, SHAREGPT8, ("median_ttft_ms", "median_tpot_ms"),
+        "median TTFT <= 20 ms, median TPOT <= 5 ms"),
+    Row("8b-1024x768-chunk512", "llama-8b", ("--max-batched-tokens", "512", *MAX256), X768,
+        ("total_token_throughput",), "(512-token steps, the default before 2026-12-01)"),
+    Row("8b-c64", "llama-8b", MAX256, C64, ("output_throughput",), "(tp 1 yardstick for the tp2 and qwen3 rows)"),
+    # Copy proposals on traffic that random weights make unpredictable: what `--speculative auto` may cost a GPU.
+    Row("8b-sharegpt-ngram", "llama-8b", ("--speculative", "ngram", *MAX256), SHAREGPT8,
+        ("median_ttft_ms", "median_tpot_ms"), "(--speculative ngram: no slower than 8b-sharegpt)"),
+    Row("8b-c64-ngram", "llama-8b", ("--speculative", "ngram", *MAX256), C64,
+        ("output_throughput",), "(--speculative ngram: no slower than 8b-c64)"),
+    # Sampling extras inside the graphs (engine/sampling/graph_extras.py): every 10th request of 8b-c64 asks. Each
+    # row draws prompts of its own (--seed): on the server 8b-c64 ran on, its prompts would come from the prefix cache.
+    *[Row(f"8b-c64-{name}", "llama-8b", MAX256, (*C64, "--seed", seed, "--extra-body", json.dumps(body),
+                                                 "--extra-body-every", "10"),
+          ("output_throughput", "failed"), f">= 90% of 8b-c64 (every 10th request asks {asks})")
+      for name, body, asks, seed in (("logprobs", {"logprobs": 5}, "logprobs=5", "1"),
+                                     ("penalties", {"repetition_penalty": 1.1}, "repetition_penalty=1.1", "2"))],
+    Row("8b-c64-json", "llama-8b", MAX256,
+        bench("--input-len", "512", "--output-len", "128", "--num-prompts", "128", "--max-concurrency", "64",
+              "--seed", "3", "--extra-body", JSON64),
+        ("output_throughput", "failed"), ">= 85% of 8b-c64 (every request constrained by a JSON schema)"),
+    Row("8b-short64", "llama-8b", MAX64,
+        bench("--input-len", "64", "--output-len", "8", "--num-prompts", "8", "--max-concurrency", "1"),
+        ("median_ttft_ms",), "(the 64-token prompt alone: the prefix row's yardstick)"),
+    Row("8b-prefix16k", "llama-8b", MAX64,
+        bench("--dataset", "shared-prefix", "--prefix-len", "16000", "--num-groups", "1", "--input-len", "64",
+              "--output-len", "8", "--num-prompts", "8", "--max-concurrency", "1"),
+        ("median_ttft_ms",), "median TTFT <= 1.2x the 64-token prompt's"),
+    Row("8b-32k", "llama-8b", MAX64,
+        bench("--input-len", "32000", "--output-len", "128", "--num-prompts", "8", "--max-concurrency", "8"),
+        ("mean_ttft_ms", "mean_tpot_ms"), "mean TTFT <= 8 s, mean TPOT <= 15 ms"),
+    Row("smollm2-batch1", "smollm2", MAX256, BATCH1, ("mean_tpot_ms",), "<= 0.66 ms per output token"),
+    Row("smollm2-mixed256", "smollm2", MAX256, MIXED256, ("output_throughput", "failed"), ">= 20,000 output tok/s"),
+    Row("qwen3-8b-batch1", "qwen3-8b", MAX256, BATCH1, ("mean_tpot_ms",), "within 10% of 8b-batch1"),
+    Row("qwen3-8b-c64", "qwen3-8b", MAX256, C64, ("output_throughput",), "within 10% of 8b-c64"),
+    *[Row(name, "llama-8b", (*server, *MAX256), SHARED16, ("total_token_throughput", "mean_ttft_ms", "hit_rate"),
+          target) for name, server, target in (
+        ("replicas2-prefix", ("--replicas", "2"), "prefix routing: hit rate near the workload's share of prefix"),
+        ("replicas2-rr", ("--replicas", "2", "--routing", "round-robin"), "(round-robin yardstick)"),
+        ("replicas1-shared", (), "(one replica: the scaling factor's yardstick)"))],
+    Row("tp2-batch1", "llama-8b", ("--tp", "2", *MAX256),
+        bench("--input-len", "512", "--output-len", "128", "--num-prompts", "8", "--max-concurrency", "1"),
+        ("mean_tpot_ms",), "mean TPOT <= 3.0 ms"),
+    Row("tp2-c64", "llama-8b", ("--tp", "2", *MAX256), C64, ("output_throughput",), ">= 1.5x 8b-c64"),
+]
+
+
+def synth(preset: str, target: Path, layers: int | None) -> Path:
+    if not (target / "manifest.json").is_file():
+        started = time.monotonic()
+        command = [sys.executable, "-m", "ignition.main", "synth", "--preset", preset, "--dtype", "bfloat16",
+                   "--force", str(target)] + (["--layers", str(layers)] if layers else [])
+        subprocess.run(command, check=True)
+        print(f"# synth {preset} -> {target} in {time.monotonic() - started:.0f}s", flush=True)
+    return target
+
+
+class FlareServer:
+    def __init__(self, core: Path, flags: tuple[str, ...], port: int, log: Path, device: str) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = log.open("w")
+        self.process = subprocess.Popen([sys.executable, "-m", "common.cli", "run", str(core), "--port", str(port),
+                                         "--device", device, *flags], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"flare run exited: see {log}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1):
+                    return
+            except OSError:
+                time.sleep(1)
+        raise RuntimeError("flare run did not become healthy")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(120)
+        self._log.close()
+
+
+LATENCY_METRICS = {"server_ttft": "flare_time_to_first_token_seconds", "queue": "flare_engine_queue_time_seconds"}
+
+
+def latency_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the server's own first-token and engine-queue histograms, over every label set: their deltas
+    over a row split its TTFT into the client and HTTP's part, the frontend and engine's, and the wait for a step."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    totals = {}
+    for key, name in LATENCY_METRICS.items():
+        parts = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith(f"{name}_{suffix}")) for suffix in ("sum", "count")]
+        totals[key] = (parts[0], parts[1])
+    return totals
+
+
+def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device: str) -> list[tuple[Row, dict]]:
+    results: list[tuple[Row, dict]] = []
+    server_key = None
+    server: FlareServer | None = None
+    try:
+        for row in rows:
+            core = synth(PRESETS[row.core], cores / row.core, layers)
+            if (row.core, row.server) != server_key:
+                if server:
+                    server.stop()
+                server = FlareServer(core, row.server, 8000, out / f"server-{row.name}.log", device)
+                server_key = (row.core, row.server)
+            report = out / f"{row.name}.json"
+            before = latency_totals(server.url)
+            subprocess.run([sys.executable, "-c", BENCH, "serve", "--base-url", server.url,
+                            "--tokenizer", str(core), "--json", str(report), *row.bench], check=True,
+                           stdout=subprocess.DEVNULL)
+            summary = json.loads(report.read_text())["metrics"]
+            summary["hit_rate"] = summary["cached_input_tokens"] / max(summary["total_input_tokens"], 1)
+            after = latency_totals(server.url)
+            for key in LATENCY_METRICS:  # means over the row: the server's view beside the client's
+                count = after[key][1] - before[key][1]
+                summary[f"{key}_mean_ms"] = (after[key][0] - before[key][0]) / count * 1000 if count else None
+            results.append((row, summary))
+            print(f"{row.name:18} " + "  ".join(f"{k}={summary.get(k)}" for k in row.figures) +
+                  f"  (mean TTFT: client {summary.get('mean_ttft_ms')}, server {summary['server_ttft_mean_ms']}, "
+                  f"engine queue {summary['queue_mean_ms']})", flush=True)
+    finally:
+        if server:
+            server.stop()
+    return results
+
+
+def table(results: list[tuple[Row, dict]]) -> str:
+    lines = ["| row | measured | target |", "| --- | --- | --- |"]
+    for row, summary in results:
+        measured = ", ".join(f"{k} {summary[k]:,.2f}" if isinstance(summary.get(k), float) else f"{k} {summary.get(k)}"
+                             for k in row.figures)
+        lines.append(f"| {row.name} | {measured} | {row.target} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m bench.lab.gpu.serving", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--rows", help=f"comma-separated, from: {', '.join(r.name for r in ROWS)} (default: all)")
+    parser.add_argument("--cores", type=Path, default=Path("/dev/shm/flare-cores"))
+    parser.add_argument("--layers", type=int, help="reduce every synth core to this many layers (quick checks)")
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to check the script itself")
+    args = parser.parse_args(argv)
+    wanted = args.rows.split(",") if args.rows else [r.name for r in ROWS]
+    unknown = set(wanted) - {r.name for r in ROWS}
+    if unknown:
+        parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = run_rows([r for r in ROWS if r.name in wanted], args.cores, args.out, args.layers, args.device)
+    text = table(results)
+    (args.out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Linear layers for steps of a few rows (a decode step of one sequence), with what surrounds them fused in
+(DESIGN.md, Model and kernels: the batch-1 step).
+
+At batch 1 a decoder layer is four weight streams; cuBLAS reads the big ones near the copy bandwidth but splits the
+small ones (q/k/v, o) over K and sums the parts in a kernel of its own, and around them sit an add+RMSNorm, a SiLU
+and the split-K reduces: a quarter of the 8B's step beside the weights. Here one kernel per projection reads the
+weight once, BLOCK_N rows per program over the whole of K (so each output has one owner), and takes in
+- a prologue on its input: RMSNorm (the weights' product with x * norm_weight, scaled by 1/rms at the end, the sum
+  of squares gathered in the same loop: nothing waits for a reduction before the first weight load), or
+  SiLU(gate) * up of a fused [gate | up] input, rounded as silu_and_mul rounds it;
+- an epilogue: the bias, and the residual add written in place, so the residual stream is updated by the
+  projections that end each branch (o and down) and no add+norm kernel runs between layers.
+The RMSNorm prologue does not round the normalised row to the activations' dtype before the product (the unfused
+path does): within the kernel tests' tolerance of the reference, and the same in eager steps and in graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows up to which a step's projections take this path: at 2 and 4 rows cuBLAS was faster on every 8B projection
+# (bench/lab/gpu/gemv.py on an H200), at 1 this kernel on each.
+MAX_ROWS = 1
+NO_PROLOGUE, RMS_NORM, SILU_MUL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """BLOCK_N weight rows per program, read in BLOCK_K slices."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The sweep's best at one row for every 8B projection (bench/lab/gpu/gemv.py on an H200; docs/gpu.md).
+DEFAULT_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _gemv(x_ptr, w_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_x, stride_w, stride_o, eps,
+          PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The row is the grid's fastest dimension: the programs of one weight block run side by side, so a step of a
+    # few rows reads each block from memory once and from the L2 cache for the other rows.
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    w_ptrs = w_ptr + (n % n_out).to(tl.int64)[:, None] * stride_w + k[None, :]  # wrapped rows: no mask on N
+    x_ptrs = x_ptr + row * stride_x + k
+    # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
+    for start in range(0, k_in, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            a = tl.load(x_ptrs).to(tl.float32)
+        else:
+            w = tl.load(w_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
+            a = tl.load(x_ptrs, mask=k < k_in - start, other=0.0).to(tl.float32)
+        if PROLOGUE == 1:
+            squares += a * a
+            a = a * tl.load(norm_ptr + start + k, mask=k < k_in - start, other=0.0).to(tl.float32)
+        elif PROLOGUE == 2:
+            up = tl.load(x_ptrs + k_in, mask=k < k_in - start, other=0.0).to(tl.float32)
+            silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
+            a = (silu * up).to(dtype).to(tl.float32)
+        acc += w.to(tl.float32) * a[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    y = tl.sum(acc, 1)
+    if PROLOGUE == 1:
+        y = y / tl.sqrt(tl.sum(squares, 0) / k_in + eps)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n % n_out).to(tl.float32)
+    y = y.to(dtype)
+    out_ptrs = out_ptr + row * stride_o + n
+    if ADD_RESIDUAL:  # out is the residual, added to in place, rounded as the unfused add: the product, then the sum
+        y = (y.to(tl.float32) + tl.load(out_ptrs, mask=n < n_out, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(out_ptrs, y, mask=n < n_out)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
+         residual: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [T, K] times weight [N, K]^T (+ bias), with
+    - norm (norm_weight [K], eps): of rms_norm(x) * norm_weight instead of x;
+    - silu_mul: x is [T, 2K], a fused [gate | up], and the product is of SiLU(gate) * up;
+    - residual [T, N]: the result is added to it, in place, and it is returned.
+    config: DEFAULT_CONFIG when not given."""
+    rows = x.shape[0]
+    n_out, k_in = weight.shape
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and not (norm and silu_mul)
+    assert x.shape[1] == (2 * k_in if silu_mul else k_in)
+    config = config or DEFAULT_CONFIG
+    out = residual if residual is not None else torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (weight, 0.0)
+    prologue = RMS_NORM if norm is not None else SILU_MUL if silu_mul else NO_PROLOGUE
+    _gemv[(rows, triton.cdiv(n_out, config.block_n))](
+        x, weight, bias if bias is not None else weight, norm_weight, out, n_out, k_in, x.stride(0),
+        weight.stride(0), out.stride(0), eps, PROLOGUE=prologue, HAS_BIAS=bias is not None,
+        ADD_RESIDUAL=residual is not None, EVEN_K=k_in % config.block_k == 0, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
+                   residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The unfused torch expression gemv computes (not in place)."""
+    if norm is not None:
+        x32 = x.float()
+        x = norm[0] * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm[1])).to(x.dtype)
+    if silu_mul:
+        gate, up = x.chunk(2, dim=-1)
+        x = torch.nn.functional.silu(gate) * up
+    y = torch.nn.functional.linear(x, weight, bias)
+    return y if residual is None else y + residual

@@ -1,0 +1,117 @@
+"""The fused MoE's rows path, for decode steps of a few tokens (DESIGN.md, Model and kernels; the grouped path and
+the weight layout are in engine/kernels/triton/fused_moe.py).
+
+A decode step of a token or a few has about one (token, k) pair per active expert, so the grouped GEMM's tiles would
+hold one live row each. Here nothing is sorted: two kernels read each pair's expert in place, both as dots of
+activations with weight rows, BLOCK_N weight rows per program, so that hundreds of programs share the stream.
+- gate/up: one program per (pair, BLOCK_N columns of the intermediate), writing SiLU(gate) * up. (Routing inside
+  this kernel, from the router's logits, was measured on an H200 against routing in a launch of its own: equal at
+  batch 1, 4% slower at batch 4, since every program's weight loads wait for twenty block reductions. Routing stays
+  engine/kernels/triton/moe_routing.py's one launch.)
+- down: one program per (token, BLOCK_N / K output columns), holding the BLOCK_N rows of the token's K experts at
+  once, so it adds the K products, times their routing weights, itself: no (pairs x H) intermediate, no summing
+  kernel, and the same order of addition every time.
+The rounding steps are the reference's (fused_moe_reference): each product rounds to the activations' dtype where
+the torch expression rounds it, and the K weighted terms add in float32, rounded once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the rows path runs: decode batches of up to 4 tokens at top-8
+
+
+@dataclass(frozen=True)
+class RowsConfig:
+    """BLOCK_N weight rows per program in both kernels, read in BLOCK_K slices."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, w_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn, stride_ht,
+                  TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    token = pair // TOP_K
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xt + k
+    gate_ptrs = w_ptr + expert * stride_we + (n % inter)[:, None] * stride_wn + k[None, :]  # [BLOCK_N, BLOCK_K]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, hidden, BLOCK_K):
+        kmask = (k < hidden - start)[None, :]
+        a = tl.load(x_ptrs, mask=k < hidden - start, other=0.0).to(tl.float32)[None, :]
+        acc_gate += tl.load(gate_ptrs, mask=kmask, other=0.0).to(tl.float32) * a
+        acc_up += tl.load(up_ptrs, mask=kmask, other=0.0).to(tl.float32) * a
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    dtype = h_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    h = (silu * tl.sum(acc_up, 1).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(h_ptr + pair.to(tl.int64) * stride_ht + n, h, mask=n < inter)
+
+
+@triton.jit
+def _down_rows(h_ptr, w_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_ht, stride_we, stride_wn, stride_yt,
+               TOP_K: tl.constexpr, K_POW2: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.arange(0, K_POW2)
+    live = slot < TOP_K
+    pair = (token * TOP_K + slot).to(tl.int64)
+    expert = tl.load(ids_ptr + pair, mask=live, other=0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    # [K_POW2, BLOCK_N, BLOCK_K] rows of the token's experts against their pairs' activations, which are loaded once
+    # per column (from the cache) so that both tiles share one layout: no shuffle through shared memory per slice.
+    w_ptrs = (w_ptr + (expert * stride_we)[:, None, None] + (n % hidden)[None, :, None] * stride_wn
+              + k[None, None, :])
+    h_ptrs = tl.broadcast_to(h_ptr + (pair * stride_ht)[:, None, None] + k[None, None, :], [K_POW2, BLOCK_N, BLOCK_K])
+    acc = tl.zeros([K_POW2, BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, inter, BLOCK_K):
+        mask = live[:, None, None] & (k < inter - start)[None, None, :]
+        a = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32) * a
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = y_ptr.dtype.element_ty
+    weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
+    y = (tl.sum(acc, 2).to(dtype).to(tl.float32) * weight[:, None]).to(dtype).to(tl.float32)
+    y = tl.sum(y, 0).to(dtype)
+    y_ptrs = y_ptr + token.to(tl.int64) * stride_yt + n
+    if ADD_RESIDUAL:  # y is the residual stream, added to in place, the sum rounded as the unfused add rounds it
+        y = (y.to(tl.float32) + tl.load(y_ptrs, mask=n < hidden, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(y_ptrs, y, mask=n < hidden)
+
+
+def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, c: RowsConfig, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """fused_moe's rows path: pair p = t*K + k reads token t and expert topk_ids[t, k] directly. topk_weights [T, K]
+    float32 and topk_ids [T, K] int32, contiguous. With a residual [T, H], the result is added to it in place."""
+    tokens, hidden = x.shape
+    inter, top_k = w2.shape[2], topk_ids.shape[1]
+    k_pow2 = triton.next_power_of_2(top_k)
+    h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _gate_up_rows[(tokens * top_k, triton.cdiv(inter, c.block_n))](
+        x, w13, h, topk_ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), h.stride(0), TOP_K=top_k,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    y = residual if residual is not None else torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    down_n = max(1, c.block_n // k_pow2)  # output columns per program: BLOCK_N weight rows over the K experts
+    _down_rows[(tokens, triton.cdiv(hidden, down_n))](
+        h, w2, y, topk_weights, topk_ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        TOP_K=top_k, K_POW2=k_pow2, ADD_RESIDUAL=residual is not None, BLOCK_N=down_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    return y

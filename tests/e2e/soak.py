@@ -1,0 +1,176 @@
+"""Soak: drive a real `flare run` with mixed traffic for a while, then check that nothing leaked or went missing.
+
+    python -m tests.e2e.soak --core DIR [--minutes 10] [--replicas 2] [--frontends 2]
+
+Traffic, from several client threads at once: chat and completions (streamed and not), streams the client cuts after
+a few chunks, requests cancelled by a short client timeout, long prompts (half the context), and every minute an
+overload burst of many concurrent requests (429s and 503s expected there and only there).
+Checks at the end (each printed; exit status 1 if any fails):
+- RSS of every engine and frontend process grew less than 5% between the end of the warm-up and the end;
+- every slot and page is back: no live, pending or retiring requests or pages, and free + cached pages as at start;
+- no 5xx outside the bursts;
+- the engines' counters add up to what the clients saw: admissions = completions + cancellations + failures, and
+  completions >= the requests clients saw finish (a cut stream may still finish in the engine before its abort lands).
+Not part of CI (it takes minutes); needs psutil (installed with the ignition extra's accelerate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+
+from tests.conftest import Server
+
+WARMUP_SECONDS = 60.0
+BURST_EVERY = 60.0
+BURST_SIZE = 96
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.in_burst = threading.Event()
+
+    def add(self, key: str) -> None:
+        with self.lock:
+            self.counts[key] += 1
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    totals: Counter[str] = Counter()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            totals[re.sub(r"\{.*\}", "", name)] += float(value)  # summed over replicas
+    return dict(totals)
+
+
+def one_request(client: openai.OpenAI, model: str, kind: str, tally: Tally, long_prompt: str) -> None:
+    """One client request of the given kind; its outcome goes to the tally."""
+    try:
+        if kind == "chat":
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a fact."}],
+                                           max_tokens=random.randint(4, 32))
+        elif kind == "completion-stream":
+            for _ in client.completions.create(model=model, prompt="Once upon a time", max_tokens=24, stream=True):
+                pass
+        elif kind == "cut-stream":
+            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count up."}],
+                                                    max_tokens=200, stream=True)
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    stream.close()
+                    tally.add("cut by the client")
+                    return
+        elif kind == "cancelled":
+            client.with_options(timeout=0.3).completions.create(model=model, prompt="Write an essay.",
+                                                                max_tokens=300)
+        elif kind == "long":
+            client.completions.create(model=model, prompt=long_prompt, max_tokens=4)
+        tally.add(f"{kind}: finished")
+    except openai.APITimeoutError:
+        tally.add(f"{kind}: timed out")
+    except openai.APIStatusError as exc:
+        burst = tally.in_burst.is_set()
+        tally.add(f"{exc.status_code}{' in burst' if burst else ''}")
+    except openai.APIConnectionError:
+        tally.add("connection error")
+
+
+def client_loop(base_url: str, model: str, until: float, tally: Tally, long_prompt: str, seed: int) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    rng = random.Random(seed)
+    kinds = ["chat"] * 4 + ["completion-stream"] * 3 + ["cut-stream", "cancelled", "long"]
+    while time.monotonic() < until:
+        one_request(client, model, rng.choice(kinds), tally, long_prompt)
+
+
+def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    while time.monotonic() + BURST_EVERY < until:
+        time.sleep(BURST_EVERY)
+        tally.in_burst.set()
+        threads = [threading.Thread(target=one_request, args=(client, model, "chat", tally, ""))
+                   for _ in range(BURST_SIZE)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        time.sleep(2.0)  # responses of the burst still draining count as the burst's
+        tally.in_burst.clear()
+
+
+def rss(server: Server) -> dict[int, int]:
+    parent = psutil.Process(server.process.pid)
+    return {child.pid: child.memory_info().rss for child in parent.children(recursive=True)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.e2e.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--core", type=Path, required=True)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--frontends", type=int, default=2)
+    parser.add_argument("--clients", type=int, default=8)
+    args = parser.parse_args(argv)
+    server = Server(args.core, "--replicas", str(args.replicas), "--frontends", str(args.frontends))
+    try:
+        model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+        time.sleep(1.0)
+        start = scrape(server.base_url)
+        total_pages = start["flare_engine_free_pages"] + start["flare_engine_cached_pages"]
+        long_prompt = "lorem ipsum " * 700
+        tally = Tally()
+        until = time.monotonic() + args.minutes * 60
+        threads = [threading.Thread(target=client_loop, args=(server.base_url, model, until, tally, long_prompt, i))
+                   for i in range(args.clients)]
+        threads.append(threading.Thread(target=burst_loop, args=(server.base_url, model, until, tally)))
+        for thread in threads:
+            thread.start()
+        time.sleep(min(WARMUP_SECONDS, args.minutes * 30))
+        warm = rss(server)
+        for thread in threads:
+            thread.join()
+        time.sleep(3.0)  # aborts and retiring pages settle; the next telemetry snapshot lands
+        end, final = scrape(server.base_url), rss(server)
+    finally:
+        server.stop()
+    growth = {pid: final[pid] / warm[pid] - 1 for pid in warm if pid in final}
+    server_errors = {k: v for k, v in tally.counts.items() if k.startswith("5") and "burst" not in k}
+    settled = sum(end[f"flare_engine_{name}"] for name in ("live_requests", "pending_requests", "retiring_pages"))
+    admitted = end["flare_engine_admissions_total"] - start["flare_engine_admissions_total"]
+    ended = sum(end[f"flare_engine_{k}_total"] - start[f"flare_engine_{k}_total"]
+                for k in ("completions", "cancellations", "failures"))
+    completed = end["flare_engine_completions_total"] - start["flare_engine_completions_total"]
+    finished = sum(v for k, v in tally.counts.items() if k.endswith(": finished"))
+    checks = {
+        f"RSS growth after warm-up < 5% (max {max(growth.values()):.1%} over {len(growth)} processes)":
+            max(growth.values()) < 0.05,
+        f"slots and pages back (live+pending+retiring {settled:.0f}; pages "
+        f"{end['flare_engine_free_pages'] + end['flare_engine_cached_pages']:.0f} of {total_pages:.0f})":
+            settled == 0 and end["flare_engine_free_pages"] + end["flare_engine_cached_pages"] == total_pages,
+        f"no 5xx outside bursts ({server_errors or 'none'})": not server_errors,
+        f"admissions {admitted:.0f} = completions + cancellations + failures {ended:.0f}": admitted == ended,
+        f"completions {completed:.0f} >= requests finished at clients {finished}": completed >= finished,
+    }
+    print(f"client outcomes: {dict(sorted(tally.counts.items()))}")
+    for text, ok in checks.items():
+        print(f"{'ok  ' if ok else 'FAIL'} {text}")
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

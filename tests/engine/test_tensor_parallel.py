@@ -1,0 +1,333 @@
+"""Tensor parallelism on the CPU (gloo): sharding rules, greedy tokens over 2 and 3 ranks equal a single rank's (a tiny
+random core through flare-engine processes and the wire; SmolLM2 through `flare run --tp R` and the openai client),
+and rank failure (a rank killed mid-stream or while idle: clients get an error, the other ranks exit, `flare run`
+names the rank). On two GPUs: the ranks' captured graphs (NCCL inside them) give one rank's tokens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import zmq
+from safetensors.torch import save_file
+
+from common import protocol as wire
+from common.errors import CoreError
+from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
+from common.ranks import GROUP_FAILED, engine_commands
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
+from engine.model.loader import load_model
+from engine.model.sharding import Shard, supported_world_sizes
+from engine.parallel.worker import check_plan
+from engine.scheduler.plan import Plan, Row
+from tests.conftest import Server
+from tests.support.engine_harness import FAMILY_CONFIGS, Harness
+
+# 6 heads over 3 KV heads: 2 ranks split the KV groups 2 + 1, 3 ranks 1 + 1 + 1; 320 vocabulary rows and 160 MLP
+# columns do not split evenly over 3 ranks.
+TINY = {"vocab_size": 320, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 3, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+PROMPTS = [[5, 6, 7], list(range(10, 60)), list(range(100, 190)), [42]]
+NEW_TOKENS = 12
+CHATS = [[{"role": "user", "content": "Name the planets of the solar system."}],
+         [{"role": "user", "content": "Write a haiku about the sea."}]]
+
+
+def config(heads: int, kv_heads: int) -> DecoderConfig:
+    return DecoderConfig.from_hf("llama", {**TINY, "num_attention_heads": heads, "num_key_value_heads": kv_heads})
+
+
+# --- sharding rules ---------------------------------------------------------------------------------------------
+
+def test_supported_world_sizes_follow_the_kv_groups() -> None:
+    assert supported_world_sizes(9, 3) == [1, 2, 3, 9]  # SmolLM2-135M
+    assert supported_world_sizes(6, 3) == [1, 2, 3, 6]
+    assert supported_world_sizes(32, 8) == [1, 2, 3, 4, 5, 6, 7, 8, 16, 32]  # Llama 3 8B
+
+
+def test_an_unsupported_world_size_is_a_one_line_error() -> None:
+    with pytest.raises(CoreError) as caught:
+        Shard.of(config(9, 3), 0, 4)
+    assert "\n" not in str(caught.value) and "supported world sizes: 1, 2, 3, 9" in str(caught.value)
+
+
+@pytest.mark.parametrize("heads, kv_heads, world", [(9, 3, 2), (9, 3, 3), (9, 3, 9), (6, 1, 3), (6, 3, 2)])
+def test_every_query_head_sits_on_a_rank_of_its_kv_head(heads: int, kv_heads: int, world: int) -> None:
+    shards = [Shard.of(config(heads, kv_heads), rank, world) for rank in range(world)]
+    assert [h for s in shards for h in s.heads] == list(range(heads))
+    assert [c for s in shards for c in s.intermediate] == list(range(TINY["intermediate_size"]))
+    assert [v for s in shards for v in s.vocab] == list(range(TINY["vocab_size"]))
+    group = heads // kv_heads
+    for shard in shards:
+        assert all(h // group in shard.kv_heads for h in shard.heads)
+        assert len(shard.heads) == len(shard.kv_heads) * group or len(shard.kv_heads) == 1
+
+
+def test_a_rank_refuses_a_step_it_cannot_run() -> None:
+    row = Row(slot=1, generation=1, start=0, length=3, tokens=(1, 2, 3), page_table=(7,), sample=True,
+              output_index=0, sampling=wire.SamplingParams(), seed=0, prompt_len=3)
+    assert check_plan(Plan((row,)), num_pages=8, page_size=16, max_active=4, vocab_size=320) is None
+    assert "page" in check_plan(Plan((row,)), num_pages=4, page_size=16, max_active=4, vocab_size=320)
+    assert "slot" in check_plan(Plan((row,)), num_pages=8, page_size=16, max_active=1, vocab_size=320)
+    assert "vocabulary" in check_plan(Plan((row,)), num_pages=8, page_size=16, max_active=4, vocab_size=2)
+
+
+# --- a tiny random core over flare-engine processes -------------------------------------------------------------
+
+def write_tiny_core(core: Path, family: str) -> Path:
+    """A random core of the family at TINY's sizes (with the family's features, tests/support/engine_harness.py)."""
+    config = {**TINY, **FAMILY_CONFIGS[family]}
+    torch.manual_seed(0)
+    model = CausalLM(DecoderConfig.from_hf(family, config))
+    with torch.no_grad():  # larger weights than the default init, so outputs vary from token to token
+        for p in model.parameters():
+            p.normal_(0, 0.5) if p.dim() > 1 else None
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, core / "model.safetensors")
+    write_manifest(core, Manifest(
+        format_version=FORMAT_VERSION, architecture=family, config=config, dtype="float32", served_names=["tiny"],
+        checkpoint="random", context_limit=1024, eos_token_ids=[], generation=GenerationDefaults(),
+        capacities=Capacities(max_active=8, page_size=16, prefill_chunk_size=48, kv_cache_bytes=1 << 22),
+        files={"model.safetensors": sha256_file(core / "model.safetensors")}))
+    return core
+
+
+@pytest.fixture(scope="module")
+def tiny_core(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_core(tmp_path_factory.mktemp("tiny-core"), "llama")
+
+
+def single_rank_tokens(core: Path, prompts: list[list[int]], page_size: int, chunk: int) -> list[list[int]]:
+    """Greedy tokens of one rank: the same scheduler and executor in this process."""
+    _, model = load_model(core, torch.device("cpu"))
+    harness = Harness(model, num_pages=64, page_size=page_size, chunk=chunk)
+    requests = [harness.add(p, temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True) for p in prompts]
+    harness.run()
+    harness.close()
+    return [r.tokens[len(p):] for p, r in zip(prompts, requests)]
+
+
+def start_ranks(core: Path, world: int, address: str, logs: Path, device: str = "cpu",
+                extra: list[str] = ()) -> list[subprocess.Popen]:
+    """The engine ranks as `flare run --tp` starts them, logging to files."""
+    return [subprocess.Popen([sys.executable, "-m", *command], stdout=(logs / f"rank{rank}.log").open("w"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+            for rank, command in enumerate(engine_commands(core, address, world, device, extra))]
+
+
+class WireClient:
+    """A frontend's side of the wire, bare: submit token ids, collect each request's tokens and its end."""
+
+    def __init__(self, address: str) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, uuid.uuid4().hex.encode())
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(address)
+        self.socket.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "test")))
+        assert self.socket.poll(60_000), "no Welcome from rank 0"
+        assert isinstance(wire.decode_engine_message(self.socket.recv()), wire.Welcome)
+
+    def generate(self, prompts: list[list[int]], **sampling: object) -> dict[str, tuple[list[int], str, str | None]]:
+        for i, prompt in enumerate(prompts):
+            params = wire.SamplingParams(**{"temperature": 0.0, "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                                            **sampling})
+            self.socket.send(wire.encode(wire.Submit(f"r{i}", prompt, params)))
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        ends: dict[str, tuple[str, str | None]] = {}
+        while len(ends) < len(prompts):
+            assert self.socket.poll(60_000), "rank 0 went quiet"
+            message = wire.decode_engine_message(self.socket.recv())
+            if isinstance(message, wire.Outputs):
+                for rid, new, reason, error in zip(message.request_ids, message.token_ids, message.finish_reasons,
+                                                   message.errors):
+                    tokens[rid] += new
+                    if reason:
+                        ends[rid] = (reason, error)
+        return {rid: (tokens[rid], *ends[rid]) for rid in tokens}
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def exit_statuses(ranks: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    for rank in ranks:
+        try:
+            rank.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rank.kill()
+    return [rank.returncode for rank in ranks]
+
+
+@pytest.mark.slow
+def test_tiny_core_over_two_ranks_then_a_clean_stop(tiny_core: Path, tmp_path: Path) -> None:
+    expected = single_rank_tokens(tiny_core, PROMPTS, page_size=16, chunk=48)
+    address = f"ipc://{tmp_path}/engine.sock"
+    ranks = start_ranks(tiny_core, 2, address, tmp_path)
+    try:
+        client = WireClient(address)
+        # Logprobs and prompt logprobs take the gathered logits on other rows: every rank must run that too.
+        got = client.generate(PROMPTS, logprobs=2, prompt_logprobs=1)
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]
+        # Sampled with penalties: rank 0 would fail the requests if any rank drew other tokens than its own.
+        sampled = client.generate(PROMPTS, temperature=1.0, top_p=0.9, seed=5, presence_penalty=0.5)
+        assert all(len(tokens) == NEW_TOKENS and (reason, error) == ("length", None)
+                   for tokens, reason, error in sampled.values())
+        client.close()
+        ranks[0].send_signal(signal.SIGTERM)  # rank 0 drains, then stops rank 1
+        assert exit_statuses(ranks, 30) == [0, 0]
+    finally:
+        exit_statuses(ranks, 0.1)
+
+
+@pytest.mark.slow
+def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path, tmp_path: Path) -> None:
+    expected = single_rank_tokens(tiny_core, PROMPTS, page_size=16, chunk=48)
+    address = f"ipc://{tmp_path}/engine.sock"
+    ranks = start_ranks(tiny_core, 3, address, tmp_path)
+    try:
+        client = WireClient(address)
+        got = client.generate(PROMPTS)
+        client.close()
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]
+        ranks[0].kill()  # no step runs: the heartbeat (or the closed connection) tells ranks 1 and 2
+        assert exit_statuses(ranks, 30) == [-signal.SIGKILL, GROUP_FAILED, GROUP_FAILED]
+        assert "rank 0" in (tmp_path / "rank1.log").read_text()
+    finally:
+        exit_statuses(ranks, 0.1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text"])
+def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> None:
+    """q/k/v biases split by heads; experts split by columns (w13 rows of gate and up, w2 columns); Gemma's norms
+    and sliding-window layers."""
+    core = write_tiny_core(tmp_path, family)
+    expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
+    address = f"ipc://{tmp_path}/engine.sock"
+    ranks = start_ranks(core, 2, address, tmp_path)
+    try:
+        client = WireClient(address)
+        got = client.generate(PROMPTS)
+        client.close()
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]
+    finally:
+        for rank in ranks:
+            rank.kill()
+        exit_statuses(ranks, 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text"])
+def test_ranks_on_two_gpus_run_graphs_with_one_ranks_tokens(family: str, tmp_path: Path) -> None:
+    """Each rank's GraphExecutor holds the all-reduces in its captured graphs (NCCL); fp32, so greedy tokens equal
+    one rank's on the CPU, and the ranks' eager executors (`--eager`) give the same."""
+    core = write_tiny_core(tmp_path, family)
+    expected = [(t, "length", None) for t in single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)]
+    for extra in ([], ["--eager"]):
+        address = f"ipc://{tmp_path}/engine-{len(extra)}.sock"
+        ranks = start_ranks(core, 2, address, tmp_path, "cuda", extra)
+        try:
+            client = WireClient(address)
+            got = client.generate(PROMPTS)
+            client.close()
+            assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected, extra
+            ranks[0].send_signal(signal.SIGTERM)
+            assert exit_statuses(ranks, 60) == [0, 0], (tmp_path / "rank1.log").read_text()
+        finally:
+            exit_statuses(ranks, 0.1)
+
+
+def test_experts_split_by_columns_keep_each_experts_gate_and_up_rows_together() -> None:
+    config = DecoderConfig.from_hf("qwen3_moe", {**TINY, **FAMILY_CONFIGS["qwen3_moe"]})
+    w13 = torch.arange(8 * 96 * 2).view(8, 96, 2)  # [E, 2I, H] with I = 48
+    parts = [Shard.of(config, rank, 3).read(w13, 1, "expert_columns") for rank in range(3)]
+    assert [p.shape[1] for p in parts] == [32, 32, 32]
+    gate = torch.cat([p[:, :16] for p in parts], dim=1)
+    up = torch.cat([p[:, 16:] for p in parts], dim=1)
+    assert torch.equal(gate, w13[:, :48]) and torch.equal(up, w13[:, 48:])
+
+
+# --- SmolLM2 through `flare run --tp R` ------------------------------------------------------------------------
+
+def chat_tokens(server: Server, chats: list[list[dict]]) -> list[tuple[list[int], list[int]]]:
+    """(prompt token ids, greedy output token ids) of each chat, all in flight at once."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+
+    def ask(messages: list[dict]) -> tuple[list[int], list[int]]:
+        response = client.chat.completions.create(model=model, messages=messages, max_tokens=NEW_TOKENS,
+                                                  temperature=0, extra_body={"return_token_ids": True})
+        return response.model_extra["prompt_token_ids"], response.choices[0].model_extra["token_ids"]
+
+    with ThreadPoolExecutor(len(chats)) as pool:
+        return list(pool.map(ask, chats))
+
+
+def engine_rank_pid(supervisor: subprocess.Popen, rank: int) -> int:
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            command = Path(f"/proc/{entry}/cmdline").read_text().split("\0")
+        except (OSError, IndexError):
+            continue
+        if int(stat[1]) == supervisor.pid and "engine.main" in command and \
+                command[command.index("--rank") + 1] == str(rank):
+            return int(entry)
+    raise LookupError(f"no engine rank {rank} under flare run {supervisor.pid}")
+
+
+def check_against_single_rank(core: Path, served: list[tuple[list[int], list[int]]]) -> None:
+    prompts = [prompt for prompt, _ in served]
+    expected = single_rank_tokens(core, prompts, page_size=64, chunk=512)  # the core's pages and prefill chunks
+    # An eos before NEW_TOKENS ends the server's output early; the reference ignores eos.
+    assert [out for _, out in served] == [ref[:len(out)] for ref, (_, out) in zip(expected, served)]
+    assert all(len(out) >= 4 for _, out in served)
+
+
+@pytest.mark.slow
+def test_smollm2_over_two_ranks_equals_one_then_a_clean_stop(fp32_core_dir: Path) -> None:
+    core_dir = fp32_core_dir
+    server = Server(core_dir, "--tp", "2")
+    try:
+        served = chat_tokens(server, CHATS)
+    finally:
+        status = server.stop()
+    check_against_single_rank(core_dir, served)
+    assert status == 0, server.process.stdout.read()
+
+
+@pytest.mark.slow
+def test_smollm2_over_three_ranks_equals_one_then_a_rank_dies_mid_stream(fp32_core_dir: Path) -> None:
+    core_dir = fp32_core_dir
+    server = Server(core_dir, "--tp", "3")
+    try:
+        served = chat_tokens(server, CHATS)
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model=client.models.list().data[0].id, messages=CHATS[0],
+                                                max_tokens=400, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="tensor-parallel group failed: rank 1 died"):
+            for i, _ in enumerate(stream):
+                if i == 3:
+                    os.kill(engine_rank_pid(server.process, 1), signal.SIGKILL)
+        status = server.process.wait(60)
+        output = server.process.stdout.read()
+    finally:
+        server.stop()
+    assert status != 0
+    assert "flare: error: engine rank 1 was killed by SIGKILL" in output, output
+    assert "engine rank 0 left the failed group" in output and "engine rank 2 left the failed group" in output
+    check_against_single_rank(core_dir, served)

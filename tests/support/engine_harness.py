@@ -1,0 +1,119 @@
+"""A tiny random model (Llama, or another family) driven through the real scheduler and eager executor, without processes or sockets."""
+
+from __future__ import annotations
+
+import itertools
+import select
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from common.protocol import SamplingParams
+from engine.executor.eager import EagerExecutor
+from engine.model.config import DecoderConfig
+from engine.model.decoder import CausalLM
+from engine.sampling.grammar import mask_words
+from engine.scheduler.request import Request
+from engine.scheduler.scheduler import RequestScheduler
+
+TINY = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+# What each family adds to TINY: its features at tiny sizes (MoE: 8 experts, top 2; Gemma 3: a window of 24 on the
+# outer layers, a global layer between them).
+FAMILY_CONFIGS = {
+    "llama": {},
+    "qwen2": {"tie_word_embeddings": True},
+    "qwen3": {"head_dim": 32},
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                  "num_hidden_layers": 3, "mlp_only_layers": [1]},
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "gemma3_text": {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 24, "num_hidden_layers": 3,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+}
+
+
+def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> CausalLM:
+    torch.manual_seed(seed)
+    model = CausalLM(DecoderConfig.from_hf(family, {**TINY, **FAMILY_CONFIGS[family], **changes})).eval()
+    with torch.no_grad():  # larger weights than the default init, so outputs vary from token to token
+        for p in model.parameters():
+            p.normal_(0, 0.5) if p.dim() > 1 else None
+    return model
+
+
+class Harness:
+    def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
+                 chunk: int = 48, proposer: object = None) -> None:
+        self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device("cpu"))
+        self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer)
+        self._ids = itertools.count()
+        self.steps = 0
+
+    def add(self, prompt: list[int], message_ends: list[int] = (),
+            label_queries: list[tuple[int, tuple[int, ...]]] = (), **sampling: object) -> Request:
+        """A request as the engine admits it; with label queries, a scored prefill (it generates nothing)."""
+        params = SamplingParams(**sampling)
+        request = Request(f"r{next(self._ids)}", b"test", len(prompt), list(prompt), params,
+                          params.seed if params.seed is not None else 0, frozenset(params.stop_token_ids),
+                          0 if label_queries else params.max_tokens, float(next(self._ids)),
+                          message_ends=list(message_ends), label_queries=list(label_queries))
+        self.scheduler.add(request)
+        return request
+
+    def step(self) -> list:
+        """Submit what can be submitted, wait for one completion, return its StepResult."""
+        while self.executor.can_submit() and (plan := self.scheduler.plan()) is not None:
+            self.scheduler.commit(plan, self.executor.next_fence())
+            self.executor.submit(plan)
+            self.steps += 1
+        select.select([self.executor.wake_fd], [], [], 5)
+        results = []
+        for plan, completion in self.executor.poll():
+            assert completion.error is None, completion.error
+            results.append(self.scheduler.complete(completion, plan))
+        return results
+
+    def run(self) -> None:
+        while self.scheduler.has_work():
+            self.step()
+        while not self.executor.can_submit() or self.scheduler.pages.retiring_count:
+            select.select([self.executor.wake_fd], [], [], 0.05)
+            for plan, completion in self.executor.poll():
+                self.scheduler.complete(completion, plan)
+            if self.executor.can_submit() and not self.scheduler.pages.retiring_count:
+                break
+
+    def close(self) -> None:
+        self.executor.close()
+
+
+def run_split(harness: Harness, constrained: set, vocab: int, allowed_token: int | None = None
+              ) -> list[tuple[set, set]]:
+    """Run the harness as the engine loop does; masks (when `allowed_token` is set) allow only that token for
+    constrained rows. Returns, per submitted plan, (slots in it, slots of every step then in flight)."""
+    steps, in_flight = [], []
+    while harness.scheduler.has_work():
+        while harness.executor.can_submit() and (plan := harness.scheduler.plan()) is not None:
+            harness.scheduler.commit(plan, harness.executor.next_fence())
+            rows = {r.slot for r in plan.rows}
+            steps.append((rows, set().union(*in_flight) if in_flight else set()))
+            in_flight.append(rows)
+            if allowed_token is not None and any(harness.scheduler.slots[s] in constrained for s in rows):
+                masks = np.full((len(plan.rows), mask_words(vocab)), -1, dtype=np.int32)
+                for i, row in enumerate(plan.rows):
+                    if harness.scheduler.slots[row.slot] in constrained:
+                        masks[i] = 0
+                        masks[i, allowed_token // 32] = np.int32(np.uint32(1 << allowed_token % 32))
+                plan = replace(plan, masks=masks.tobytes())
+            harness.executor.submit(plan)
+        select.select([harness.executor.wake_fd], [], [], 5)
+        for plan, completion in harness.executor.poll():
+            in_flight.pop(0)
+            harness.scheduler.complete(completion, plan)
+    return steps

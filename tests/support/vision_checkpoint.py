@@ -1,0 +1,57 @@
+"""A tiny random Qwen3-VL built with transformers' own classes and saved as a Hugging Face directory with its image
+processor (`Qwen2VLImageProcessorPil`), tokenizer and Qwen2-VL chat template; `ignition export` makes it a core."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+           "<|video_pad|>"]
+TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "differential" / "qwen2_vl.jinja"
+TEXTS = ["hello world, what is in the picture? a cat, a dog; red green blue. Describe both images."] * 20
+MIN_PIXELS, MAX_PIXELS = 32 * 32 * 4, 32 * 32 * 64  # 4 to 64 image tokens: small prompts, every resize path
+
+
+def build(root: Path, seed: int = 0):  # noqa: ANN201 (returns transformers objects; imported lazily)
+    """Save the checkpoint under `root`; returns (model, tokenizer, image processor)."""
+    from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = TEMPLATE.read_text()
+    ids = {token: bpe.token_to_id(token) for token in SPECIAL}
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=bpe.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0, 1], patch_size=16),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        eos_token_id=ids["<|im_end|>"])
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).eval()
+    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+                                         patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    model.save_pretrained(root)
+    processor.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return model, tokenizer, processor
+
+
+def export(hf_dir: Path, core: Path) -> Path:
+    ignition = Path(sys.executable).with_name("ignition")
+    subprocess.run([str(ignition), "export", str(hf_dir), str(core), "--force"], check=True,
+                   capture_output=True, text=True)
+    return core
