@@ -2,7 +2,7 @@
 
 Replies stream as they come (reasoning dimmed, apart from the answer), with their usage after them; Ctrl-C stops a
 reply and keeps the session; `\"\"\"` opens and closes a multi-line message; slash commands manage the session.
-Given a core instead of a URL, it starts `flare run CORE` (the supervisor, common/cli.py) on a free port as a child,
+Given a core instead of a URL, it starts `flare run CORE` (the supervisor, common/supervisor.py) on a free port as a child,
 with its log in a file, and stops it on the way out.
 """
 
@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from common.chat_client import ChatError, ChatServer, Conversation, Usage
-from common.cli import READY_TIMEOUT, spawn, wait_ready
+from common.supervisor import READY_TIMEOUT, spawn, wait_ready
 from common.ranks import free_port
 
 HELP = """commands:

@@ -10,7 +10,7 @@ makes them reusable only once that fence has completed.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(eq=False)

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from common.prefix_history import PrefixHistory
 from common.protocol import ImageInput, Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
+from engine.speculative.acceptance import AcceptanceStats
+from engine.speculative.ngram import NgramIndex
 
-if TYPE_CHECKING:
-    from engine.scheduler.speculation import SpeculationState
+
+@dataclass
+class SpeculationState:
+    """What one request carries for speculation."""
+
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    ngram: NgramIndex = field(default_factory=NgramIndex)
+    verifying: bool = False  # a verify round is in flight: the next step waits for its accepted length
+    observed: set[str] = field(default_factory=set)  # proposers whose rounds this request has completed
+    rounds: int = 0  # completed verify rounds (the dashboard marks them)
 
 
 class Phase(enum.Enum):

@@ -15,30 +15,18 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from engine.scheduler.policy import GraphCostModel
-from engine.scheduler.request import Request
+from engine.scheduler.request import Request, SpeculationState
 from engine.speculative.acceptance import MAX_DEPTH, AcceptanceStats, expected_tokens
-from engine.speculative.ngram import NgramIndex
 
 WIDTHS = (2, 4, MAX_DEPTH + 1)  # verify step widths (target positions per request); depth = width - 1
 PROBE_FRACTION = 0.02  # of measured step time, spent on rounds one width deeper than the best
 
 PROPOSAL_AGEING = 0.2  # weight of the newest round in the proposal cost's mean
 MAX_PROBE_CREDIT = 1.0  # seconds: idle stretches do not bank an unbounded probing spree
-
-
-@dataclass
-class SpeculationState:
-    """What one request carries for speculation."""
-
-    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    ngram: NgramIndex = field(default_factory=NgramIndex)
-    verifying: bool = False  # a verify round is in flight: the next step waits for its accepted length
-    observed: set[str] = field(default_factory=set)  # proposers whose rounds this request has completed
-    rounds: int = 0  # completed verify rounds (the dashboard marks them)
 
 
 class Proposer(Protocol):

@@ -13,25 +13,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from common.protocol import SamplingParams
 from engine.cache.page_allocator import PageAllocator
 from engine.executor.eager import kv_cache_shape
 from engine.executor.inputs import build_inputs
 from engine.model.decoder import CausalLM
 from engine.scheduler.plan import Plan, Row
 from engine.scheduler.request import Request
-
-if TYPE_CHECKING:  # draft_steps needs the Triton kernels, which a CPU install may lack
-    from engine.speculative.draft_steps import DraftSteps
+from engine.speculative.draft_round import GREEDY, Lane, RoundSteps
 
 log = logging.getLogger("flare.engine")
-
-GREEDY = SamplingParams(temperature=0.0)
-
 
 @dataclass
 class _SlotState:
@@ -64,9 +57,9 @@ class DraftProposer:
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=dtype, device=device)
         self._slots: dict[int, _SlotState] = {}
-        self.steps: DraftSteps | None = None  # set by use_steps
+        self.steps: RoundSteps | None = None  # set by use_steps
 
-    def use_steps(self, steps: type[DraftSteps], max_active: int, prefill_chunk: int) -> None:
+    def use_steps(self, steps: type[RoundSteps], max_active: int, prefill_chunk: int) -> None:
         """Run rounds as step frames (DraftSteps eagerly, DraftGraphs as captured graphs) on this proposer's KV."""
         if self.context_limit is None:
             raise ValueError("step frames need the draft's context limit (their page tables' width)")
@@ -104,8 +97,6 @@ class DraftProposer:
                 lane.feed = [token]
 
     def _propose_in_frames(self, lanes: list[_Lane]) -> None:
-        from engine.speculative.draft_steps import Lane
-
         lanes = sorted(lanes, key=lambda lane: -lane.depth)
         try:
             drafts = self.steps.propose([Lane(lane.request.slot, lane.state.generation, len(lane.state.known),

@@ -27,22 +27,10 @@ from engine.executor.graph_step import StaticBuffers, model_step, sample_step
 from engine.model.decoder import CausalLM
 from engine.scheduler.plan import Plan, Row
 from engine.speculative.acceptance import MAX_DEPTH
-from engine.speculative.draft import GREEDY
+from engine.speculative.draft_round import GREEDY, Lane
 
 HOST_FRAMES = MAX_DEPTH + 1  # a round of one catch-up frame fills no more; longer catch-ups wait to reuse them
 H2D = 1  # cudaMemcpyKind
-
-
-@dataclass(frozen=True)
-class Lane:
-    """One request's part of a round."""
-
-    slot: int
-    generation: int
-    start: int  # the first position fed: the draft's KV holds the positions before it
-    feed: tuple[int, ...]  # at least one token: the last one's logits give the first draft
-    pages: tuple[int, ...]  # the draft's pages, through position start + len(feed) + depth - 2
-    depth: int  # drafts to propose
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Server, free_port
+from tests.support.servers import Server
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 

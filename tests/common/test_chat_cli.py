@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_API_KEY, Server, wait_for_cancellation
+from tests.support.servers import TEST_API_KEY, Server, wait_for_cancellation
 from tests.support.scripted_engine import ScriptedStack
 
 pexpect = pytest.importorskip("pexpect")

@@ -27,7 +27,7 @@ from common.dashboard.app import Dashboard
 from common.dashboard.panes import GraphTable, Overview, RequestTable
 from common.dashboard.view import TelemetryView
 from common.protocol import GraphStat, RequestRow, Telemetry, telemetry_address
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 
 def snapshot(uptime: float, prompt: int, output: int, requests: list[RequestRow] = (), **counters: int) -> Telemetry:

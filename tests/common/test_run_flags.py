@@ -15,7 +15,7 @@ from engine.main import parse_args
 
 def test_capacity_flags_reach_every_rank(monkeypatch: pytest.MonkeyPatch, core_dir: Path) -> None:
     seen: list[list[str]] = []
-    monkeypatch.setattr("common.cli.engine_commands",
+    monkeypatch.setattr("common.supervisor.engine_commands",
                         lambda *args: seen.extend(engine_commands(*args)) or sys.exit(0))
     with pytest.raises(SystemExit):
         flare_main(["run", str(core_dir), "--tp", "2", "--max-active", "8", "--max-batched-tokens", "2048",

@@ -29,7 +29,7 @@ import httpx
 import openai
 import psutil
 
-from tests.conftest import Server
+from tests.support.servers import Server
 
 WARMUP_SECONDS = 60.0
 BURST_EVERY = 60.0

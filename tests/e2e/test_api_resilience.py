@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_API_KEY, Server, cancellations, wait_for_cancellation
+from tests.support.servers import TEST_API_KEY, Server, cancellations, wait_for_cancellation
 from tests.support.scripted_engine import ScriptedStack
 
 playwright_api = pytest.importorskip("playwright.sync_api")

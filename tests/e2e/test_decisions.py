@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from common.manifest import load_manifest, sha256_file, write_manifest
-from tests.conftest import Server
+from tests.support.servers import Server
 
 # The fixtures: transformers' Llama on the fp32 core's weights, and a server of that core (answers are compared to
 # transformers' within 1e-4, which a quantized core's bfloat16 products do not meet).

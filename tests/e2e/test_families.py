@@ -22,7 +22,7 @@ import transformers
 from common.manifest import Capacities, load_manifest, write_manifest
 from ignition.main import main as ignition
 from ignition.synth import CHAT_TEMPLATE, SPECIALS, byte_level_bpe
-from tests.conftest import Server
+from tests.support.servers import Server
 
 NEW_TOKENS = 20
 WINDOW = 24

@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, free_port
+from tests.support.servers import Server
+from tests.support.ports import free_port
 
 GROUPS = 4
 FOLLOWERS = 3  # requests per group after the first

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from tests.conftest import Server
+from tests.support.servers import Server
 
 pytestmark = pytest.mark.slow
 

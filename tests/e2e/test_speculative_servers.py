@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from common.manifest import load_manifest
-from tests.conftest import Server
+from tests.support.servers import Server
 from tests.e2e.test_parity import CONVERSATIONS, hf_greedy, reference, server_greedy  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow

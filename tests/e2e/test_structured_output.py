@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import Server
+from tests.support.servers import Server
 from tests.support.structured_schemas import SCHEMAS
 
 MODEL = "smollm2-135m-instruct"

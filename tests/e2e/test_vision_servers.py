@@ -6,7 +6,6 @@ anthropic clients; a second turn about the same image reuses the cached prefix, 
 from __future__ import annotations
 
 import io
-from pathlib import Path
 
 import anthropic
 import openai
@@ -14,7 +13,7 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-from tests.conftest import Server
+from tests.support.servers import Server
 from tests.support.image_samples import data_url, samples
 from tests.support.vision_checkpoint import build, export
 

@@ -18,7 +18,8 @@ if not GPU:
 pytest.importorskip("triton")
 
 from engine.speculative.draft import DraftProposer  # noqa: E402
-from engine.speculative.draft_steps import DraftSteps, Lane, round_frames  # noqa: E402
+from engine.speculative.draft_round import Lane  # noqa: E402
+from engine.speculative.draft_steps import DraftSteps, round_frames  # noqa: E402
 from tests.engine.test_speculative import random_tokens  # noqa: E402
 from tests.support.engine_harness import Harness, tiny_model  # noqa: E402
 

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from common.protocol import SamplingParams
-from engine.scheduler.plan import Completion
 from engine.scheduler.policy import GraphCostModel, PolicyConfig
 from engine.scheduler.request import Request
 from engine.scheduler.speculation import NgramProposer, Speculation, state_of

@@ -29,7 +29,7 @@ from engine.model.loader import load_model
 from engine.model.sharding import Shard, supported_world_sizes
 from engine.parallel.worker import check_plan
 from engine.scheduler.plan import Plan, Row
-from tests.conftest import Server
+from tests.support.servers import Server
 from tests.support.engine_harness import FAMILY_CONFIGS, Harness
 
 # 6 heads over 3 KV heads: 2 ranks split the KV groups 2 + 1, 3 ranks 1 + 1 + 1; 320 vocabulary rows and 160 MLP

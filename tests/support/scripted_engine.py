@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from common import protocol as wire
 from common.manifest import load_manifest
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 STEP_SECONDS = 0.002
 DEFAULT_REPLY = "Hello from the scripted engine."

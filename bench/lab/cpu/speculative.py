@@ -21,7 +21,7 @@ from pathlib import Path
 
 import openai
 
-from tests.conftest import Server
+from tests.support.servers import Server
 
 PASSAGES = [
     "The lighthouse stood at the edge of the cliff for two hundred years. Every night its keeper climbed the "

@@ -30,7 +30,7 @@ from engine.model.qwen3_vl import Tower, VisionLanguageLM
 from frontend.images.decode import ImageLimits
 from frontend.images.prepare import prepare
 from ignition.main import main as ignition
-from tests.conftest import Server
+from tests.support.servers import Server
 from tests.support.image_samples import encode, picture
 
 SIDE = 1024

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SIDE = 1024
 # Qwen3-VL's processor (a 1024² picture keeps its size: decode, normalize, patchify), and one that resizes it.
 CONFIGS = {"qwen3-vl (no resize)": 16777216, "max 512x512 (bicubic resize)": 512 * 512}
