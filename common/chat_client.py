@@ -1,5 +1,5 @@
 """The HTTP side of `flare chat` (README "Chat"): a conversation, and its replies streamed from a Flare server's
-OpenAI route `/v1/chat/completions` (docs: ../shared/docs/api-wire-formats.md). Standard library only: common/ takes
+OpenAI route `/v1/chat/completions` (served by frontend/api/openai_chat.py). Standard library only: common/ takes
 no HTTP client dependency, and a chat needs one request at a time."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Error types shared by every process. Each carries the HTTP status it maps to (DESIGN.md, Errors)."""
+"""Error types shared by every process. Each carries the HTTP status it maps to (docs/design.md, Errors)."""
 
 from __future__ import annotations
 

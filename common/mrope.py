@@ -1,4 +1,4 @@
-"""Qwen-VL's multimodal rotary positions (M-RoPE), in numpy (DESIGN.md, Images): every prompt token gets a
+"""Qwen-VL's multimodal rotary positions (M-RoPE), in numpy (docs/design.md, Images): every prompt token gets a
 (t, h, w) position. Text counts up on all three; an image's tokens sit on its merged grid, starting where the text
 stood, and the text after it resumes at that start plus the grid's longer side. A token after the prompt at index i
 has position i + delta on all three axes, where delta is what the images shifted.

@@ -36,14 +36,14 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 
 class LabelQuery(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A scored prefill reads the logits of `token_ids` at prompt position `position` (DESIGN.md, Decisions)."""
+    """A scored prefill reads the logits of `token_ids` at prompt position `position` (docs/design.md, Decisions)."""
 
     position: int
     token_ids: list[int]
 
 
 class Constraint(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Structured output: the grammar the output must follow, as the frontend validated it (DESIGN.md, Beyond
+    """Structured output: the grammar the output must follow, as the frontend validated it (docs/design.md, Beyond
     plain decoding). kind is an llguidance grammar format: "json_schema", "regex", "choice" (a JSON list of
     strings), "lark" or "gbnf"; text is the schema or grammar itself."""
 
@@ -57,7 +57,7 @@ class Hello(_Wire, tag="hello"):
 
 
 class ImageInput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One prepared image of a prompt (DESIGN.md, Images): its placeholder tokens start at `offset`."""
+    """One prepared image of a prompt (docs/design.md, Images): its placeholder tokens start at `offset`."""
 
     identity: bytes  # BLAKE2b-256 of the source bytes and the processor settings (common.vision)
     offset: int  # prompt position of its first placeholder token

@@ -1,4 +1,4 @@
-"""What a vision core's frontends and engine agree on about images (DESIGN.md, Images): the image processor's
+"""What a vision core's frontends and engine agree on about images (docs/design.md, Images): the image processor's
 settings, as `ignition export` reads them from the checkpoint's preprocessor config, and the placeholder tokens.
 No torch here: frontends prepare patches with numpy."""
 
@@ -42,7 +42,7 @@ class ImageProcessing(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 
     def identity(self, source: bytes) -> bytes:
         """BLAKE2b-256 of the image's source bytes and these settings: the prefix cache keys on it (32 bytes, as
-        engine/cache/prefix_history.py's events are)."""
+        common/prefix_history.py's events are)."""
         digest = hashlib.blake2b(digest_size=32)
         digest.update(msgspec.msgpack.encode(self))
         digest.update(source)

@@ -1,4 +1,4 @@
-"""The engine loop (DESIGN.md, The engine loop): ingest, publish completions, plan and submit, sleep."""
+"""The engine loop (docs/design.md, The engine loop): ingest, publish completions, plan and submit, sleep."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How many threads torch's CPU kernels use (DESIGN.md, Model and kernels)."""
+"""How many threads torch's CPU kernels use (docs/design.md, Models and kernels)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tokenizing a long prompt that begins like a recent one: only its new end is encoded (DESIGN.md, Frontend).
+"""Tokenizing a long prompt that begins like a recent one: only its new end is encoded (docs/design.md, Frontends and dialects).
 
 A shared system prompt or document of 16,000 tokens costs a frontend 20-40 ms to tokenize on every request, where the
 engine's prefix cache makes the model's side nearly free. So a frontend keeps its few most recent long prompts with

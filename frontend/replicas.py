@@ -1,4 +1,4 @@
-"""Replicas: a connection to every engine group, and the choice of one for each request (DESIGN.md, Processes).
+"""Replicas: a connection to every engine group, and the choice of one for each request (docs/design.md, Processes).
 
 Each replica announces its prefix cache on its telemetry socket (block keys stored and evicted, the whole set when a
 subscriber arrives); this frontend keeps an approximate index per replica from those announcements, plus the prompts

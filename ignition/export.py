@@ -1,4 +1,4 @@
-"""`ignition export`: turn a checkpoint (Hugging Face directory or GGUF file) into a core (DESIGN.md, Cores)."""
+"""`ignition export`: turn a checkpoint (Hugging Face directory or GGUF file) into a core (docs/design.md, Cores)."""
 
 from __future__ import annotations
 

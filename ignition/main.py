@@ -1,4 +1,4 @@
-"""`ignition`: offline preparation of cores (DESIGN.md, Cores).
+"""`ignition`: offline preparation of cores (docs/design.md, Cores).
 
 Each subcommand is a `_add_<name>` that registers its arguments and a handler; a handler returns nothing and
 raises CoreError (whose message names the file) on failure. `main` turns every failure into one line.

@@ -1,4 +1,4 @@
-"""Quantized weights in a core: groups of 32 with a scale and a minimum, 4- or 8-bit codes (DESIGN.md, Cores).
+"""Quantized weights in a core: groups of 32 with a scale and a minimum, 4- or 8-bit codes (docs/design.md, Cores).
 
 The layout the engine reads is described in engine/model/quant.py. GGUF's Q4_0, Q4_1 and Q8_0 blocks are read
 from the file's bytes and kept exactly (`gguf_blocks`); any other weight is quantized here by rounding to the

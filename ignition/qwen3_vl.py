@@ -1,5 +1,5 @@
 """What `ignition export` adds for Qwen3-VL (ignition/families.py does the rest, the text model's renaming included;
-DESIGN.md, Cores): the vision tower's names and shapes, and the image processor's settings from
+docs/design.md, Cores): the vision tower's names and shapes, and the image processor's settings from
 preprocessor_config.json for the manifest."""
 
 from __future__ import annotations

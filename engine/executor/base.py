@@ -1,4 +1,4 @@
-"""The executor protocol: the engine loop's only view of the device (DESIGN.md, Executors)."""
+"""The executor protocol: the engine loop's only view of the device (docs/design.md, Executors and CUDA graphs)."""
 
 from __future__ import annotations
 

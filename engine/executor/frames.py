@@ -1,4 +1,4 @@
-"""Step input frames: a plan packed into int32 words laid out for one captured graph (DESIGN.md, Executors).
+"""Step input frames: a plan packed into int32 words laid out for one captured graph (docs/design.md, Executors and CUDA graphs).
 
 A frame is what the host uploads per step, in one copy: a header, per-sequence fields, per-token fields, the
 attention blocks of an extend step, and last the page-table entries that changed since the previous frame. The

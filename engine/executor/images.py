@@ -1,4 +1,4 @@
-"""A vision-language step's extra inputs (DESIGN.md, Images): M-RoPE positions for every row, and the features of
+"""A vision-language step's extra inputs (docs/design.md, Images): M-RoPE positions for every row, and the features of
 the image tokens the step's prompt rows hold, from one vision-tower call over their images."""
 
 from __future__ import annotations

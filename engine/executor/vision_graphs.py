@@ -1,4 +1,4 @@
-"""The vision tower replayed from graphs captured at patch capacities (DESIGN.md, Images; docs/gpu.md).
+"""The vision tower replayed from graphs captured at patch capacities (docs/design.md, Images; docs/gpu.md).
 
 The graph of capacity C runs the tower's body (engine/model/qwen3_vl_vision.py: patch embedding, every block with
 its attention as one segment_attention launch, the merger and the deepstack mergers) on C rows of static inputs and

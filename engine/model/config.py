@@ -1,5 +1,5 @@
 """What a decoder model is, per family: one `DecoderConfig` of features, read from the core's config (the Hugging
-Face config.json as `ignition export` wrote it). See DESIGN.md, Model and kernels.
+Face config.json as `ignition export` wrote it). See docs/design.md, Models and kernels.
 
 A family is a set of features here plus, at most, a module for the layers only it has (engine/model/moe.py):
 - llama: the base (Llama 2/3, SmolLM2, Mistral without a sliding window).

@@ -1,6 +1,6 @@
 """Weight-only quantized linears on the CPU: a core's 4- and 8-bit groups run by Flare's AVX2 kernel or PyTorch's.
 
-DESIGN.md, Model and kernels. A quantized core (ignition/quantize.py writes it) holds, for a weight `P.weight` of
+docs/design.md, Models and kernels. A quantized core (ignition/quantize.py writes it) holds, for a weight `P.weight` of
 shape [N, K], codes `P.weight.q4` (uint8 [N, K/2], two codes a byte, low nibble first) or `P.weight.q8` (uint8
 [N, K]), and per group of 32 inputs `P.weight.scale` and `P.weight.min` ([N, K/32]), with
 

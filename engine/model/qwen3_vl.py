@@ -1,4 +1,4 @@
-"""Qwen3-VL in the engine (DESIGN.md, Images): the generic decoder (engine/model/decoder.py) with multimodal rotary
+"""Qwen3-VL in the engine (docs/design.md, Images): the generic decoder (engine/model/decoder.py) with multimodal rotary
 positions, plus the vision tower (engine/model/qwen3_vl_vision.py) whose features replace the image tokens'
 embeddings and whose deepstack features add to the first layers' outputs at those tokens.
 

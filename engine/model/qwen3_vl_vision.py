@@ -1,4 +1,4 @@
-"""The Qwen3-VL vision tower (DESIGN.md, Images), with Hugging Face weight names under `model.visual.`: prepared
+"""The Qwen3-VL vision tower (docs/design.md, Images), with Hugging Face weight names under `model.visual.`: prepared
 patches in, one feature per merged token out, plus the deepstack features that go into the first text layers.
 
 Patch embedding (the Conv3d whose stride equals its kernel is a matmul over the patch row, which the frontend laid

@@ -1,4 +1,4 @@
-"""Structured output in the engine (DESIGN.md, Beyond plain decoding): grammars compiled off the loop and cached,
+"""Structured output in the engine (docs/design.md, Beyond plain decoding): grammars compiled off the loop and cached,
 a matcher per constrained request, and the packed token masks a step's sampling applies.
 
 The grammar engine is llguidance: a grammar spec (kind, text) from the wire becomes an llguidance grammar, and a

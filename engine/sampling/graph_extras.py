@@ -1,5 +1,5 @@
 """Sampling extras inside the captured graphs: penalties, min_tokens bans, logprobs and prompt logprobs
-(DESIGN.md, Executors; the reference semantics are EagerExecutor's and engine/sampling/sampler.py's).
+(docs/design.md, Executors and CUDA graphs; the reference semantics are EagerExecutor's and engine/sampling/sampler.py's).
 
 A step whose rows ask for penalties, logprobs or bans launches the *extras* sampling graph of its sequence capacity
 (one per capacity, greedy and not: grammar masks always applied, the masks buffer set to allow everything when the

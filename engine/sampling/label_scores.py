@@ -1,4 +1,4 @@
-"""Label logits of scored prefills (DESIGN.md, Beyond plain decoding: Decisions).
+"""Label logits of scored prefills (docs/design.md, Beyond plain decoding: Decisions).
 
 A row of a scored prefill carries label queries: at a position of the row, the logits of a few label tokens. The
 eager executor computes the logits of every queried position; a graph step already holds, per sequence row, the

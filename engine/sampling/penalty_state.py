@@ -1,5 +1,5 @@
 """Per-slot penalty state: output token counts and the tokens seen (prompt and output), kept on the device by both
-executors (DESIGN.md, Executors; engine/sampling/sampler.py's penalties read it). The executors count each drawn token
+executors (docs/design.md, Executors and CUDA graphs; engine/sampling/sampler.py's penalties read it). The executors count each drawn token
 themselves; these are the updates of the tokens the host gives a step (prompt chunks, a restarted request's
 history and earlier outputs).
 """

@@ -1,4 +1,4 @@
-"""DecodeCohort: the requests of steady decode steps, with their rows' fields kept as columns (DESIGN.md, Scheduling).
+"""DecodeCohort: the requests of steady decode steps, with their rows' fields kept as columns (docs/design.md, Scheduler and prefix checkpoints).
 
 At 256 live requests a decode step built as a Row per request, then read back field by field by commit, complete
 and the graph executor's frame, cost a Python pass per field per request. A steady step (every row the same request

@@ -1,5 +1,5 @@
 """What the scheduler hands the executor (a Plan) and what comes back (a Completion): both immutable
-(DESIGN.md, Scheduling)."""
+(docs/design.md, Scheduler and prefix checkpoints)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ _FIELD_INDEX = {getter: Row._fields.index(name) for getter, name in zip(_GETTERS
 
 
 class DecodeRows(Sequence[Row]):
-    """A steady decode step's rows as columns (DESIGN.md, Scheduling): the same requests as a step before, each moved
+    """A steady decode step's rows as columns (docs/design.md, Scheduler and prefix checkpoints): the same requests as a step before, each moved
     on by a position. The scheduler builds them without a Row per request, and the step's hot readers (commit,
     complete, the graph executor's frame) take whole columns (`fields`); any other reader sees Rows, made once, on
     first use. `columns` are in Row field order: `start` and `output_index` int64 arrays, the others sequences."""

@@ -42,7 +42,7 @@ class Request:
     max_outputs: int  # output tokens allowed (max_tokens capped by the context)
     arrival: float
     message_ends: list[int] = field(default_factory=list)
-    images: tuple[ImageInput, ...] = ()  # prompt images, in order (DESIGN.md, Images)
+    images: tuple[ImageInput, ...] = ()  # prompt images, in order (docs/design.md, Images)
     # Their placeholder tokens [first, end), atomic for chunking, and how far each moves the M-RoPE position of the
     # text after it (common/mrope.py).
     image_spans: tuple[tuple[int, int, int], ...] = ()

@@ -1,4 +1,4 @@
-"""What a completed step changed, as the scheduler reports it to the engine loop (DESIGN.md, The engine loop)."""
+"""What a completed step changed, as the scheduler reports it to the engine loop (docs/design.md, The engine loop)."""
 
 from __future__ import annotations
 

@@ -644,7 +644,7 @@ class RequestScheduler:
                 request.label_logits[position] = logits
         for row in plan.rows:
             if row.tokens is None:
-                continue  # a decode row: a scored request ends before any (DESIGN.md, Beyond plain decoding)
+                continue  # a decode row: a scored request ends before any (docs/design.md, Beyond plain decoding)
             request = self.slots[row.slot]
             if request is not None and request.generation == row.generation and request.scored \
                     and row.start + row.length == request.prefill_target:

@@ -1,4 +1,4 @@
-"""Decisions over HTTP (DESIGN.md, Beyond plain decoding: Decisions): `/v1/systemone`, the System One route (one
+"""Decisions over HTTP (docs/design.md, Beyond plain decoding: Decisions): `/v1/systemone`, the System One route (one
 state), and `/v1/decisions`, Flare's batch of it (a list of states, one answer set per state).
 
 Each prompt is a scored prefill in the engine: no token is generated, the logits of its labels come back. The

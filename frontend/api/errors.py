@@ -19,7 +19,7 @@ log = logging.getLogger("flare.frontend")
 
 Dialect = Literal["openai", "anthropic", "ollama"]
 
-# Anthropic's documented error types per status (the SDK maps 529 to OverloadedError; we keep DESIGN.md's 503).
+# Anthropic's documented error types per status (the SDK maps 529 to OverloadedError; we keep docs/design.md's 503).
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error"}

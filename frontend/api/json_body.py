@@ -1,4 +1,4 @@
-"""JSON out of the frontend: every response body and server-sent event is encoded here (DESIGN.md, The frontend).
+"""JSON out of the frontend: every response body and server-sent event is encoded here (docs/design.md, Frontends and dialects).
 
 msgspec encodes a chat reply about twenty times faster than json.dumps (1.3 against 24 µs on a slow core), which
 is a few percent of a small request's CPU. Its JSON is compact UTF-8; json.dumps' spacing and escapes differ only

@@ -1,4 +1,4 @@
-"""User text that can never become a control token (DESIGN.md, The frontend: decisions).
+"""User text that can never become a control token (docs/design.md, Decisions).
 
 Control tokens are the tokenizer's special tokens, plus its other added tokens that the template writes itself.
 Before rendering, every control token inside a user string is wrapped in two private-use markers; after rendering,

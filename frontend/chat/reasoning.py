@@ -1,5 +1,5 @@
 """Reasoning: a reply that thinks in `<think>…</think>` (Qwen3, DeepSeek-R1, Phi-4-reasoning) split into its
-reasoning and its answer as it streams (DESIGN.md, The frontend; README.md, Reasoning and tool calls).
+reasoning and its answer as it streams (docs/design.md, Frontends and dialects; README.md, Reasoning and tool calls).
 
 A model reasons when its chat template knows the tags; its reply starts inside the reasoning when the prompt's
 generation prompt opened `<think>` (Qwen3-2507's templates do), and otherwise when the reply opens it first.

@@ -1,5 +1,5 @@
 """A reply taken apart as it streams: reasoning first (reasoning.py), then the answer's text and tool calls
-(tool_parsers.py), in the formats the model's chat template shows (DESIGN.md, The frontend; README.md, Reasoning
+(tool_parsers.py), in the formats the model's chat template shows (docs/design.md, Frontends and dialects; README.md, Reasoning
 and tool calls)."""
 
 from __future__ import annotations

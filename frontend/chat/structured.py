@@ -1,4 +1,4 @@
-"""Structured output requests (DESIGN.md, Beyond plain decoding): each dialect's field becomes one Constraint for
+"""Structured output requests (docs/design.md, Beyond plain decoding): each dialect's field becomes one Constraint for
 the wire, validated here with the grammar engine the engine compiles with (llguidance: torch-free, so the frontend
 may import it), so a bad schema or grammar is a 400 naming its field before anything reaches the engine.
 

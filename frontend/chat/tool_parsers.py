@@ -1,5 +1,5 @@
-"""Tool calls parsed from the model's text as it streams, in the format its chat template taught it (DESIGN.md,
-The frontend; README.md, Reasoning and tool calls). The format is read from the template text: one that writes
+"""Tool calls parsed from the model's text as it streams, in the format its chat template taught it (docs/design.md,
+Frontends and dialects; README.md, Reasoning and tool calls). The format is read from the template text: one that writes
 `[TOOL_CALLS]` is Mistral's, any other is Hermes (Qwen2.5/Qwen3's own, and what a template that knows no tools is
 taught, see tools.py).
 

@@ -1,4 +1,4 @@
-"""Decision prompts (DESIGN.md, The frontend: decisions): a core's decision config, the prompts of a request,
+"""Decision prompts (docs/design.md, Decisions): a core's decision config, the prompts of a request,
 and where their label logits are read.
 
 A core may carry `decision.json` (labels, temperatures, noul option order, whether user text is escaped) and

@@ -1,4 +1,4 @@
-"""System One requests (DESIGN.md, The frontend: decisions): validation, questions with their options, answers.
+"""System One requests (docs/design.md, Decisions): validation, questions with their options, answers.
 
 A request is `{"model", "state", "questions": {name: question}, "assets"}`; a question is a `choice` (criteria map
 options to descriptions), a `score` (criteria list the levels, lowest first) or a `noul` (optional criteria describe

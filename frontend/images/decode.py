@@ -1,4 +1,4 @@
-"""Image bytes to an upright RGB picture, with Pillow-SIMD, on a worker thread (DESIGN.md, Images).
+"""Image bytes to an upright RGB picture, with Pillow-SIMD, on a worker thread (docs/design.md, Images).
 
 Limits come before pixels: `Image.open` reads only the header, so the size of a decompression bomb is known (and
 refused) before anything is allocated for it. Then, as transformers does before its processors (`load_image`'s

@@ -1,4 +1,4 @@
-"""Images in a chat, from the dialects' parts to the wire (DESIGN.md, Images).
+"""Images in a chat, from the dialects' parts to the wire (docs/design.md, Images).
 
 Each dialect turns its image parts into the neutral part `{"type": "image", "url": ...}` inside a message's content
 list, where the chat template finds it (Qwen's templates write `<|vision_start|><|image_pad|><|vision_end|>` for

@@ -1,4 +1,4 @@
-"""An RGB picture to the vision tower's input, in numpy (DESIGN.md, Images): Qwen's smart resize, bicubic,
+"""An RGB picture to the vision tower's input, in numpy (docs/design.md, Images): Qwen's smart resize, bicubic,
 rescale, normalize, and patches of `temporal_patch_size` frames grouped by `merge_size` × `merge_size`.
 
 Step for step what transformers' `Qwen2VLImageProcessorPil` does (the same Pillow resize, the same float64 rescale

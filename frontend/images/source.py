@@ -1,4 +1,4 @@
-"""Where an image's bytes come from (DESIGN.md, Images): a base64 `data:` URL, or a remote http(s) URL when the
+"""Where an image's bytes come from (docs/design.md, Images): a base64 `data:` URL, or a remote http(s) URL when the
 operator allowed its domain (`--allowed-media-domains`), fetched with size and time limits. The encoded-size limit
 holds before anything is decoded: a data URL's length says its size, a download stops at the limit."""
 

@@ -1,4 +1,4 @@
-"""Structured output end to end (DESIGN.md, Beyond plain decoding): a real `flare run` with SmolLM2, judged through
+"""Structured output end to end (docs/design.md, Beyond plain decoding): a real `flare run` with SmolLM2, judged through
 the real openai and anthropic clients; every reply that finished validates against its schema (jsonschema)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""frames.pack on the CPU (DESIGN.md, Executors): every field of a packed frame against its definition per row, and
+"""frames.pack on the CPU (docs/design.md, Executors and CUDA graphs): every field of a packed frame against its definition per row, and
 the page-table patches of a run of frames against the tables they must leave on the device. Seconds, no model."""
 
 from __future__ import annotations

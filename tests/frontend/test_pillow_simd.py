@@ -1,5 +1,5 @@
 """The `PIL` that frontends decode with is Pillow-SIMD (the Makefile installs it over Pillow), with the codecs the
-image path accepts (DESIGN.md, The frontend)."""
+image path accepts (docs/design.md, Frontends and dialects)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from frontend.chat.templates import ChatTemplate, Rendered, TemplateError
 from ignition.template_marks import annotate, has_marks
 
-# A copy of ../shared/data/chat_templates (its README says where each template comes from and under which licence),
+# The chat template corpus (its README.md says where each template comes from and under which licence),
 # kept in the repository so that the corpus tests run wherever the repository is cloned.
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 needs_corpus = pytest.mark.skipif(not (CORPUS / "cases.json").is_file(), reason=f"no chat template corpus at {CORPUS}")

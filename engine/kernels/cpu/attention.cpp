@@ -1,7 +1,7 @@
 // Decode attention of a quantized CPU core in one call: each decode row's new key and value go into their cache
 // slots, and its query heads attend over the row's pages where they lie, instead of aten gathering every page of
 // the batch into a padded copy (aten::index, twice a layer) for SDPA with a mask.
-// DESIGN.md, Model and kernels; engine/kernels/cpu/extension.py builds this file, engine/model/attention.py's
+// docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file, engine/model/attention.py's
 // PagedAttention calls it for the decode rows of quantized CPU cores (prefill spans keep SDPA).
 //
 // Per decode row b and KV head g (the unit of work, spread over threads): the H / KVH query heads of the group

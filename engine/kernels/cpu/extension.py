@@ -4,7 +4,7 @@ has it unless FLARE_QUANT_ISA=avx2: the same bits either way), a decoder layer's
 elementwise ops (engine/kernels/cpu/layer_ops.cpp), decode attention (engine/kernels/cpu/attention.cpp) and a whole layer of a decode step
 (engine/kernels/cpu/decoder_layer.cpp), all beside this file.
 
-DESIGN.md, Model and kernels. The C++ sources are compiled on first use with torch's extension builder (-O3 -mavx2
+docs/design.md, Models and kernels. The C++ sources are compiled on first use with torch's extension builder (-O3 -mavx2
 -mfma -mf16c -ffp-contract=off -fopenmp) into one library in torch's extension cache, under a name carrying the sources'
 and flags' hash, so a changed kernel builds anew and concurrent processes share one build (torch locks the build
 directory). Where the CPU lacks AVX2/FMA, the build fails, or FLARE_QUANT_KERNEL=torch asks for it, quantized

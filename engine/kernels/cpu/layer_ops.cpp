@@ -4,7 +4,7 @@
 //   add_rms_norm  the residual add folded in: (rms_norm(x + residual), x + residual) in one pass;
 //   rotary        x * cos + roll(x, D/2) * signed_sin over q and k heads together (decoder.py's rotate: four);
 //   silu_mul      silu(gate) * up of a fused [gate | up] product (three, and a chunk).
-// DESIGN.md, Model and kernels; engine/kernels/cpu/extension.py builds this file with engine/kernels/cpu/quant.cpp and engine/kernels/cpu/attention.cpp,
+// docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file with engine/kernels/cpu/quant.cpp and engine/kernels/cpu/attention.cpp,
 // engine/model/decoder.py calls the ops for quantized CPU cores (dense cores keep aten's, bit for bit transformers').
 // Sums and products round as aten's fp32 operators do (separate multiplies and adds, no fused multiply-add), so
 // rotary and the residual add are bitwise aten's; the norms' sum of squares runs in 8 lanes and SiLU's e^x is

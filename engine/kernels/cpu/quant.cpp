@@ -1,6 +1,6 @@
 // Flare's weight-only 4- and 8-bit matrix product for AVX2 CPUs: y = x @ w.T with x fp32 [M, K] and w held as
 // groups of 32 weights, w = scale * code + min (GGUF's Q4_0, Q4_1 and Q8_0 blocks).
-// DESIGN.md, Model and kernels; engine/kernels/cpu/extension.py builds and loads this file, engine/model/quant.py packs
+// docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds and loads this file, engine/model/quant.py packs
 // the weights (pack) and calls torch.ops.flare_cpu.quant_mm, for every row count: a row's product is the same bits
 // however many rows share the call (so a prompt scores alike whether its prefix was cached or not).
 //

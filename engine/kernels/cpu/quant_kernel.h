@@ -1,7 +1,7 @@
 // The kernel of Flare's weight-only product (engine/kernels/cpu/quant.cpp: its numerics and layouts), included twice: by
 // engine/kernels/cpu/quant.cpp for AVX2 and by engine/kernels/cpu/quant_vnni.cpp for AVX-512 VNNI, each copy in a namespace of its own
 // (FLARE_QUANT_ISA). Both run the same integer sums (exact) and the same fp32 chain: the same bits.
-// DESIGN.md, Model and kernels. The includer includes this file's headers first (engine/kernels/cpu/quant_vnni.cpp must, so that
+// docs/design.md, Models and kernels. The includer includes this file's headers first (engine/kernels/cpu/quant_vnni.cpp must, so that
 // only this file's code takes its target options).
 #pragma once
 

@@ -1,7 +1,7 @@
 // Flare's weight-only product (engine/kernels/cpu/quant.cpp) built for AVX-512 VNNI: the kernel of engine/kernels/cpu/quant_kernel.h with
 // vpdpbusd and vpdpwssd and AVX-512's 32 registers, the same bits as the AVX2 copy. engine/kernels/cpu/quant.cpp calls it where
 // the CPU has AVX-512 VNNI; only the kernel's own code takes the target options (the headers come first), so
-// nothing shared with the AVX2 code is compiled for AVX-512. DESIGN.md, Model and kernels.
+// nothing shared with the AVX2 code is compiled for AVX-512. docs/design.md, Models and kernels.
 
 #include <immintrin.h>
 

@@ -1,5 +1,5 @@
 // AVX2 helpers shared by Flare's CPU kernels (engine/kernels/cpu/quant.cpp, engine/kernels/cpu/layer_ops.cpp, engine/kernels/cpu/attention.cpp).
-// DESIGN.md, Model and kernels.
+// docs/design.md, Models and kernels.
 #pragma once
 
 #include <immintrin.h>

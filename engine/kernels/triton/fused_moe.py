@@ -1,4 +1,4 @@
-"""Fused mixture-of-experts MLP: top-k routing, tokens grouped by expert, two grouped GEMMs (DESIGN.md, Model and
+"""Fused mixture-of-experts MLP: top-k routing, tokens grouped by expert, two grouped GEMMs (docs/design.md, Models and
 kernels).
 
 Experts of one layer are stored as `w13 [E, 2I, H]` (gate rows, then up rows) and `w2 [E, H, I]`, so the kernels

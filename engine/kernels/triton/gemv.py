@@ -1,5 +1,5 @@
 """Linear layers for steps of a few rows (a decode step of one sequence), with what surrounds them fused in
-(DESIGN.md, Model and kernels: the batch-1 step).
+(docs/design.md, Models and kernels: the batch-1 step).
 
 At batch 1 a decoder layer is four weight streams; cuBLAS reads the big ones near the copy bandwidth but splits the
 small ones (q/k/v, o) over K and sums the parts in a kernel of its own, and around them sit an add+RMSNorm, a SiLU

@@ -1,4 +1,4 @@
-"""Mixture-of-experts routing (DESIGN.md, Model and kernels): the softmax of a token's router logits in float32, its
+"""Mixture-of-experts routing (docs/design.md, Models and kernels): the softmax of a token's router logits in float32, its
 top k experts (the largest first, the lowest id among equals), and with `renormalize` their k weights scaled to sum
 to one (transformers' Mixtral; Qwen3-MoE's norm_topk_prob).
 

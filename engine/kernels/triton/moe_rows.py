@@ -1,4 +1,4 @@
-"""The fused MoE's rows path, for decode steps of a few tokens (DESIGN.md, Model and kernels; the grouped path and
+"""The fused MoE's rows path, for decode steps of a few tokens (docs/design.md, Models and kernels; the grouped path and
 the weight layout are in engine/kernels/triton/fused_moe.py).
 
 A decode step of a token or a few has about one (token, k) pair per active expert, so the grouped GEMM's tiles would

@@ -1,4 +1,4 @@
-"""Bidirectional attention within segments of contiguous rows: the vision tower's (DESIGN.md, Images; each image's
+"""Bidirectional attention within segments of contiguous rows: the vision tower's (docs/design.md, Images; each image's
 patches see every patch of the same image and nothing else), for every image of a call in one launch.
 
 Not a mode of extend_attention.py: that kernel reads its keys through the paged cache, causally, with key splits
