@@ -2,7 +2,7 @@
 
 The GPU peer of `flare-bench compare`. It serves a Flare core through `ContinuousBatchingManager`, reading the
 core's weights, tokenizer and chat template with Flare's own frontend code, so both servers see token-identical
-prompts. It is run by hand, never by Flare or CI, and imports transformers (the `ignition` extra):
+prompts. It is not part of Flare's server or test suite, and imports transformers (the `ignition` extra):
 
     python -m bench.hf_server cores/smollm2-135m --port 8100 [--device cuda]
 

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Flare on the quantized core, Flare on the fp32 core and (with LLAMA_SERVER=path/to/llama-server) llama-server on
-# the same GGUF, the same prompts, interleaved by `flare-bench compare`: 1 stream, then 16 (bench/results-cpu.md).
+# the same GGUF, the same prompts, interleaved by `flare-bench compare`: 1 stream, then 16 (docs/cpu.md).
 # Usage, from the repository root after `make core`: bash bench/lab/cpu/compare.sh OUT_DIR [PROMPTS_1 PROMPTS_16]
 # THREADS=N gives every server N threads (OMP_NUM_THREADS for Flare, -t/-tb for llama-server); default: the cores.
 set -euo pipefail

@@ -1,7 +1,7 @@
 #!/bin/bash
 # A/B of Flare servers on a shared machine: each serves the q4 core from its own tree (and environment), and the
 # same `flare-bench serve` workload runs against them in alternating rounds, the order reversed every round, so that
-# other work on the machine falls on both alike (bench/results-cpu-kernels.md, "Threads, the output layer and attention").
+# other work on the machine falls on both alike (docs/cpu.md, "Reproducing").
 # Prints one line a round and server: output tok/s, mean TTFT and TPOT (ms), the engine's CPU seconds, load average.
 # Usage, from the repository root after `make core`:
 #   bash bench/lab/cpu/rounds.sh ROUNDS CONCURRENCY PROMPTS LABEL:TREE:PORT[:VAR=VALUE,...] ...

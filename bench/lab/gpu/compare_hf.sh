@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Flare against Hugging Face transformers' continuous batching (bench/hf_server.py) on one random-weight
-# architecture, one GPU each, the same prompts: run on nvidia-h200-x2 from the repository root (python3 there holds
-# torch, transformers and CuPy; pyzmq, msgspec and minijinja come as wheels, see ../shared/tools/gpu-wheels.sh).
+# architecture, one GPU each, the same prompts. Needs two GPUs; run it from the repository root with a python3 that
+# holds Flare's dependencies, the ignition extra (transformers) and CuPy (docs/gpu.md, Reproducing).
 #   bench/lab/gpu/compare_hf.sh OUT_DIR [LAYERS]
 set -euo pipefail
 out=${1:?output directory}; layers=${2:-8}

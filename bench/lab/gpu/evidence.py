@@ -1,9 +1,11 @@
-"""GPU evidence for the graph executor (issue 4), printed as tables. Run on the device machine:
+"""What the graph executor does on a GPU, printed as markdown tables: greedy tokens against the eager executor,
+decode step times against batch, the engine loop's GPU busy fraction, sampling extras in graphs, prefill MFU.
 
     python -m bench.lab.gpu.evidence [--cores DIR] [--out FILE] [--only SECTION ...]
 
-Sections: correctness, decode, smollm (the default), extras (issue 16 part 5: penalties and logprobs in graphs) and
-prefill (issue 16 part 2: prefill steps of 1024-token prompts at 512 to 8192 tokens a step, and their MFU).
+Sections: correctness, decode, smollm (the default three), extras (penalties and logprobs in the sampling graphs:
+batch-64 decode steps with some rows asking) and prefill (prefill steps of 1024-token prompts at 512 to 8192 tokens
+a step, and their MFU). docs/gpu.md has the current tables.
 
 Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
 Llama-3.1-8B with 4 layers (correctness) and with all 32 (speed).
@@ -192,7 +194,7 @@ def smollm(cores: Path) -> None:
         wall, gpu = times["graph"][batch]
         say(f"| {batch} | {eager:.3f} | {wall:.3f} | {gpu:.3f} | {eager / wall:.1f}x |")
     say()
-    for batch in (64, 256):  # issue 16: the host's work per step must hide behind the device's at both
+    for batch in (64, 256):  # the host's work per step must hide behind the device's at both
         busy, per_step, steps = engine_loop_busy(model, manifest, graph_for_loop(model, manifest, batch), batch,
                                                  batch, 128, 320)
         say(f"Engine loop at batch {batch}: GPU busy {busy:.2%} over {steps} decode steps ({per_step:.3f} ms per "
@@ -227,7 +229,7 @@ def extras(cores: Path) -> None:
         wall = time_steps(executor, plan, 100)
         gpu = statistics.median(end - start for start, end, _, _ in list(executor.spans)[-100:])
         base = base or wall
-        executor._layout_for = lambda _: None  # every step through EagerExecutor's, as before issue 16 part 5
+        executor._layout_for = lambda _: None  # every step through EagerExecutor's: how such steps ran before the extras graphs
         eager = time_steps(executor, plan, 20) if plan is not plain else float("nan")
         say(f"| {name} | {wall * 1000:.3f} | {gpu:.3f} | {base / wall:.1%} | {eager * 1000:.3f} |")
     executor.close()
@@ -261,7 +263,8 @@ def prefill_flops(model, plan: Plan) -> float:
 
 
 def prefill(cores: Path) -> None:
-    """Prefill steps of the 8B in graphs at the token budgets the engine runs (512 before, 8,192 now on an H200)."""
+    """Prefill steps of the 8B in graphs at the token budgets the engine runs (512 tokens up to 8,192, an H200's
+    default step budget: engine/executor/factory.py)."""
     manifest, model = load_model(core(cores, "llama-3.1-8b"), torch.device("cuda"), verify=False)
     page_size = manifest.capacities.page_size
     executor = GraphExecutor(model, 8 * -(-PROMPT // page_size) + 16, page_size, 16, torch.device("cuda"),

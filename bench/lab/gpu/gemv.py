@@ -1,4 +1,4 @@
-"""Projections of a few rows (issue 16, batch 1), printed as markdown tables. Run on the device machine:
+"""Projections of a few rows (the batch-1 decode step), printed as markdown tables:
 
     python -m bench.lab.gpu.gemv [--out FILE] [--only sweep|layer]
 

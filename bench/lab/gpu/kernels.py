@@ -1,4 +1,4 @@
-"""GPU kernel benchmarks (issues 12 and 16), printed as markdown tables. Run on the device machine:
+"""The Triton kernels on a GPU (fused MoE, extend and decode attention), printed as markdown tables:
 
     python -m bench.lab.gpu.kernels [--out FILE] [--only moe|extend|decode|tiles|moe-configs]
 

@@ -7,7 +7,8 @@ runs `flare-bench serve` against it (completions endpoint, --ignore-eos) and pri
 Rows that share a server run back to back on it; beside its figure a row prints the mean TTFT as the client saw
 it, as the server measured it (frontend arrival to first token) and the engine's mean queue time (arrival to first
 step), the last two from /metrics. A row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for
-the `tp2-*` and `replicas2-*` rows); on the device machine pyzmq, msgspec and minijinja come as wheels (../shared/tools/gpu-wheels.sh).
+the `tp2-*` and `replicas2-*` rows) and Flare's dependencies installed beside torch (`pip install -e '.[cuda13]'`,
+or the extra of torch's CUDA major). `--device cpu` runs a row on the CPU, to check the script itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Speculative decoding on a GPU (docs/speculative.md, Evidence), for the lead to run on an H200:
+"""Speculative decoding on a GPU (docs/speculative.md, GPU), printed as markdown tables:
 
 1. verify-step time against width W = 1, 2, 4, 8 at batch 1, 16, 64 (a Llama 3.1 8B synth core, bf16): W = 1 is the
    plain decode step (graph and eager), W > 1 a verify step of B requests with W target positions each;

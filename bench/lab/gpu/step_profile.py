@@ -1,5 +1,5 @@
-"""A decode step of the 8B at batch 1, kernel by kernel (issue 16 part 4): torch.profiler over replays of the
-captured graph, which lists the kernels inside it. Run on the device machine:
+"""A decode step of the 8B at batch 1, kernel by kernel: torch.profiler over replays of the captured graph, which
+lists the kernels inside it:
 
     python3 -m bench.lab.gpu.step_profile CORE [--contexts 640,4096] [--steps 20]
 

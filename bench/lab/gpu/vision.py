@@ -1,4 +1,4 @@
-"""GPU evidence for images (issue 13), printed as tables. Run on the device machine:
+"""Images on a GPU, printed as tables: the vision tower's time per image and a one-image chat's time to first token:
 
     python -m bench.lab.gpu.vision [--cores DIR] [--layers N]
 

@@ -1,5 +1,5 @@
-"""Host time from request to first token, for a prompt after a long cached prefix and for a short prompt alone (issue
-16: 64 new tokens after a cached 16,000-token prefix should cost little more than 64 tokens alone).
+"""Host time from request to first token, for a prompt after a long cached prefix and for a short prompt alone
+(64 new tokens after a cached 16,000-token prefix should cost little more than 64 tokens alone: docs/host.md).
 
     python -m bench.lab.host.first_token --core DIR [--prefix-len 16000] [--new-len 64] [--requests 40]
                               [--part engine,submit,frontend] [--engine null|loop] [--step-ms 0]

@@ -1,4 +1,4 @@
-"""Where a short prompt's time to the first token goes on the host, hop by hop (issue 16).
+"""Where a short prompt's time to the first token goes on the host, hop by hop (docs/host.md).
 
     python -m bench.lab.host.latency_chain --core DIR [--requests 100] [--new-len 64] [--step-ms 0] [--port 18421]
 

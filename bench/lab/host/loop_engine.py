@@ -1,5 +1,5 @@
 """The engine's own loop (engine/core.py: ingest, admission, scheduling, publication) with an executor whose steps
-take a fixed time and no device, so a benchmark times the host's whole path to the first token (issue 16).
+take a fixed time and no device, so a benchmark times the host's whole path to the first token.
 
     python -m bench.lab.host.loop_engine --core DIR --listen ADDR [--step-ms 0]
 
