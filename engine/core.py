@@ -133,7 +133,7 @@ class Engine:
         """0.0 to plan a step now, else when to (monotonic seconds). The first step in flight, always; a second one,
         when a prompt waits for it, when every slot is taken (no prompt could join it), or SUBMIT_LEAD before the
         first is expected to end: planned earlier, a prompt that arrives in the meantime would wait for the step
-        after it (the queue time of issue 16's sharegpt row). A step that ends before its expected end leaves the GPU
+        after it (the queue time of the 8b-sharegpt serving row, docs/gpu.md). A step that ends before its expected end leaves the GPU
         idle for the host's planning, so a full server does not defer."""
         scheduler = self.scheduler
         if not self._expected_ends or scheduler.waiting or scheduler.prefilling or None not in scheduler.slots:

@@ -160,7 +160,7 @@ def byte_level_bpe(vocab_size: int, specials: tuple[str, ...] = SPECIALS) -> Tok
     Only the 256 byte tokens can be part of a character: as in real vocabularies (0.6% of SmolLM2's tokens are not
     valid UTF-8 alone), a random-weight model's tokens are nearly all whole text. With merges over every byte, 72%
     were not, and a stream's detokenizer held them back, so a client's TTFT and inter-token times on a synth core
-    measured those hold-backs rather than the server (docs/gpu.md, the eighth session's batch-1 TTFTs)."""
+    measured those hold-backs rather than the server (docs/gpu.md, Serving)."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: (not ch.isalnum(), ch))
     regular = vocab_size - len(specials)
     if regular < len(alphabet):

@@ -50,7 +50,7 @@ def fp32_server(fp32_core_dir: Path):
     """A server of the fp32 core: for tests whose greedy tokens must not depend on what else runs in a step or what
     the prefix cache holds. A quantized core rounds activations to bfloat16 before every product, so the last-bit
     differences of CPU attention over other padding (torch's SDPA is not invariant to it) can flip a near tie;
-    in fp32 they stay far below the margins (bench/results-cpu.md, CPU: quantized cores)."""
+    in fp32 they stay far below the margins (docs/cpu.md, "Batch invariance")."""
     server = Server(fp32_core_dir)
     yield server
     server.stop()

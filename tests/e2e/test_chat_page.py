@@ -222,8 +222,8 @@ def test_reasoning_shown_apart_from_the_answer(page, thinking_stack: ScriptedSta
 
 @pytest.fixture(scope="module")
 def vision_server(tmp_path_factory):
-    """`flare run` of a tiny random Qwen3-VL exported by ignition (the vision branch's checkpoint builder)."""
-    vision_checkpoint = pytest.importorskip("tests.support.vision_checkpoint", reason="needs the vision models (issue 13)")
+    """`flare run` of a tiny random Qwen3-VL exported by ignition (tests/support/vision_checkpoint.py)."""
+    vision_checkpoint = pytest.importorskip("tests.support.vision_checkpoint", reason="needs the vision checkpoint builder")
     root = tmp_path_factory.mktemp("page-vision")
     vision_checkpoint.build(root / "hf")
     server = Server(vision_checkpoint.export(root / "hf", root / "core"))

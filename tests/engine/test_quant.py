@@ -33,7 +33,7 @@ PRODUCT_TOLERANCE = 2**-7
 # products to int8 steps of their group of 32 (as llama.cpp's Q4 x Q8_1 products do; 8-bit ones to int16), 1.51 to
 # 1.54, with greedy tokens equal on two prompts and a near tie flipped on the haiku's (fp32 top two 0.14 apart;
 # with int16 inputs for 4-bit products too, as before 2026-12-02: 0.01, at half the speed without AVX-512 VNNI;
-# bench/results-cpu-kernels.md, "int8 inputs for 4-bit products").
+# docs/cpu.md, "Accuracy").
 LOGIT_TOLERANCE = 2.0
 NEW_TOKENS = 24
 
@@ -246,7 +246,7 @@ def parity_prompts(core_dir: Path) -> list[list[int]]:
 
 
 def test_quantized_core_equals_its_fp32_dequantization(core_dir: Path, quantized_and_dequantized) -> None:
-    """Both checks of the issue: teacher-forced logits agree within LOGIT_TOLERANCE everywhere, and greedy tokens
+    """Both accuracy checks of a quantized core: teacher-forced logits agree within LOGIT_TOLERANCE everywhere, and greedy tokens
     are equal, or first differ only where the fp32 top two are within that tolerance (a near tie that the
     kernel's rounding may flip)."""
     quantized, dense = quantized_and_dequantized

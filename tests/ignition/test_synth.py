@@ -44,7 +44,7 @@ def test_byte_level_bpe_has_the_exact_size_and_round_trips(size: int) -> None:
 
 def test_qwen3_vl_8b_preset_is_qwen3_vl_8b_with_its_processor() -> None:
     """The preset's config, placeholder tokens and processor settings, and the tower's shapes (meta device: the
-    8B weights are written only on the GPU machine, `bench/lab/gpu/vision.py`)."""
+    8B weights are written only on a GPU, by `bench/lab/gpu/vision.py`)."""
     from ignition.families import normalised_config
     from ignition.qwen3_vl import image_processing, vision_shapes
     from ignition.synth import SynthSource

@@ -8,7 +8,7 @@
 // read each key once; scores s_j = scale * q . k_j in fp32 for the row's keys j < context_lens[b] (the last
 // `window` of them for a sliding-window layer), then a softmax, e_j = exp(s_j - max s) and out = sum_j e_j v_j /
 // sum_j e_j. Every row is computed alone, so its result does not depend on the other rows of the step (SDPA's
-// padded batch did: bench/README.md).
+// padded batch did: docs/cpu.md, "Batch invariance").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

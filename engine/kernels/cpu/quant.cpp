@@ -5,10 +5,10 @@
 // however many rows share the call (so a prompt scores alike whether its prefix was cached or not).
 //
 // Why its own kernel: without AVX-512, PyTorch's _weight_int4pack_mm_for_cpu needs bfloat16 inputs and runs at
-// about 2 GB/s of weights (bench/README.md, "On an AVX2-only machine").
+// about 2 GB/s of weights (docs/cpu.md, "On an AVX2-only machine").
 // The kernel itself is engine/kernels/cpu/quant_kernel.h, built here for AVX2 and in engine/kernels/cpu/quant_vnni.cpp for AVX-512 VNNI, which
-// runs where the CPU has it (FLARE_QUANT_ISA=avx2 keeps the AVX2 copy): the same bits (bench/README.md, "Blocks of
-// 8 output columns").
+// runs where the CPU has it (FLARE_QUANT_ISA=avx2 keeps the AVX2 copy): the same bits (docs/cpu.md, "Flare's
+// kernels").
 //
 // Per group g of 32 inputs, column n and row r:
 //     sum_k x[k] w[k] = scale[g] * sum_k x[k] code[k] + min[g] * sum_k x[k].

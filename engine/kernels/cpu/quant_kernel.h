@@ -44,7 +44,7 @@ using flare_cpu::MIN_WORK_PER_THREAD;
 //   int16 (at most 2 * 15 * 127 a pair, so a group's 16 pairs a lane sum exactly in int16, at most 30480), and one
 //   vpmaddwd against ones a group widens the sums to int32; VNNI's vpdpbusd does both in one. 64 multiply-adds a
 //   lane a group take 8 vpmaddubsw and 8 adds, against 16 vpmaddwd and 16 adds with int16 inputs (AVX2, one
-//   thread, 16 x 576 -> 1536: 65 -> 110 GMAC/s; VNNI 95 -> 160; bench/README.md, "int8 inputs").
+//   thread, 16 x 576 -> 1536: 65 -> 110 GMAC/s; VNNI 95 -> 160; docs/cpu.md, "Flare's kernels").
 //   8-bit codes meet int16 inputs (8-bit codes by int8 inputs would overflow vpmaddubsw's int16 pair sums):
 //   vpmaddwd, 2 products a lane, then an add; VNNI's vpdpwssd does both.
 template <int BITS>

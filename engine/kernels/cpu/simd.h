@@ -16,7 +16,7 @@ constexpr int64_t MIN_WORK_PER_THREAD = 1 << 16;
 // (products of 0.3 to 1.8 million, attention of 0.2 million) then runs on one thread but for its output layer (28
 // million), and prefill chunks and batches of 16 on all: on a two-core machine the frontend and the engine loop
 // need the other core at one stream, and every parallel region waits for its slower thread, which other work may
-// hold (bench/README.md, "Threads, the output layer and attention").
+// hold (docs/cpu.md, "Threads").
 constexpr int64_t MIN_MULTIPLY_ADDS_PER_THREAD = int64_t{1} << 22;
 
 inline float hsum(__m256 v) {
