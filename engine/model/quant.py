@@ -16,7 +16,7 @@ to int16 for 8-bit ones (2^-16). It runs prefill chunks too, although
 dequantizing to fp32 for PyTorch's GEMM is faster from 32 rows on (15 against 22 ms at 512 x 576 -> 1536, two
 threads): a row's product must not depend on the rows beside it, or a prompt's last position would score
 differently with its prefix cached than without (the input rounding turns the GEMM's other summation order into
-differences of 1e-3 in logprobs). bench/results-cpu-kernels.md, "On an AVX2-only machine", has the measurements.
+differences of 1e-3 in logprobs). docs/cpu.md, "On an AVX2-only machine", has the measurements.
 
 Otherwise PyTorch's `torch.ops.aten._weight_int4pack_mm_for_cpu`, which computes x @ w.T for
 w = (code - 8) * scale + zero in groups of 32, so a 4-bit group maps onto it with zero = min + 8 * scale. An 8-bit

@@ -22,8 +22,8 @@ DRAFT_KV_FRACTION = 0.25  # of the target's KV budget, for the draft model's pag
 
 def default_mode(draft: Path | None, device: torch.device) -> str:
     """What measured best (docs/speculative.md, Evidence): on the CPU the draft model when one is given, else copy
-    proposals. On a GPU, off until verify steps run in captured graphs: an eager verify step costs several graph
-    decode steps there, which acceptance rarely repays."""
+    proposals. On a GPU, off: verify steps run in the decode graphs and pay at high acceptance, but what they cost
+    on unpredictable traffic, where each request's learning must fall back to plain decoding, is not measured yet."""
     if device.type == "cuda":
         return "off"
     return "draft" if draft is not None else "ngram"
