@@ -1,6 +1,6 @@
 """The C++ ops backend: a quantized fp32 core on the CPU, where Flare's C++ ops build (engine/kernels/cpu/
 extension.py). The residual stream of the kernel path (residual.py), each residual add folded into the norm after
-it (flare_cpu::add_rms_norm), q/k norms in one op each (flare_cpu::rms_norm), rotary in one op, SiLU(gate) * up in
+it (flare_cpu::add_rms_norm), Llama-style q/k norms in one op (flare_cpu::rms_norm), rotary in one op, SiLU * up in
 one op, and the decode rows' attention in one call over their pages (flare_cpu::decode_attention); in a step of
 decode rows only, each Llama-style layer in one call of the same functions (flare_cpu::decoder_layer). Each
 computes what the torch ops it replaces do, within a few units in the last place of fp32
@@ -28,6 +28,8 @@ LayerWeights = tuple[list[torch.Tensor], list[int]]
 
 @dataclass(frozen=True)
 class CpuOps:
+    """Made by prepare, once per model; holds what each layer's one-call decode reads."""
+
     whole_layers: tuple[LayerWeights | None, ...]  # per layer; None: the layer runs op by op in every step
 
     @classmethod

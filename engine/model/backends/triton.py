@@ -28,6 +28,8 @@ from engine.model.qwen3_vl_vision import TowerInputs, VisionTower
 
 
 class Triton:
+    """Holds the rope tables it made for its model, and how many tokens a step may have to take the GEMVs."""
+
     def __init__(self, model: CausalLM, max_positions: int) -> None:
         """Prepares `model`'s weights for the kernel path; its positions go up to `max_positions`."""
         prepare_weights(model)
