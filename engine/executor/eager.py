@@ -18,7 +18,8 @@ from common.protocol import Logprobs
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
 from engine.model.decoder import CausalLM
-from engine.model.qwen3_vl import Tower, VisionLanguageLM
+from engine.model.image_features import Tower
+from engine.model.qwen3_vl import VisionLanguageLM
 from engine.sampling.label_scores import eager_scores
 from engine.sampling.penalty_state import apply_known_tokens, known_tokens
 from engine.sampling.sampler import apply_penalties, sample, token_logprobs

@@ -45,6 +45,7 @@ from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_v
                                     verify_rows, verify_spans)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
+from engine.model.backends.triton import KernelTower
 from engine.model.decoder import CausalLM
 from engine.model.qwen3_vl import VisionLanguageLM
 from engine.sampling.graph_extras import (PROMPT_ROWS, ExtrasBuffers, StepExtras, extras_words, graph_holds_extras,
@@ -204,7 +205,8 @@ class GraphExecutor:
         self._vision: VisionGraphs | None = None
         if isinstance(model, VisionLanguageLM):  # its tower's graphs first: their scratch is the largest
             capacities = vision_capacities(self._extend_caps[-1], model.visual.config.merge_size)
-            self._vision = VisionGraphs(model.visual, capacities, device, self._pool, self._model_stream)
+            self._vision = VisionGraphs(KernelTower(model.visual), capacities, device, self._pool,
+                                        self._model_stream)
             self._eager.vision_tower = self._vision
             log.info("vision tower: %d graphs at %s patches, %.0f MiB", self._vision.graph_count, capacities,
                      self._vision.memory_bytes / 2**20)

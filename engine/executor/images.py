@@ -8,7 +8,8 @@ import torch
 
 from common.mrope import mrope_delta, mrope_rows
 from common.protocol import ImageInput
-from engine.model.qwen3_vl import ImageFeatures, Tower, VisionLanguageLM
+from engine.model.image_features import ImageFeatures, Tower
+from engine.model.qwen3_vl import VisionLanguageLM
 from engine.scheduler.plan import Plan
 
 

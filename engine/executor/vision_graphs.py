@@ -27,7 +27,8 @@ import time
 import torch
 
 from engine.kernels.triton.segment_attention import segment_bounds
-from engine.model.qwen3_vl_vision import TowerInputs, VisionTower
+from engine.model.backends.triton import KernelTower
+from engine.model.qwen3_vl_vision import TowerInputs
 
 MIN_PATCHES = 1024
 MAX_PATCHES = 16384
@@ -58,19 +59,18 @@ def groups(lengths: list[int], capacity: int) -> list[tuple[int, int]]:
 class VisionGraphs:
     """Callable like the tower: (patches [rows, patch_dim], grids) -> (features, deepstack)."""
 
-    def __init__(self, tower: VisionTower, capacities: list[int], device: torch.device,
+    def __init__(self, tower: KernelTower, capacities: list[int], device: torch.device,
                  pool: tuple[int, int] | None = None, stream: torch.cuda.Stream | None = None) -> None:
-        if not tower.kernels:
-            raise ValueError("vision graphs run the tower's kernel path: call use_kernels() first")
+        """`tower`: the tower on the kernel path, whose body the graphs capture."""
         started = time.monotonic()
         self.tower = tower
         self.capacities = sorted(capacities)
         top = self.capacities[-1]
-        c = tower.config
-        dtype = tower.patch_embed.proj.weight.dtype
+        c = tower.module.config
+        dtype = tower.module.patch_embed.proj.weight.dtype
         head_dim = c.hidden_size // c.num_heads
         tokens = top // c.merge_size ** 2
-        self._patches = torch.zeros(top, tower.patch_dim, dtype=dtype, device=device)
+        self._patches = torch.zeros(top, tower.module.patch_dim, dtype=dtype, device=device)
         self._positions = torch.zeros(top, c.hidden_size, dtype=dtype, device=device)
         self._cos = torch.ones(top, 1, head_dim, device=device)
         self._sin = torch.zeros(top, 1, head_dim, device=device)
@@ -146,7 +146,7 @@ class VisionGraphs:
             self._graphs[capacity].replay()
         else:
             self._body(capacity)
-        tokens = rows // self.tower.config.merge_size ** 2
+        tokens = rows // self.tower.module.config.merge_size ** 2
         return self._features[:tokens].clone(), [layer[:tokens].clone() for layer in self._deepstack]
 
     def close(self) -> None:

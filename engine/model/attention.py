@@ -1,4 +1,5 @@
-"""Paged attention: plain torch (the reference path, and the one the CPU runs) and the Triton kernels' dispatch.
+"""Paged attention in plain torch (the reference), and the metadata a step hands the attention: `AttentionMetadata`
+for the torch ops, `KernelMetadata` for the Triton kernels (engine/model/backends/triton_layers.py runs them).
 
 The KV cache of one layer is a flat array of token slots, `[num_pages * page_size, kv_heads, head_dim]` for K and
 again for V; a request's page table lists its pages in order. Model code never sees this layout: it hands
@@ -8,9 +9,8 @@ graph) through to the attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -81,12 +81,6 @@ class KernelMetadata:
     extend: ExtendBatch | None = None
 
 
-@lru_cache
-def multiprocessors(device: torch.device) -> int:
-    # Under the CPU interpreter (tests) any small count will do.
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
     """A step of decode rows only goes to the split-KV decode kernel; a step with prefill spans goes whole to the
     extend kernel, its decode rows as one-token sequences, as a captured extend graph runs it (the extend kernel's
@@ -115,32 +109,6 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
         torch.cat([ints([span.context_len for span in meta.prefills]), decode_ints(meta.decode_context_lens)]),
         ints(block_seq), ints(block_first))
     return KernelMetadata(meta.slot_mapping, meta.page_size, extend=extend)
-
-
-def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
-                     scale: float, window: int | None = None) -> torch.Tensor:
-    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined.
-    With a window, a query sees its own key and the window - 1 before it (sliding-window layers)."""
-    from engine.kernels.triton.decode_attention import decode_attention, num_splits
-    from engine.kernels.triton.extend_attention import extend_attention
-
-    out = torch.empty_like(q)
-    if meta.decode is not None:
-        d = meta.decode
-        rows = q if d.rows is None else q[d.rows]
-        # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
-        splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
-        result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
-                                  meta.page_size, scale, splits, window=window or 0)
-        if d.rows is None:
-            out = result
-        else:
-            out[d.rows] = result
-    if meta.extend is not None:
-        e = meta.extend
-        extend_attention(q, k_cache, v_cache, out, e.page_tables, e.seq_table, e.query_start, e.query_len,
-                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0)
-    return out
 
 
 def page_slots(page_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -214,45 +182,22 @@ class PagedAttention(torch.nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.window = window
-        # A quantized CPU core's decode rows in one C++ call (flare_cpu::decode_attention, engine/model/
-        # engine/kernels/cpu/attention.cpp; CausalLM.use_cpu_ops sets it): it stores their k/v and attends over their pages.
-        self.decode_op: Callable[..., torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; returns [T, H, D]. Decode rows are one batched
-        SDPA call (or decode_op's), prefill spans another, whatever the number of sequences."""
-        if self.decode_op is not None and not meta.prefills:  # the step's rows are its decode rows, in order
-            return self._decode_op(q, k, v, k_cache, v_cache, meta)
+        SDPA call, prefill spans another, whatever the number of sequences."""
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
         parts = []
         if meta.decode_rows.numel():
-            parts.append((meta.decode, self._decode(q, k_cache, v_cache, meta.decode) if self.decode_op is None
-                          else self._decode_op(q, k, v, k_cache, v_cache, meta).unsqueeze(1)))
+            parts.append((meta.decode, self.decode(q, k_cache, v_cache, meta.decode)))
         if meta.prefills:
-            parts.append((meta.prefill, self._prefill(q, k_cache, v_cache, meta.prefill)))
-        # One part whose rows are the step's rows in order (all decodes, or one prefill): nothing to scatter.
-        if len(parts) == 1 and len(meta.prefills) <= 1 and parts[0][0].rows.numel() == q.shape[0]:
-            return parts[0][1].reshape(q.shape)
-        out = torch.empty_like(q)
-        for batch, result in parts:
-            if batch.valid is None:
-                out[batch.rows.flatten()] = result.flatten(0, 1)
-            else:
-                out[batch.rows[batch.valid]] = result[batch.valid]
-        return out
+            parts.append((meta.prefill, self.prefill(q, k_cache, v_cache, meta.prefill)))
+        return step_rows(q, parts, meta)
 
-    def _decode_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The decode rows by decode_op, which writes their k/v (again, in a step with prefills: the same values).
-        Returns [Bd, H, D]."""
-        return self.decode_op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_rows,
-                              meta.decode_page_tables, meta.decode_context_lens, meta.page_size, self.scale,
-                              self.window or 0)
-
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: SequenceBatch) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               batch: SequenceBatch) -> torch.Tensor:
         """One query per sequence: the query heads of a KV group become that group's rows, so SDPA needs no
         GQA expansion. Returns [B, 1, H, D]."""
         count, kv_heads = batch.rows.shape[0], self.num_kv_heads
@@ -263,8 +208,8 @@ class PagedAttention(torch.nn.Module):
                                              scale=self.scale)
         return out.reshape(count, 1, self.num_heads, q.shape[-1])
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 batch: SequenceBatch) -> torch.Tensor:
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: SequenceBatch) -> torch.Tensor:
         """Returns [S, L, H, D]."""
         keys = k_cache[batch.slots].transpose(1, 2)
         values = v_cache[batch.slots].transpose(1, 2)
@@ -272,3 +217,18 @@ class PagedAttention(torch.nn.Module):
                                              attn_mask=batch.mask_for(self.window), scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)
+
+
+def step_rows(q: torch.Tensor, parts: list[tuple[SequenceBatch, torch.Tensor]],
+              meta: AttentionMetadata) -> torch.Tensor:
+    """The step's output [T, H, D] from each part's (batch, its output [S, L, H, D])."""
+    # One part whose rows are the step's rows in order (all decodes, or one prefill): nothing to scatter.
+    if len(parts) == 1 and len(meta.prefills) <= 1 and parts[0][0].rows.numel() == q.shape[0]:
+        return parts[0][1].reshape(q.shape)
+    out = torch.empty_like(q)
+    for batch, result in parts:
+        if batch.valid is None:
+            out[batch.rows.flatten()] = result.flatten(0, 1)
+        else:
+            out[batch.rows[batch.valid]] = result[batch.valid]
+    return out

@@ -9,7 +9,7 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
-from engine.kernels.cpu import extension
+from engine.model.backends.select import backend_kind, use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.quant import (codes_of, dequantize, dequantize_all, is_quantized, output_layer, quantize_linears,
@@ -29,7 +29,8 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
                verify: bool = True, tp: TensorParallel | None = None,
                dequantized: bool = False) -> tuple[Manifest, CausalLM]:
-    """On CUDA the model runs the kernel path (Triton, fused projections); elsewhere the torch reference.
+    """The model's backend is chosen here, once (engine/model/backends/select.py): on CUDA the kernel path
+    (Triton, fused projections); on the CPU the torch reference, or Flare's C++ ops for a quantized fp32 core.
     A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
     they are dequantized to `dtype` at load."""
     manifest = load_manifest(core, verify=verify)
@@ -70,10 +71,5 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     elif head_parts is not None:
         model.lm_head = output_layer(model.lm_head, lambda: dequantize(*head_parts).to(dtype))
     model.set_rope(device)
-    if device.type == "cuda":
-        model.use_kernels(manifest.context_limit)
-    elif quantized:
-        model.fuse_projections()
-        if dtype == torch.float32 and extension.layer_ops_ready():
-            model.use_cpu_ops()
+    use_backend(model, backend_kind(device, quantized, dtype), manifest.context_limit)
     return manifest, model.eval()

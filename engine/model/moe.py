@@ -1,6 +1,7 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks the top k of E experts per token.
 
-Expert weights are stacked per layer, the layout the fused kernel reads in place (engine/kernels/triton/fused_moe.py):
+Expert weights are stacked per layer, the layout the fused kernel reads in place (engine/kernels/triton/fused_moe.py,
+which the kernel path runs: engine/model/backends/triton_layers.py):
 `w13 [E, 2I, H]` (each expert's gate_proj rows, then its up_proj rows) and `w2 [E, H, I]`; the router is `[E, H]`.
 Routing is transformers': softmax of the router logits in float32, top k, renormalised to sum to one when the family
 says (`norm_topk_prob`; Mixtral always).
@@ -48,18 +49,8 @@ class SparseMoE(nn.Module):
             gate, up = nn.functional.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
             y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[expert])
             out.index_add_(0, token, y * weights[token, slot, None])
-        return self._reduce(out)
+        return self.all_reduce(out)
 
-    def forward_kernels(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """With a residual (one rank only), the output is added to it in place by the down kernel."""
-        from engine.kernels.triton.fused_moe import fused_moe
-        from engine.kernels.triton.moe_routing import route_in_one_program
-
-        weights, ids = route_in_one_program(self.gate(x), self.top_k, self.norm_topk_prob)
-        if residual is not None:
-            assert self.tp is None
-            return fused_moe(x, self.w13, self.w2, weights, ids, residual=residual)
-        return self._reduce(fused_moe(x, self.w13, self.w2, weights, ids))
-
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's partial one (the sum over ranks; one rank: as it is)."""
         return partial if self.tp is None else self.tp.all_reduce(partial)

@@ -3,17 +3,11 @@ rounded once) compute it: the two round differently in bfloat16, and each family
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 
 class RMSNorm(nn.Module):
-    # A one-call fp32 RMSNorm for quantized CPU cores (flare_cpu::rms_norm; CausalLM.use_cpu_ops sets it): aten's
-    # is five operators there. Dense cores keep aten's, bit for bit transformers' (their parity reference).
-    op: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
-
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
@@ -25,15 +19,14 @@ class RMSNorm(nn.Module):
         return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.op is not None:
-            return self.op(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One operator for the steps below, bit for bit the same in fp32 (a decode step runs two a layer).
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * self.normalise(x).to(x.dtype)
 
     def kernel_weight(self) -> torch.Tensor:
-        """The weight the fused add-RMSNorm kernel multiplies by (engine/kernels/triton/rmsnorm.py)."""
+        """The weight the fused add-RMSNorm ops multiply by (engine/kernels/triton/rmsnorm.py, and the C++ ops'
+        flare_cpu::add_rms_norm): the residual-stream backends' (engine/model/backends/residual.py)."""
         return self.weight
 
 
@@ -44,8 +37,8 @@ class GemmaRMSNorm(RMSNorm):
         return (self.normalise(x) * (1.0 + self.weight.float())).to(x.dtype)
 
     def fold(self) -> None:
-        """Compute the kernel's weight once (the kernel path calls this): 1 + w in float32, so that it is not
-        rounded to the activations' dtype; the kernel multiplies in float32."""
+        """Compute the kernel's weight once (a residual-stream backend's weight preparation): 1 + w in float32, so
+        that it is not rounded to the activations' dtype; the kernel multiplies in float32."""
         self.plus_one = 1.0 + self.weight.float()
 
     def kernel_weight(self) -> torch.Tensor:

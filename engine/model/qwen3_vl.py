@@ -2,50 +2,26 @@
 positions, plus the vision tower (engine/model/qwen3_vl_vision.py) whose features replace the image tokens'
 embeddings and whose deepstack features add to the first layers' outputs at those tokens.
 
-On a GPU the text model runs the kernel path (Triton attention, fused norms and projections), and so does the tower
-(its attention one Triton launch over every image), which the GraphExecutor replays from graphs at patch capacities
-(engine/executor/vision_graphs.py). A step holding image tokens runs its text model eagerly (GraphExecutor falls back
-for it: it carries the tower's features and deepstack additions at its image rows), its rotary table made of each
-token's own (t, h, w) angles, one row per token. Every other step, the decode steps included, is text after the
-images, where t = h = w: plain rope at the position plus the images' shift (Row.rope_shift), so it replays the same
-captured graphs as a text model's.
+On a GPU the model's backend (engine/model/backends/triton.py) runs the text model on the kernel path (Triton
+attention, fused norms and projections), and the tower too (its attention one Triton launch over every image), which
+the GraphExecutor replays from graphs at patch capacities (engine/executor/vision_graphs.py). A step holding image
+tokens runs its text model eagerly (GraphExecutor falls back for it: it carries the tower's features and deepstack
+additions at its image rows), its rotary table made of each token's own (t, h, w) angles, one row per token. Every
+other step, the decode steps included, is text after the images, where t = h = w: plain rope at the position plus
+the images' shift (Row.rope_shift), so it replays the same captured graphs as a text model's.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from common.protocol import ImageInput
 from engine.model.config import DecoderConfig
-from engine.model.decoder import CausalLM, signed_sine
+from engine.model.decoder import CausalLM
+from engine.model.image_features import Tower
 from engine.model.qwen3_vl_vision import VisionConfig, VisionTower
-
-Tower = Callable[[torch.Tensor, list[tuple[int, int, int]]], tuple[torch.Tensor, list[torch.Tensor]]]
-
-
-@dataclass(frozen=True)
-class ImageFeatures:
-    """One step's image tokens: which rows hold them, their embeddings, and per deepstack layer what adds to them."""
-
-    rows: torch.Tensor  # [N] step rows
-    embeds: torch.Tensor  # [N, E]
-    deepstack: tuple[torch.Tensor, ...]  # [N, E] after layer 0, 1, ...
-
-    def splice(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.clone()
-        x[self.rows] = self.embeds.to(x.dtype)
-        return x
-
-    def after_layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        if layer >= len(self.deepstack):
-            return x
-        x = x.clone()
-        x[self.rows] += self.deepstack[layer].to(x.dtype)
-        return x
+from engine.model.rotary import signed_sine
 
 
 class VisionLanguageLM(CausalLM):
@@ -57,10 +33,6 @@ class VisionLanguageLM(CausalLM):
         super().set_rope(device)
         if hasattr(self, "visual"):  # CausalLM's constructor sets the text rope before the tower exists
             self.visual.set_rope(device)
-
-    def use_kernels(self, max_positions: int) -> None:
-        super().use_kernels(max_positions)
-        self.visual.use_kernels()
 
     def mrope_angles(self, positions: torch.Tensor) -> torch.Tensor:
         """positions [3, T] (t, h, w) -> angles [T, D/2]: frequency i turns by h where i % 3 == 1 and by w where
@@ -80,11 +52,12 @@ class VisionLanguageLM(CausalLM):
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]
         return [(angles.cos().to(dtype), signed_sine(angles.sin().to(dtype)))] * len(self.config.ropes)
 
-    def rope_inputs(self, positions: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Plain positions read the model's table (a graph's steps); M-RoPE positions [3, T] a table of one row
+    def rope_inputs(self, positions: torch.Tensor, tables: list[torch.Tensor]
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Plain positions read the backend's tables (a graph's steps); M-RoPE positions [3, T] a table of one row
         per token, made of its own (t, h, w) angles, token i reading row i."""
         if positions.dim() == 1:
-            return super().rope_inputs(positions)
+            return super().rope_inputs(positions, tables)
         angles = self.mrope_angles(positions)
         table = torch.cat((angles.cos(), angles.sin()), dim=-1).contiguous()
         return [table] * len(self.config.ropes), torch.arange(table.shape[0], device=table.device)
@@ -92,11 +65,12 @@ class VisionLanguageLM(CausalLM):
     def encode_images(self, images: list[ImageInput], tower: Tower | None = None
                       ) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """Each image's features [tokens, E] and its deepstack features, from one tower call over all of them:
-        `tower` (patches, grids) -> (features, deepstack), the model's own by default, or its captured graphs."""
+        `tower` (patches, grids) -> (features, deepstack): by default the model's own as its backend runs it, or
+        its captured graphs."""
         device, dtype = self.visual.pos_embed.weight.device, self.visual.pos_embed.weight.dtype
         patches = torch.from_numpy(np.concatenate([np.frombuffer(image.patches, np.float32) for image in images]))
         grids = [tuple(image.grid) for image in images]
-        tower = tower or self.visual
+        tower = tower or self.backend.tower(self.visual)
         features, deepstack = tower(patches.reshape(-1, self.visual.patch_dim).to(device, dtype), grids)
         sizes = [t * h * w // self.visual.config.merge_size ** 2 for t, h, w in grids]
         per_layer = [layer.split(sizes) for layer in deepstack]

@@ -11,20 +11,21 @@ deepstack layer (normalising after the fold).
 A call is two halves: `inputs` computes what depends on the images' grids (the resampled position table, rotary
 cos/sin, each patch's image as a segment of rows), eagerly, optionally padded to a row capacity; `body` is the rest
 (patch embedding, blocks, mergers), whose shapes depend only on the row count, so the GPU captures it in graphs at
-patch capacities (engine/executor/vision_graphs.py). Attention runs per image through torch's SDPA (the CPU's path,
-bitwise what transformers computes) or, after `use_kernels` (the GPU's path), as one Triton launch over every image
-(engine/kernels/triton/segment_attention.py).
+patch capacities (engine/executor/vision_graphs.py). The body takes how each image's rows attend to one another:
+per image through torch's SDPA by default (the reference, bitwise what transformers computes), or, on the kernel
+path, as one Triton launch over every image (engine/model/backends/triton.py: KernelTower).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.decoder import rotate_half
+from engine.model.rotary import rotate_half
 
 LAYER_NORM_EPS = 1e-6
 
@@ -70,6 +71,19 @@ class TowerInputs:
     bounds: torch.Tensor | None  # int32 [2, rows]: each row's segment (segment_bounds), on the kernel path only
 
 
+# (q, k, v [rows, heads, head_dim], the call's rows) -> [rows, heads, head_dim]: each image's rows attend to its own.
+ImageAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, TowerInputs], torch.Tensor]
+
+
+def image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: TowerInputs) -> torch.Tensor:
+    """The reference: one SDPA call per image (and one for the padding rows)."""
+    # A batch dimension of one: SDPA's flash and memory-efficient kernels take only 4-D inputs, and its 3-D
+    # fallback (the math kernel, in float32) made attention 90% of the tower's time on an H200.
+    outputs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))[0]
+               for qi, ki, vi in zip(*(t.split(rows.lengths) for t in (q, k, v)))]
+    return torch.cat(outputs, dim=1).transpose(0, 1)
+
+
 class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -98,19 +112,11 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, rows: TowerInputs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: TowerInputs, attend: ImageAttention = image_attention) -> torch.Tensor:
         q, k, v = self.qkv(x).reshape(x.shape[0], 3, self.heads, -1).unbind(1)  # (n, heads, head_dim) each
         q = (q * rows.cos + rotate_half(q) * rows.sin).to(x.dtype)
         k = (k * rows.cos + rotate_half(k) * rows.sin).to(x.dtype)
-        if rows.bounds is not None:
-            from engine.kernels.triton.segment_attention import segment_attention
-
-            return self.proj(segment_attention(q, k, v, rows.bounds).reshape(x.shape))
-        # A batch dimension of one: SDPA's flash and memory-efficient kernels take only 4-D inputs, and its 3-D
-        # fallback (the math kernel, in float32) made attention 90% of the tower's time on an H200.
-        outputs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (qi, ki, vi)))[0]
-                   for qi, ki, vi in zip(*(t.split(rows.lengths) for t in (q, k, v)))]
-        return self.proj(torch.cat(outputs, dim=1).transpose(0, 1).reshape(x.shape))
+        return self.proj(attend(q, k, v, rows).reshape(x.shape))
 
 
 class Block(nn.Module):
@@ -121,8 +127,8 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = Mlp(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, rows: TowerInputs) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rows)
+    def forward(self, x: torch.Tensor, rows: TowerInputs, attend: ImageAttention = image_attention) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rows, attend)
         return x + self.mlp(self.norm2(x))
 
 
@@ -170,11 +176,6 @@ class VisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(PatchMerger(config, norm_after_fold=True)
                                                    for _ in config.deepstack_layers)
         self.set_rope()
-        self.kernels = False
-
-    def use_kernels(self) -> None:
-        """Attention in one Triton launch over every image (the GPU's path; the CPU runs it only in tests)."""
-        self.kernels = True
 
     def set_rope(self, device: torch.device | None = None) -> None:
         """The rotary frequencies (not weights: a model built on the meta device sets them again on its own)."""
@@ -214,12 +215,7 @@ class VisionTower(nn.Module):
         positions = torch.cat([self.positions(grid) for grid in grids]).to(dtype)
         positions = F.pad(positions, (0, 0, 0, padding))
         cos, sin = self.rotary(grids, padding)
-        bounds = None
-        if self.kernels:  # imported here: triton is the kernel path's, and the CPU's engine runs without it
-            from engine.kernels.triton.segment_attention import segment_bounds
-
-            bounds = segment_bounds(lengths, total + padding, positions.device)
-        return TowerInputs(positions, cos, sin, tuple(lengths) + ((padding,) if padding else ()), bounds)
+        return TowerInputs(positions, cos, sin, tuple(lengths) + ((padding,) if padding else ()), None)
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -227,13 +223,14 @@ class VisionTower(nn.Module):
         features: one such tensor per deepstack layer)."""
         return self.body(patches, self.inputs(grids))
 
-    def body(self, patches: torch.Tensor, rows: TowerInputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def body(self, patches: torch.Tensor, rows: TowerInputs, attend: ImageAttention = image_attention
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """What a graph captures: shapes follow the row count alone. A padded call's features past the images'
         tokens are padding's."""
         x = self.patch_embed(patches) + rows.positions
         deepstack = []
         for index, block in enumerate(self.blocks):
-            x = block(x, rows)
+            x = block(x, rows, attend)
             if index in self.config.deepstack_layers:
                 deepstack.append(self.deepstack_merger_list[self.config.deepstack_layers.index(index)](x))
         return self.merger(x), deepstack

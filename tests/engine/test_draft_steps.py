@@ -17,6 +17,7 @@ if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
+from engine.model.backends.select import use_backend  # noqa: E402
 from engine.speculative.draft import DraftProposer  # noqa: E402
 from engine.speculative.draft_round import Lane  # noqa: E402
 from engine.speculative.draft_steps import DraftSteps, round_frames  # noqa: E402
@@ -76,7 +77,7 @@ def test_frame_rounds_propose_the_eager_rounds_drafts(draft_seed: int) -> None:
     plain.run()
     plain.close()
     model = tiny_model(draft_seed)
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     draft = DraftProposer(model, PAGES, PAGE_SIZE, torch.device("cpu"), CONTEXT)
     draft.use_steps(DraftSteps, MAX_ACTIVE, CHUNK)
     twin = Twin(DraftProposer(tiny_model(draft_seed), PAGES, PAGE_SIZE, torch.device("cpu")), draft)
@@ -108,7 +109,7 @@ def gpu_speculate(draft: object, max_active: int = 32) -> tuple[list[list[int]],
     from engine.executor.graph import GraphExecutor
 
     model = tiny_model().to("cuda")
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     harness = Harness(model, PAGES, PAGE_SIZE, max_active, CHUNK, proposer=draft)
     harness.executor.close()
     harness.executor = GraphExecutor(model, PAGES, PAGE_SIZE, max_active, torch.device("cuda"), CONTEXT, CHUNK)
@@ -122,7 +123,7 @@ def gpu_draft(seed: int, graphs: bool, max_active: int = 32) -> DraftProposer:
     from engine.speculative.draft_steps import DraftGraphs
 
     model = tiny_model(seed).to("cuda")
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     draft = DraftProposer(model, PAGES, PAGE_SIZE, torch.device("cuda"), CONTEXT)
     if graphs:
         draft.use_steps(DraftGraphs, max_active, CHUNK)

@@ -24,6 +24,7 @@ from engine.executor.frames import (PageTableMirror, host_views, make_layout, pa
                                     verify_spans)
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
+from engine.model.backends.select import use_backend  # noqa: E402
 from engine.sampling.graph_extras import (TOP_LOGPROBS, ExtrasBuffers, extras_words, graph_holds_extras,  # noqa: E402
                                           host_extras_views, pack_extras, prompt_logprobs_step, read_logprobs,
                                           read_prompt_logprobs, step_extras)
@@ -180,7 +181,7 @@ def test_frame_steps_produce_the_eager_executors_tokens() -> None:
     eager = Harness(tiny_model(), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
     expected = run_requests(eager)
     model = tiny_model()
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
     harness.executor.close()
     harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
@@ -197,7 +198,7 @@ def test_frame_verify_steps_keep_plain_decodings_tokens(sampling: dict) -> None:
 
     def run(proposer: object) -> tuple[list[list[int]], set]:
         model = tiny_model()
-        model.use_kernels(CONTEXT)
+        use_backend(model, "triton", CONTEXT)
         harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, proposer=proposer)
         harness.executor.close()
         # Decode frames up to 32 rows: two requests verifying up to 8 positions each
@@ -229,7 +230,7 @@ def test_frame_steps_apply_grammar_masks_as_the_eager_executor_does() -> None:
     model = tiny_model()
     expected = masked_run(Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK), model.config.vocab_size)
     assert expected[1][-10:] == [42] * 10
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
     harness.executor.close()
     harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
@@ -296,7 +297,7 @@ def test_frame_steps_apply_penalties_bans_and_logprobs_as_the_eager_executor_doe
     assert expected[0][0][0] == stop and stop not in expected[-1][0][:5], "min_tokens bans the stop id"
     assert len(expected[2][1][0].top_ids[0]) == TOP_LOGPROBS and len(expected[5][2][0].token_ids) == 99
     model = tiny_model()
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
     harness.executor.close()
     harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
@@ -336,7 +337,7 @@ def run_few_requests(harness: Harness) -> list[list[int]]:
 def test_each_familys_kernel_path_produces_the_torch_paths_tokens(family: str, changes: dict) -> None:
     expected = run_few_requests(Harness(tiny_model(0, family, **changes), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK))
     model = tiny_model(0, family, **changes)
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
     harness.executor.close()
     harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
@@ -369,7 +370,7 @@ def assert_same_scores(got: list[dict], want: list[dict], tolerance: float) -> N
 def test_frame_steps_read_the_eager_executors_label_logits() -> None:
     eager_tokens, eager_scores = run_scored(Harness(tiny_model(), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK))
     model = tiny_model()
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
     harness.executor.close()
     harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
@@ -395,7 +396,7 @@ def gpu_harness(model, graphs: bool) -> Harness:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) -> None:
     model = tiny_model().to("cuda", dtype)
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
 
 
@@ -404,7 +405,7 @@ def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) 
 @pytest.mark.parametrize("family, changes", FAMILY_CASES)
 def test_graph_executor_produces_the_eager_executors_tokens_for_each_family(family: str, changes: dict) -> None:
     model = tiny_model(0, family, **changes).to("cuda", torch.bfloat16)
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
 
 
@@ -427,7 +428,7 @@ def test_graph_executor_runs_penalties_bans_and_logprobs_in_graphs() -> None:
     """The mix of the frame test above, every step in graphs (an eager step fails the test), with the eager
     executor's tokens and its logprobs within 1e-4 (fp32)."""
     model = tiny_model().to("cuda")
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     stop = first_greedy_token(gpu_harness(model, graphs=False))
     expected = run_extras(gpu_harness(model, graphs=False), stop)
     harness = gpu_harness(model, graphs=True)
@@ -439,7 +440,7 @@ def test_graph_executor_runs_penalties_bans_and_logprobs_in_graphs() -> None:
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_graph_executor_sends_more_logprobs_than_its_graphs_hold_to_the_eager_step() -> None:
     model = tiny_model().to("cuda")
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     results = []
     for graphs in (True, False):
         harness = gpu_harness(model, graphs)
@@ -461,7 +462,7 @@ def test_graph_executor_sends_more_logprobs_than_its_graphs_hold_to_the_eager_st
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_scored_prefills_run_in_the_extend_graphs_and_read_the_eager_label_logits() -> None:
     model = tiny_model().to("cuda")
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     harness = gpu_harness(model, graphs=True)
     eager_steps = count_eager_steps(harness)
     tokens, scores = run_scored(harness)
@@ -475,7 +476,7 @@ def test_scored_prefills_run_in_the_extend_graphs_and_read_the_eager_label_logit
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_graph_executor_applies_grammar_masks_as_the_eager_executor_does() -> None:
     model = tiny_model().to("cuda")
-    model.use_kernels(CONTEXT)
+    use_backend(model, "triton", CONTEXT)
     graph = masked_run(gpu_harness(model, graphs=True), model.config.vocab_size)
     assert graph == masked_run(gpu_harness(model, graphs=False), model.config.vocab_size)
     assert graph[1][-10:] == [42] * 10

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.protocol import SamplingParams
+from engine.model.backends.select import use_backend
 from engine.scheduler.policy import GraphCostModel, PolicyConfig
 from engine.scheduler.request import Request
 from engine.scheduler.speculation import NgramProposer, Speculation, state_of
@@ -284,7 +285,7 @@ def test_graph_executor_verify_rounds_keep_outputs(sampling: dict) -> None:
 
     def run(proposer: object) -> list[list[int]]:
         model = tiny_model().to("cuda", torch.bfloat16)
-        model.use_kernels(256)
+        use_backend(model, "triton", 256)
         harness = Harness(model, proposer=proposer)
         harness.executor.close()
         harness.executor = GraphExecutor(model, 64, 16, 8, torch.device("cuda"), 256, 48)

@@ -15,6 +15,7 @@ if not GPU:
 pytest.importorskip("triton")
 
 from engine.executor.vision_graphs import VisionGraphs, groups, vision_capacities  # noqa: E402
+from engine.model.backends.triton import KernelTower  # noqa: E402
 from engine.model.qwen3_vl_vision import VisionConfig, VisionTower  # noqa: E402
 from tests.engine.test_qwen3_vl_vision import VISION, prepared  # noqa: E402
 
@@ -22,15 +23,13 @@ DEVICE = torch.device("cuda" if GPU else "cpu")
 SIZES = [(300, 300), (130, 100), (40, 300), (64, 64), (200, 40)]  # 160, 48, 36, 16 and 24 patches
 
 
-def tower(kernels: bool, dtype: torch.dtype = torch.float32) -> VisionTower:
+def tower(kernels: bool, dtype: torch.dtype = torch.float32) -> VisionTower | KernelTower:
     config = VisionConfig.from_hf({**VISION, "spatial_merge_size": 2, "temporal_patch_size": 2})
     torch.manual_seed(0)
     model = VisionTower(config).eval()
     model.to(DEVICE, dtype)
     model.set_rope(DEVICE)
-    if kernels:
-        model.use_kernels()
-    return model
+    return KernelTower(model) if kernels else model
 
 
 def assert_same(got: tuple[torch.Tensor, list[torch.Tensor]], expected: tuple[torch.Tensor, list[torch.Tensor]],

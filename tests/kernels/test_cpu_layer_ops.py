@@ -6,6 +6,7 @@ a prefill span; and a whole layer in one call against the Python loop of the sam
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from common.manifest import load_manifest
 from engine.executor.eager import kv_cache_shape
 from engine.kernels.cpu import extension
 from engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
-from engine.model.decoder import rotate, signed_sine
+from engine.model.backends import cpu_ops
 from engine.model.loader import load_model
+from engine.model.rotary import rotate, signed_sine
 
 pytestmark = pytest.mark.skipif(not extension.layer_ops_ready(), reason="Flare's AVX2 kernels do not run here")
 ops = torch.ops.flare_cpu
@@ -124,8 +126,7 @@ def test_paged_attention_with_the_decode_op_equals_its_sdpa_path() -> None:
     attention = PagedAttention(heads, kv_heads, head_dim ** -0.5)
     caches = k_cache.clone(), v_cache.clone()
     want = attention(q, k, v, *caches, meta)
-    attention.decode_op = ops.decode_attention
-    got = attention(q, k, v, k_cache, v_cache, meta)
+    got = cpu_ops.paged_attention(attention, q, k, v, k_cache, v_cache, meta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
 
@@ -179,7 +180,9 @@ def test_whole_decoder_layers_equal_the_layer_loop(core_dir: Path) -> None:
         pytest.skip(f"{core_dir} is not a quantized core")
     _, model = load_model(core_dir, torch.device("cpu"))
     layers = model.model.layers
-    assert model.cpu_ops and all(layer.whole_decode is not None for layer in layers)
+    backend = model.backend
+    assert isinstance(backend, cpu_ops.CpuOps) and all(weights is not None for weights in backend.whole_layers)
+    assert len(backend.whole_layers) == len(layers)
     kv = torch.zeros(kv_cache_shape(model, 8, PAGE))
     tables = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
     lengths = [9, 13]
@@ -196,6 +199,5 @@ def test_whole_decoder_layers_equal_the_layer_loop(core_dir: Path) -> None:
         meta = AttentionMetadata(slots_of(tables, lens), torch.arange(2), tables, lens, (), PAGE)
         tokens, positions = torch.tensor([5, 7]), lens - 1
         whole = model(tokens, positions, kv, meta)
-        for layer in layers:
-            layer.whole_decode = None
-        assert torch.equal(model(tokens, positions, kv, meta), whole)
+        layer_loop = replace(backend, whole_layers=(None,) * len(layers))
+        assert torch.equal(layer_loop.forward(model, tokens, positions, kv, meta, None), whole)

@@ -24,6 +24,7 @@ from common.vision import ImageProcessing  # noqa: E402
 from engine.executor.eager import EagerExecutor  # noqa: E402
 from engine.executor.images import vision_step  # noqa: E402
 from engine.executor.inputs import build_inputs  # noqa: E402
+from engine.model.backends.select import use_backend  # noqa: E402
 from engine.model.config import DecoderConfig  # noqa: E402
 from engine.model.qwen3_vl import VisionLanguageLM  # noqa: E402
 from engine.model.qwen3_vl_vision import VisionConfig  # noqa: E402
@@ -94,7 +95,7 @@ def test_kernel_path_gives_the_torch_paths_logits() -> None:
     image = ImageInput(prepared.identity, 3, list(prepared.grid), prepared.patches.tobytes())
     torch_path = tiny_model()
     kernel_path = copy.deepcopy(torch_path)
-    kernel_path.use_kernels(512)
+    use_backend(kernel_path, "triton", 512)
     expected, got = run(torch_path, prompt, image, 3), run(kernel_path, prompt, image, 3)
     for reference, logits in zip(expected, got):
         torch.testing.assert_close(logits, reference, rtol=1e-3, atol=1e-3)
@@ -108,7 +109,7 @@ def test_decode_steps_with_shifted_plain_positions_equal_mrope_ones() -> None:
     image = ImageInput(prepared.identity, 2, list(prepared.grid), prepared.patches.tobytes())
     model = tiny_model()
     kernel_path = copy.deepcopy(model)
-    kernel_path.use_kernels(512)
+    use_backend(kernel_path, "triton", 512)
     for path in (model, kernel_path):
         for mrope, plain in zip(run(path, prompt, image, 3), run(path, prompt, image, 3, plain_decode=True)):
             torch.testing.assert_close(plain, mrope, rtol=1e-4, atol=1e-4)
@@ -128,7 +129,7 @@ def image_requests() -> list[Request]:
 
 def generated(executor_for: Callable[[VisionLanguageLM], object]) -> list[list[int]]:
     model = tiny_model()
-    model.use_kernels(512)
+    use_backend(model, "triton", 512)
     harness = Harness(model, 64, PAGE, 4, 48)
     harness.executor.close()
     harness.executor = executor_for(model)

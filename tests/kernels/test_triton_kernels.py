@@ -144,7 +144,8 @@ def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
 def test_a_mixed_eager_step_computes_what_its_graph_computes(dtype: torch.dtype) -> None:
     """Decode rows beside prefill spans: the eager step's metadata (AttentionMetadata.kernel) and a captured extend
     graph's (every row a sequence, in row order, padding tokens and blocks after) give the same bits."""
-    from engine.model.attention import AttentionMetadata, ExtendBatch, KernelMetadata, PrefillSpan, kernel_attention
+    from engine.model.attention import AttentionMetadata, ExtendBatch, KernelMetadata, PrefillSpan
+    from engine.model.backends.triton_layers import kernel_attention
 
     heads, kv_heads, head_dim, page = SHAPES[0]
     g = torch.Generator().manual_seed(5)

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from engine.executor.eager import kv_cache_shape
 from engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
+from engine.model.backends import cpu_ops
 from engine.model.loader import load_model
 from engine.threads import set_threads
 
@@ -46,23 +49,25 @@ def metadata(batch: int, context: int, new: int, pages_per_seq: int) -> Attentio
 
 def run(core: Path, batch: int, context: int, steps: int, split: bool = False) -> dict[str, float]:
     _, model = load_model(core, torch.device("cpu"), verify=False)
-    if split:  # each layer's C++ ops called one by one from Python, so that the profile sees each
-        for layer in model.model.layers:
-            layer.whole_decode = None
+    forward: Callable[..., torch.Tensor] = model
+    if split and isinstance(model.backend, cpu_ops.CpuOps):
+        # each layer's C++ ops called one by one from Python, so that the profile sees each
+        layer_loop = replace(model.backend, whole_layers=(None,) * len(model.model.layers))
+        forward = lambda *inputs: layer_loop.forward(model, *inputs, None)  # noqa: E731
     pages = (context + steps + PAGE) // PAGE + 1
     kv = torch.zeros(kv_cache_shape(model, batch * pages, PAGE))
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (batch * context,))
     with torch.inference_mode():
         started, cpu = time.perf_counter(), time.process_time()
-        hidden = model(prompt, torch.arange(context).repeat(batch), kv, metadata(batch, context, context, pages))
+        hidden = forward(prompt, torch.arange(context).repeat(batch), kv, metadata(batch, context, context, pages))
         tokens = model.logits(hidden[context - 1::context]).argmax(-1)
         prefill_ms = (time.perf_counter() - started) * 1e3
         prefill_cpu_ms = (time.process_time() - cpu) * 1e3
 
         def decode(position: int) -> None:
             nonlocal tokens
-            hidden = model(tokens, torch.full((batch,), position), kv, metadata(batch, position + 1, 1, pages))
+            hidden = forward(tokens, torch.full((batch,), position), kv, metadata(batch, position + 1, 1, pages))
             tokens = model.logits(hidden).argmax(-1)
 
         decode(context)  # warm-up
@@ -76,20 +81,23 @@ def run(core: Path, batch: int, context: int, steps: int, split: bool = False) -
 
 
 def profile(work, steps: int) -> dict[str, float]:
-    original = PagedAttention.forward
+    # Attention as the torch reference runs it (a dense core), or as the C++ ops backend does (a quantized one).
+    originals = PagedAttention.forward, cpu_ops.paged_attention
 
-    def labelled(self, *args):  # noqa: ANN001, ANN202
-        with torch.profiler.record_function("flare::attention"):
-            return original(self, *args)
+    def labelled(original):  # noqa: ANN001, ANN202
+        def call(*args):  # noqa: ANN002, ANN202
+            with torch.profiler.record_function("flare::attention"):
+                return original(*args)
+        return call
 
-    PagedAttention.forward = labelled
+    PagedAttention.forward, cpu_ops.paged_attention = (labelled(original) for original in originals)
     try:
         started = time.perf_counter()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             work()
         total = (time.perf_counter() - started) * 1e3
     finally:
-        PagedAttention.forward = original
+        PagedAttention.forward, cpu_ops.paged_attention = originals
     events = prof.events()
     operators = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
     attention = sum(e.cpu_time_total for e in events if e.name == "flare::attention") / 1e3

@@ -2,7 +2,7 @@
 
     python -m bench.lab.cpu.quant_kernels [--threads 1] [--repeats 5]
 
-docs/design.md, Model and kernels; docs/cpu.md, "Flare's kernels". SmolLM2-135M's shapes (M rows x K
+docs/design.md, Models and kernels; docs/cpu.md, "Flare's kernels". SmolLM2-135M's shapes (M rows x K
 inputs -> N outputs) with random 4-bit weights, weights hot in cache (the same product repeated), the median of
 `--repeats` timings. Columns: `flare_cpu::quant_mm` alone; QuantLinear with Flare's kernel (what a quantized core
 runs, the same kernel at every row count); `_weight_int4pack_mm_for_cpu` on a bfloat16

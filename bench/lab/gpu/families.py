@@ -29,6 +29,7 @@ from bench.lab.gpu.evidence import BATCHES, CONTEXT, copy_bandwidth, make, run_s
 from bench.lab.gpu.steps import generate, replay
 from common.manifest import Capacities, Manifest
 from engine.executor.graph import decode_capacities, extend_capacities
+from engine.model.backends.select import use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.scheduler.scheduler import RequestScheduler
@@ -64,7 +65,7 @@ def preset_model(preset: str, layers: int | None, dtype: str = "bfloat16") -> tu
     if c.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.set_rope(device)
-    model.use_kernels(CONTEXT_LIMIT)
+    use_backend(model, "triton", CONTEXT_LIMIT)
     manifest = Manifest(1, family, config, dtype, [preset], source.checkpoint, CONTEXT_LIMIT, [], CAPACITIES,
                         source.generation, {})
     return manifest, model.eval()

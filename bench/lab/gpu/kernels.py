@@ -39,7 +39,7 @@ from engine.kernels.triton.extend_attention import (BLOCK_M, extend_attention, e
 from engine.kernels.triton.fused_moe import MoeConfig, fused_moe, fused_moe_reference
 from engine.kernels.triton.moe_routing import route, route_in_one_program
 from engine.kernels.triton.moe_rows import RowsConfig
-from engine.model.attention import multiprocessors
+from engine.model.backends.triton_layers import multiprocessors
 
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # H, I, E, K
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 64

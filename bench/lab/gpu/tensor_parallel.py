@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from bench.lab.gpu.steps import decode_plan, generate, replay, time_steps, weight_bytes
 from engine.executor.eager import EagerExecutor
+from engine.model.backends.select import use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.sharding import SPLITS, Shard
@@ -62,7 +63,7 @@ def build(config: DecoderConfig, tp: TensorParallel | None, device: torch.device
         state[name] = full.to(dtype).contiguous()
     model.load_state_dict(state, strict=False, assign=True)
     model.set_rope(device)
-    model.use_kernels(8192)
+    use_backend(model, "triton", 8192)
     return model.eval()
 
 

@@ -25,8 +25,10 @@ import torch
 
 from common.protocol import ImageInput
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
+from engine.model.backends.triton import KernelTower
+from engine.model.image_features import Tower
 from engine.model.loader import load_model
-from engine.model.qwen3_vl import Tower, VisionLanguageLM
+from engine.model.qwen3_vl import VisionLanguageLM
 from frontend.images.decode import ImageLimits
 from frontend.images.prepare import prepare
 from ignition.main import main as ignition
@@ -49,9 +51,9 @@ def jpegs(count: int) -> list[bytes]:
     return [encode(picture(SIDE, SIDE, seed=i), "JPEG", quality=90) for i in range(count)]
 
 
-def encode_ms(model: VisionLanguageLM, images: list[ImageInput], kernels: bool, tower: Tower | None) -> float:
-    """Median of 5 timed calls after one warm-up, the tower on its SDPA path or its kernel path."""
-    model.visual.kernels = kernels
+def encode_ms(model: VisionLanguageLM, images: list[ImageInput], tower: Tower) -> float:
+    """Median of 5 timed calls after one warm-up of `tower`: the module (its SDPA path), the kernel path's, or
+    the graphs."""
     times = []
     with torch.inference_mode():
         for _ in range(6):
@@ -67,7 +69,7 @@ def encode_ms(model: VisionLanguageLM, images: list[ImageInput], kernels: bool, 
 def tower_times(core_dir: Path) -> None:
     manifest, model = load_model(core_dir, torch.device("cuda"))
     capacities = vision_capacities(1 << 20, model.visual.config.merge_size)
-    graphs = VisionGraphs(model.visual, capacities, torch.device("cuda"))
+    graphs = VisionGraphs(KernelTower(model.visual), capacities, torch.device("cuda"))
     print(f"Vision graphs at {capacities} patches: captured in {graphs.capture_seconds:.1f} s, "
           f"{graphs.memory_bytes / 2**20:.0f} MiB of pool\n")
     print(f"| images of {SIDE}x{SIDE} | tokens | SDPA eager ms | Triton eager ms | graphs ms | graphs ms per image |")
@@ -75,9 +77,9 @@ def tower_times(core_dir: Path) -> None:
     for count in (1, 4, 16):
         prepared = [prepare(data, manifest.vision, ImageLimits(), "bench") for data in jpegs(count)]
         images = [ImageInput(p.identity, 0, list(p.grid), p.patches.tobytes()) for p in prepared]
-        sdpa = encode_ms(model, images, False, None)
-        triton = encode_ms(model, images, True, None)
-        replayed = encode_ms(model, images, True, graphs)
+        sdpa = encode_ms(model, images, model.visual)
+        triton = encode_ms(model, images, KernelTower(model.visual))
+        replayed = encode_ms(model, images, graphs)
         print(f"| {count} | {sum(p.tokens for p in prepared)} | {sdpa:.1f} | {triton:.1f} | {replayed:.1f} | "
               f"{replayed / count:.1f} |")
     graphs.close()

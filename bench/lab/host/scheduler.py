@@ -1,8 +1,8 @@
 """Host cost of scheduling: microseconds of plan + commit + complete per steady decode step, of the engine
 loop's own work around them (publishing the step's outputs, counting, telemetry), and of the graph executor's
 packing of the plan into its input frame (engine/executor/frames.py `pack`, into a decode graph's layout as
-GraphExecutor does, on the CPU), at 1 to 256 live requests (docs/design.md, Scheduling, The engine loop and
-Executors; docs/host.md: the scheduler's budget is 300 us a step at 256 live requests, so that a GPU's decode step
+GraphExecutor does, on the CPU), at 1 to 256 live requests (docs/design.md: Scheduler and prefix checkpoints, The
+engine loop, Executors and CUDA graphs; docs/host.md: the scheduler's budget is 300 us a step at 256 live requests, so that a GPU's decode step
 hides it).
 
     python -m bench.lab.host.scheduler [--steps 300] [--repeats 3] [--clock wall|cpu] [--percentile P] [--active 64 256]

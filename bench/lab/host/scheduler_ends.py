@@ -1,4 +1,4 @@
-"""Host cost of decode steps while requests end (docs/design.md, Scheduling; docs/host.md): `bench.lab.host.scheduler`'s
+"""Host cost of decode steps while requests end (docs/design.md, Scheduler and prefix checkpoints; docs/host.md): `bench.lab.host.scheduler`'s
 workload never ends a request, so its steady steps all keep the same requests. Here every `--every`-th completed step
 draws a stop token for one request, with two steps in flight (as the engine keeps them): the next completion then
 carries a row of a request that ended, and the next plan has one request fewer. CPU microseconds of plan, commit and

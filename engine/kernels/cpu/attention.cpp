@@ -2,7 +2,8 @@
 // slots, and its query heads attend over the row's pages where they lie, instead of aten gathering every page of
 // the batch into a padded copy (aten::index, twice a layer) for SDPA with a mask.
 // docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file, engine/model/attention.py's
-// PagedAttention calls it for the decode rows of quantized CPU cores (prefill spans keep SDPA).
+// PagedAttention, as engine/model/backends/cpu_ops.py runs it, calls it for the decode rows of quantized CPU cores
+// (prefill spans keep SDPA).
 //
 // Per decode row b and KV head g (the unit of work, spread over threads): the H / KVH query heads of the group
 // read each key once; scores s_j = scale * q . k_j in fp32 for the row's keys j < context_lens[b] (the last

@@ -1,5 +1,5 @@
 // A quantized CPU core's whole decoder layer for a step of decode rows, in one call: what the layer loop of
-// engine/model/decoder.py (CausalLM._forward_residual with use_cpu_ops) does through some twenty Python-level
+// engine/model/backends/cpu_ops.py (over engine/model/backends/residual.py) does through some twenty Python-level
 // operator and module calls, each costing more dispatch than one decode row's arithmetic in it, done here by the
 // same functions in the same order, so a row's bits are those of the Python loop (tests/kernels/test_cpu_layer_ops.py).
 // docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file with the ops it composes (engine/kernels/cpu/ops.h).

@@ -2,10 +2,11 @@
 // (each worth 3-40 µs of dispatch on a Zen 1 EPYC against well under a microsecond of arithmetic for one row):
 //   rms_norm      out = x / sqrt(mean(x^2) + eps) * weight (aten's rms_norm: five operators);
 //   add_rms_norm  the residual add folded in: (rms_norm(x + residual), x + residual) in one pass;
-//   rotary        x * cos + roll(x, D/2) * signed_sin over q and k heads together (decoder.py's rotate: four);
+//   rotary        x * cos + roll(x, D/2) * signed_sin over q and k heads together (model/rotary.py's rotate: four);
 //   silu_mul      silu(gate) * up of a fused [gate | up] product (three, and a chunk).
 // docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file with engine/kernels/cpu/quant.cpp and engine/kernels/cpu/attention.cpp,
-// engine/model/decoder.py calls the ops for quantized CPU cores (dense cores keep aten's, bit for bit transformers').
+// engine/model/backends/cpu_ops.py calls the ops for quantized CPU cores (dense cores keep aten's, bit for bit
+// transformers').
 // Sums and products round as aten's fp32 operators do (separate multiplies and adds, no fused multiply-add), so
 // rotary and the residual add are bitwise aten's; the norms' sum of squares runs in 8 lanes and SiLU's e^x is
 // engine/kernels/cpu/simd.h's, both within a few units in the last place of aten's.

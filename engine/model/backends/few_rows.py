@@ -1,0 +1,45 @@
+"""The kernel path for a step of up to gemv.MAX_ROWS tokens (a decode step of a few sequences): each projection is one
+GEMV (engine/kernels/triton/gemv.py) with the RMSNorm before it as its prologue and the residual add after it as its
+epilogue, so the residual stream is updated in place and no norm, add or SiLU kernel runs between them. A mixture
+of experts keeps its own kernels, its down kernel adding to the stream. The Triton backend (triton.py) takes this
+path where every layer is of the shape it runs (runs_few_rows)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.kernels.triton.gemv import gemv
+from engine.kernels.triton.rmsnorm import add_rms_norm
+from engine.model.attention import KernelMetadata
+from engine.model.backends.triton_layers import attend, moe
+from engine.model.decoder import MLP, CausalLM, DecoderLayer
+
+
+def runs_few_rows(layer: DecoderLayer) -> bool:
+    """Llama-style norms around each branch, plain (not tensor-parallel, not quantized) q/k/v and o, and a SiLU
+    MLP of plain products or a mixture of experts: the layers whose norms and adds the GEMVs fold in."""
+    attn, mlp = layer.self_attn, layer.mlp
+    plain = [attn.qkv, attn.o_proj] + ([mlp.gate_up, mlp.down_proj] if isinstance(mlp, MLP) else [])
+    return not layer.sandwich and all(type(p) is nn.Linear for p in plain) and \
+        not (isinstance(mlp, MLP) and mlp.gelu)
+
+
+def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor, positions: torch.Tensor,
+            kv_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+    """The final hidden states [T, E]; `tables`: the Triton backend's rope table per distinct rope."""
+    eps = model.config.rms_norm_eps
+    tables, rope_positions = model.rope_inputs(positions, tables)
+    stream = model.embed(input_ids)  # a tensor of this step's own: the epilogues write into it
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = gemv(stream, attn.qkv.weight, attn.qkv.bias, norm=(layer.input_layernorm.kernel_weight(), eps))
+        out = attend(attn, qkv, rope_positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+        gemv(out.flatten(1), attn.o_proj.weight, attn.o_proj.bias, residual=stream)
+        norm = (layer.post_attention_layernorm.kernel_weight(), eps)
+        if isinstance(mlp, MLP):
+            gemv(gemv(stream, mlp.gate_up.weight, norm=norm), mlp.down_proj.weight, silu_mul=True,
+                 residual=stream)
+        else:
+            moe(mlp, add_rms_norm(stream, None, *norm)[0], residual=stream)
+    return add_rms_norm(stream, None, model.model.norm.kernel_weight(), eps)[0]

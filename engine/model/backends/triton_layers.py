@@ -1,0 +1,87 @@
+"""The kernel path's layer parts (engine/model/backends/triton.py and few_rows.py run them): attention from the
+fused q/k/v product through the Triton rotary and paged-attention kernels, the MLP over the fused gate/up product,
+and the mixture of experts through the fused MoE kernel. Nothing here waits for the host, so CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from engine.kernels.triton.activation import silu_and_mul
+from engine.kernels.triton.decode_attention import decode_attention, num_splits
+from engine.kernels.triton.extend_attention import extend_attention
+from engine.kernels.triton.fused_moe import fused_moe
+from engine.kernels.triton.moe_routing import route_in_one_program
+from engine.kernels.triton.rotary import rope_and_store
+from engine.model.attention import KernelMetadata
+from engine.model.decoder import MLP, Attention
+from engine.model.moe import SparseMoE
+
+
+@lru_cache
+def multiprocessors(device: torch.device) -> int:
+    # Under the CPU interpreter (tests) any small count will do.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
+                     scale: float, window: int | None = None) -> torch.Tensor:
+    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined.
+    With a window, a query sees its own key and the window - 1 before it (sliding-window layers)."""
+    out = torch.empty_like(q)
+    if meta.decode is not None:
+        d = meta.decode
+        rows = q if d.rows is None else q[d.rows]
+        # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
+        splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
+        result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
+                                  meta.page_size, scale, splits, window=window or 0)
+        if d.rows is None:
+            out = result
+        else:
+            out[d.rows] = result
+    if meta.extend is not None:
+        e = meta.extend
+        extend_attention(q, k_cache, v_cache, out, e.page_tables, e.seq_table, e.query_start, e.query_len,
+                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0)
+    return out
+
+
+def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
+           v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+    """From the fused q/k/v product [T, (H + 2 KVH) D] to the attention's output [T, H, D]: q/k norms and rotary,
+    the new keys and values stored, attention over the cache."""
+    c = attn.c
+    norms = {}
+    if c.qk_norm:  # the kernel normalises each q and k head before rotating, rounding as the family does
+        norms = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, norm_eps=c.rms_norm_eps,
+                     norm_style="gemma" if c.gemma_norms else "llama")
+    q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
+                       **norms)
+    return kernel_attention(q, k_cache, v_cache, meta, attn.attn.scale, attn.attn.window)
+
+
+def attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+    """The attention branch [T, E] -> [T, E]; `rope` is the table of the layer's rope, `positions` its rows."""
+    out = attend(attn, attn.qkv(x), positions, rope, k_cache, v_cache, meta)
+    return attn.o_proj(out.flatten(1))
+
+
+def mlp(layer: MLP, x: torch.Tensor) -> torch.Tensor:
+    gate_up = layer.gate_up(x)
+    if layer.gelu:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return layer.down_proj(layer.act(gate) * up)
+    return layer.down_proj(silu_and_mul(gate_up))
+
+
+def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """With a residual (one rank only), the output is added to it in place by the down kernel."""
+    weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob)
+    if residual is not None:
+        assert layer.tp is None
+        return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual)
+    return layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids))
