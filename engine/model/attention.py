@@ -9,6 +9,7 @@ graph) through to the attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -62,7 +63,8 @@ class DecodeBatch:
 
 @dataclass(frozen=True)
 class ExtendBatch:
-    """Sequences with any number of new tokens, cut into the kernel's blocks (engine/kernels/triton/extend_attention.py)."""
+    """Sequences with any number of new tokens, cut into the kernel's blocks
+    (engine/kernels/triton/extend_attention.py)."""
 
     page_tables: torch.Tensor
     seq_table: torch.Tensor  # [S]
@@ -184,20 +186,31 @@ class PagedAttention(torch.nn.Module):
         self.window = window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata,
+                decode: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; returns [T, H, D]. Decode rows are one batched
-        SDPA call, prefill spans another, whatever the number of sequences."""
+        SDPA call, or `decode`'s ([Bd, 1, H, D]: another implementation of them, the C++ ops backend's one call),
+        prefill spans another, whatever the number of sequences."""
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
         parts = []
         if meta.decode_rows.numel():
-            parts.append((meta.decode, self.decode(q, k_cache, v_cache, meta.decode)))
+            parts.append((meta.decode, self._decode(q, k_cache, v_cache, meta.decode) if decode is None else decode()))
         if meta.prefills:
-            parts.append((meta.prefill, self.prefill(q, k_cache, v_cache, meta.prefill)))
-        return step_rows(q, parts, meta)
+            parts.append((meta.prefill, self._prefill(q, k_cache, v_cache, meta.prefill)))
+        # One part whose rows are the step's rows in order (all decodes, or one prefill): nothing to scatter.
+        if len(parts) == 1 and len(meta.prefills) <= 1 and parts[0][0].rows.numel() == q.shape[0]:
+            return parts[0][1].reshape(q.shape)
+        out = torch.empty_like(q)
+        for batch, result in parts:
+            if batch.valid is None:
+                out[batch.rows.flatten()] = result.flatten(0, 1)
+            else:
+                out[batch.rows[batch.valid]] = result[batch.valid]
+        return out
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               batch: SequenceBatch) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                batch: SequenceBatch) -> torch.Tensor:
         """One query per sequence: the query heads of a KV group become that group's rows, so SDPA needs no
         GQA expansion. Returns [B, 1, H, D]."""
         count, kv_heads = batch.rows.shape[0], self.num_kv_heads
@@ -208,8 +221,8 @@ class PagedAttention(torch.nn.Module):
                                              scale=self.scale)
         return out.reshape(count, 1, self.num_heads, q.shape[-1])
 
-    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                batch: SequenceBatch) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 batch: SequenceBatch) -> torch.Tensor:
         """Returns [S, L, H, D]."""
         keys = k_cache[batch.slots].transpose(1, 2)
         values = v_cache[batch.slots].transpose(1, 2)
@@ -217,18 +230,3 @@ class PagedAttention(torch.nn.Module):
                                              attn_mask=batch.mask_for(self.window), scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)
-
-
-def step_rows(q: torch.Tensor, parts: list[tuple[SequenceBatch, torch.Tensor]],
-              meta: AttentionMetadata) -> torch.Tensor:
-    """The step's output [T, H, D] from each part's (batch, its output [S, L, H, D])."""
-    # One part whose rows are the step's rows in order (all decodes, or one prefill): nothing to scatter.
-    if len(parts) == 1 and len(meta.prefills) <= 1 and parts[0][0].rows.numel() == q.shape[0]:
-        return parts[0][1].reshape(q.shape)
-    out = torch.empty_like(q)
-    for batch, result in parts:
-        if batch.valid is None:
-            out[batch.rows.flatten()] = result.flatten(0, 1)
-        else:
-            out[batch.rows[batch.valid]] = result[batch.valid]
-    return out

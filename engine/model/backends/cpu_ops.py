@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model.attention import AttentionMetadata, PagedAttention, step_rows
+from engine.model.attention import AttentionMetadata, PagedAttention
 from engine.model.backends.residual import prepare_weights, residual_stream
 from engine.model.decoder import MLP, Attention, CausalLM, DecoderLayer
 from engine.model.image_features import ImageFeatures, Tower
@@ -108,13 +108,7 @@ def paged_attention(attn: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: t
 
     if not meta.prefills:  # the step's rows are its decode rows, in order
         return decode()
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
-    parts = []
-    if meta.decode_rows.numel():
-        parts.append((meta.decode, decode().unsqueeze(1)))
-    parts.append((meta.prefill, attn.prefill(q, k_cache, v_cache, meta.prefill)))
-    return step_rows(q, parts, meta)
+    return attn(q, k, v, k_cache, v_cache, meta, decode=lambda: decode().unsqueeze(1))
 
 
 def mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
