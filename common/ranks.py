@@ -14,6 +14,8 @@ from pathlib import Path
 # The exit status of a rank that left because the group failed (another rank died, went silent or could not run a
 # step), as opposed to one that crashed or was killed on its own.
 GROUP_FAILED = 3
+# The exit status of an engine whose device failed for good (engine/executor/faults.py).
+DEVICE_FAULT = 4
 # Seconds the other ranks get to notice a dead rank, fail their requests and exit (a heartbeat timeout is 5 s).
 RANK_GRACE = 15.0
 
@@ -66,6 +68,8 @@ def describe(status: int) -> str:
         return f"was killed by {signal.Signals(-status).name}"
     if status == GROUP_FAILED:
         return "left the failed group (status 3)"
+    if status == DEVICE_FAULT:
+        return "stopped after a device fault (status 4): see its log"
     return f"exited with status {status}"
 
 

@@ -20,10 +20,11 @@ from common import protocol
 from common.errors import CoreError
 from common.manifest import Manifest
 from common.protocol import ModelCard
-from common.ranks import GROUP_FAILED
+from common.ranks import DEVICE_FAULT, GROUP_FAILED
 from engine.core import Engine
 from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, make_executor
+from engine.executor.faults import DeviceFault
 from engine.model.loader import DTYPES, load_model
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
@@ -178,6 +179,10 @@ def main(argv: list[str] | None = None) -> None:
         log.error("%s", exc)
         engine.fail(str(exc))
         status = GROUP_FAILED
+    except DeviceFault as exc:  # nothing more can run on this device: fail everything, exit, let flare run decide
+        log.error("the device failed; stopping: %s", exc)
+        engine.fail(f"the engine's device failed and the engine stopped: {exc}")
+        status = DEVICE_FAULT
     finally:
         executor.close()
         if grammars is not None:

@@ -11,6 +11,9 @@ class Executor(Protocol):
     #: A file descriptor that becomes readable when a completion is ready, so the loop can sleep on it.
     wake_fd: int
     num_pages: int
+    #: What the device reports once it can run nothing more (engine/executor/faults.py); `poll` then raises
+    #: DeviceFault. None while it works.
+    fault: str | None
 
     def can_submit(self) -> bool:
         """True while fewer than two submissions are in flight."""
@@ -21,7 +24,8 @@ class Executor(Protocol):
     def submit(self, plan: Plan) -> None: ...
 
     def poll(self) -> list[tuple[Plan, Completion]]:
-        """Completions that are ready, in submission order, each with the plan it ran."""
+        """Completions that are ready, in submission order, each with the plan it ran. Raises DeviceFault once the
+        device can run nothing more."""
 
     def close(self) -> None:
         """Wait for work in flight, then free device memory."""

@@ -15,6 +15,7 @@ import time
 import torch
 
 from common.protocol import Logprobs
+from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
 from engine.model.decoder import CausalLM
@@ -56,6 +57,7 @@ class EagerExecutor:
         self.seen = torch.zeros(max_active, vocab, dtype=torch.bool, device=device)
         # A vision model's tower: its own module, or (set by the GraphExecutor) its captured graphs.
         self.vision_tower: Tower | None = None
+        self.fault: str | None = None
         self._fence = 0
         self._in_flight = 0
         self._work: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
@@ -77,6 +79,8 @@ class EagerExecutor:
         self._work.put((self._fence, plan))
 
     def poll(self) -> list[tuple[Plan, Completion]]:
+        if self.fault is not None:
+            raise DeviceFault(self.fault)
         try:
             os.read(self.wake_fd, 1 << 16)
         except BlockingIOError:
@@ -102,7 +106,8 @@ class EagerExecutor:
             started = time.perf_counter()
             try:
                 completion = self._execute(fence, plan, started)
-            except Exception as exc:  # a failed step fails its requests, never the engine
+            except Exception as exc:  # a failed step fails its requests; a sticky device fault, the engine
+                self.fault = self.fault or sticky_fault(self.device)
                 completion = Completion(fence, (), (), (), time.perf_counter() - started,
                                         error=f"execution failed: {type(exc).__name__}: {exc}")
             self._done.put((plan, completion))

@@ -221,7 +221,7 @@ class GraphExecutor:
         self._fence = 0
         self._in_flight = 0
         self._completed = 0  # the last fence whose completion frame is ready, as the watcher saw it
-        self._failure: str | None = None
+        self.fault: str | None = None  # once set, every step fails: engine/executor/faults.py
         self._pending: collections.deque[_Launched | _Ready] = collections.deque()
         self.wake_fd, self._wake_write = os.pipe()
         os.set_blocking(self.wake_fd, False)
@@ -264,8 +264,9 @@ class GraphExecutor:
                 os.write(self._wake_write, b"x")
             else:
                 self._launch(fence, plan, layout, extras)
-        except Exception as exc:  # a failed step fails its requests, never the engine
+        except Exception as exc:  # a failed step fails its requests; a sticky device fault, the engine
             log.exception("graph step %d failed", fence)
+            self.fault = self.fault or sticky_fault(self.kv_cache.device)
             self._mirror.forget([row.slot for row in plan.rows])
             self._pending.append(_Ready(plan, Completion(fence, (), (), (), 0.0,
                                                          error=f"execution failed: {type(exc).__name__}: {exc}")))
@@ -282,11 +283,15 @@ class GraphExecutor:
             if isinstance(head, _Launched):
                 if head.fence > self._completed:
                     break
+                if self.fault is not None:  # the watcher sets it before it advances _completed
+                    raise DeviceFault(self.fault)
                 ready.append((head.plan, self._collect(head)))
             else:
                 ready.append((head.plan, head.completion))
             self._pending.popleft()
         self._in_flight -= len(ready)
+        if self.fault is not None:
+            raise DeviceFault(self.fault)
         return ready
 
     def close(self) -> None:
@@ -454,8 +459,6 @@ class GraphExecutor:
         return tuple(found)
 
     def _collect(self, step: _Launched) -> Completion:
-        if self._failure is not None:
-            return Completion(step.fence, (), (), (), 0.0, error=f"execution failed: {self._failure}")
         k = step.frame
         rows = step.plan.rows
         samples = self._out_host[k].numpy()[:step.seqs].tolist()
@@ -504,7 +507,7 @@ class GraphExecutor:
             fence, event = item
             try:
                 self._rt.eventSynchronize(event)
-            except Exception as exc:  # a device fault: every step in flight fails with it
-                self._failure = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # a device fault: sticky, the engine stops (poll raises it)
+                self.fault = f"{type(exc).__name__}: {exc}"
             self._completed = fence
             os.write(self._wake_write, b"x")

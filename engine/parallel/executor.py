@@ -25,6 +25,10 @@ class TensorParallelExecutor:
         self.num_pages = local.num_pages
         self.failed = False
 
+    @property
+    def fault(self) -> str | None:
+        return self.local.fault
+
     def can_submit(self) -> bool:
         return self.local.can_submit()
 

@@ -11,8 +11,9 @@ import logging
 
 import zmq
 
-from common.ranks import GROUP_FAILED
+from common.ranks import DEVICE_FAULT, GROUP_FAILED
 from engine.executor.base import Executor
+from engine.executor.faults import DeviceFault
 from engine.parallel.step_channel import BEAT_INTERVAL, Commit, Done, Follower, Prepare, RankFailure, Ready, Stop
 from engine.scheduler.plan import Plan
 
@@ -76,5 +77,9 @@ def serve(channel: Follower, executor: Executor, page_size: int, max_active: int
         log.error("%s; leaving the group", exc)
         channel.fail(str(exc))
         return GROUP_FAILED
+    except DeviceFault as exc:  # this rank's own failure, not the group's
+        log.error("the device failed; leaving the group: %s", exc)
+        channel.fail(f"the device failed: {exc}")
+        return DEVICE_FAULT
     finally:
         channel.close()

@@ -409,6 +409,49 @@ def test_graph_executor_produces_the_eager_executors_tokens_for_each_family(fami
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
 
 
+# Qwen3-30B-A3B's routing (128 experts, top 8) at a server's step budget: 8,192 prompt tokens are 65,536 token-expert
+# pairs, the grouped path's device sort, and the step pads to its graph's capacity.
+BUDGET_MOE = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 32, "mlp_only_layers": [],
+              "hidden_size": 128, "vocab_size": 1024}
+BUDGET = 8192
+
+
+def run_budget_steps(model, graphs: bool) -> tuple[list[list[int]], int]:
+    """Sixteen prompts that fill one prompt step of the budget (and then decode): their greedy tokens, and the
+    largest step's token count. Prompt ids stay below 600 while the vocabulary is 1,024, as published checkpoints
+    pad their vocabularies past the tokenizer's."""
+    from engine.executor.eager import EagerExecutor
+    from engine.executor.graph import GraphExecutor
+
+    harness = Harness(model, 1024, PAGE_SIZE, 16, BUDGET)
+    harness.executor.close()
+    cuda = torch.device("cuda")
+    harness.executor = GraphExecutor(model, 1024, PAGE_SIZE, 16, cuda, CONTEXT, BUDGET) if graphs else \
+        EagerExecutor(model, 1024, PAGE_SIZE, 16, cuda)
+    sizes, submit = [], harness.executor.submit
+    harness.executor.submit = lambda plan: (sizes.append(sum(row.length for row in plan.rows)), submit(plan))[1]
+    g = torch.Generator().manual_seed(3)
+    requests = [harness.add(torch.randint(0, 600, (500 + 3 * i,), generator=g).tolist(), temperature=0.0,
+                            max_tokens=4) for i in range(16)]
+    harness.run()
+    harness.close()
+    return [r.tokens[r.prompt_len:] for r in requests], max(sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_moe_steps_of_a_whole_step_budget_match_the_torch_reference() -> None:
+    """The sizes at which a served Qwen3-30B-A3B once failed with a device-side assert: graph and eager kernel
+    steps give the torch reference's tokens (fp32)."""
+    reference = tiny_model(0, "qwen3_moe", **BUDGET_MOE).to("cuda")
+    expected, largest = run_budget_steps(reference, graphs=False)
+    assert largest > BUDGET - 256  # one step holds nearly the whole budget (8,168 prompt tokens, padded in a graph)
+    for graphs in (False, True):
+        model = tiny_model(0, "qwen3_moe", **BUDGET_MOE).to("cuda")
+        use_backend(model, "triton", CONTEXT)
+        assert run_budget_steps(model, graphs)[0] == expected
+
+
 def count_eager_steps(harness: Harness, refuse: bool = False) -> list:
     """The plans the GraphExecutor runs through the eager step (with `refuse`, such a step fails instead)."""
     eager_steps, run_eager = [], harness.executor._run_eager

@@ -315,11 +315,11 @@ def moe_inputs(shape: tuple[int, int, int, int], tokens: int, dtype: torch.dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 16, 256])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 256] + ([8192] if GPU else []))
 @pytest.mark.parametrize("path", ["chosen", "grouped"])
 def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, path: str) -> None:
-    """moe_config's choice (the rows path up to 16 tokens of this shape, the grouped GEMM at 256) and the grouped
-    GEMM forced at every batch."""
+    """moe_config's choice (the rows path up to 16 tokens of this shape, the grouped GEMM at 256 and at a server's
+    whole step budget, 8,192 tokens) and the grouped GEMM forced at every batch."""
     x, w13, w2, logits = moe_inputs(MOE_SHAPE, tokens, dtype)
     weights, ids = route(logits, MOE_SHAPE[3], renormalize=True)
     config = {"chosen": None, "grouped": MoeConfig(16, 64, 64, 1, 4, 2)}[path]
@@ -362,6 +362,20 @@ def test_route_in_one_program_breaks_ties_by_the_lowest_expert() -> None:
     weights, ids = route_in_one_program(logits, 4, renormalize=False)
     assert ids.tolist() == [[1, 3, 0, 2]]
     assert weights[0, 0] == weights[0, 1] and weights[0, 2] == weights[0, 3] < weights[0, 0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_route_in_one_program_names_only_experts_for_non_finite_logits(bad: float) -> None:
+    """A row of NaN (a graph's padding row holds whatever its memory held) once routed to expert E_POW2, past the
+    experts: the grouped path's sort then indexed out of bounds, a device-side assert that poisoned the engine."""
+    experts, top_k = 60, 8
+    logits = torch.randn(4, experts, generator=torch.Generator().manual_seed(1))
+    logits[1] = bad
+    logits[2, ::3] = bad
+    _, ids = route_in_one_program(logits.to(DEVICE), top_k, renormalize=True)
+    assert ((ids >= 0) & (ids < experts)).all()
+    finite = torch.isfinite(logits).all(dim=1)
+    assert torch.equal(ids[finite.to(DEVICE)], route(logits[finite], top_k, True)[1].to(DEVICE))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_moe_norm", "mixtral"])

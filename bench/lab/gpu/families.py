@@ -40,6 +40,11 @@ from ignition.synth import SynthSource
 FAMILIES = {"llama-3.1-8b": 2, "qwen2.5-7b": 2, "qwen3-8b": 2, "qwen3-30b-a3b": 2, "mixtral-8x7b": 2, "gemma-3-12b": 6}
 PROMPT_LENGTHS = [17, 200, 1500, 33, 5, 1100, 60, 41]  # two past Gemma 3's 1024-token window
 CAPACITIES = Capacities()
+# The token comparison's cases: (preset, layers, prompt lengths, prompt tokens per step, slots). Every family at the
+# default chunk, and Qwen3-30B-A3B's experts at a server's whole step budget (gpu_step_tokens: 8,192 prompt tokens,
+# 65,536 token-expert pairs a step, padded to the graph's capacity).
+CASES = [(preset, layers, PROMPT_LENGTHS, CAPACITIES.prefill_chunk_size, 8) for preset, layers in FAMILIES.items()]
+CASES.append(("qwen3-30b-a3b", 2, [500 + 3 * i for i in range(16)], 8192, 16))
 CONTEXT_LIMIT = 8192
 
 
@@ -73,31 +78,32 @@ def preset_model(preset: str, layers: int | None, dtype: str = "bfloat16") -> tu
 
 def tokens(dtype: str) -> None:
     say(f"## Greedy tokens: graph executor vs eager executor per family ({dtype}, random weights, 32 new tokens each)")
-    say("| preset (layers) | prompts (lengths) | through the scheduler: equal requests | replayed plans: equal steps "
-        "| eager replayed twice: equal steps |")
-    say("| --- | --- | --- | --- | --- |")
-    caps = CAPACITIES
-    for preset, layers in FAMILIES.items():
+    say("| preset (layers) | prompts (lengths) | tokens per step | through the scheduler: equal requests "
+        "| replayed plans: equal steps | eager replayed twice: equal steps |")
+    say("| --- | --- | --- | --- | --- | --- |")
+    page_size = CAPACITIES.page_size
+    for preset, layers, lengths, chunk, slots in CASES:
         _, model = preset_model(preset, layers, dtype)
         generator = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, model.config.vocab_size - 8, (n,), generator=generator).tolist()
-                   for n in PROMPT_LENGTHS]
+        prompts = [torch.randint(0, model.config.vocab_size - 8, (n,), generator=generator).tolist() for n in lengths]
         outputs, plans, steps = {}, {}, {}
         for kind in ("eager", "graph"):
-            executor = make(kind, model, 512, caps.page_size, 8, CONTEXT_LIMIT, caps.prefill_chunk_size)
-            scheduler = RequestScheduler(8, 64, executor.num_pages, caps.page_size, caps.prefill_chunk_size)
+            executor = make(kind, model, 512, page_size, slots, CONTEXT_LIMIT, chunk)
+            scheduler = RequestScheduler(slots, 64, executor.num_pages, page_size, chunk)
             outputs[kind], plans[kind] = generate(executor, scheduler, prompts, 32)
             executor.close()
         # The eager run's exact steps, through both executors, and through eager again (the kernels' own
         # run-to-run determinism, which bounds what graph-vs-eager can show).
         for run, kind in (("eager", "eager"), ("graph", "graph"), ("again", "eager")):
-            executor = make(kind, model, 512, caps.page_size, 8, CONTEXT_LIMIT, caps.prefill_chunk_size)
+            executor = make(kind, model, 512, page_size, slots, CONTEXT_LIMIT, chunk)
             steps[run] = replay(executor, plans["eager"])
             executor.close()
         equal = sum(a == b for a, b in zip(outputs["eager"], outputs["graph"]))
         same = sum(a == b for a, b in zip(steps["eager"], steps["graph"]))
         again = sum(a == b for a, b in zip(steps["eager"], steps["again"]))
-        say(f"| {preset} ({layers}) | {', '.join(map(str, PROMPT_LENGTHS))} | {equal}/{len(prompts)} | "
+        largest = max(sum(row.length for row in plan.rows) for plan in plans["eager"])
+        shown = ", ".join(map(str, lengths)) if len(lengths) <= 8 else f"{len(lengths)} of {min(lengths)}-{max(lengths)}"
+        say(f"| {preset} ({layers}) | {shown} | up to {largest} | {equal}/{len(prompts)} | "
             f"{same}/{len(steps['eager'])} | {again}/{len(steps['eager'])} |")
         del model
         torch.cuda.empty_cache()

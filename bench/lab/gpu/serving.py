@@ -23,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = "import sys; from bench.main import main; sys.exit(main())"  # flare-bench, uninstalled
-PRESETS = {"llama-8b": "llama-3.1-8b", "qwen3-8b": "qwen3-8b", "smollm2": "smollm2-135m"}
+# A row's core: its `ignition synth` preset and layers (None: all of them). Qwen3-30B-A3B keeps 24 of its 48 layers,
+# the size its vLLM comparison in docs/gpu.md ran at.
+PRESETS = {"llama-8b": ("llama-3.1-8b", None), "qwen3-8b": ("qwen3-8b", None), "smollm2": ("smollm2-135m", None),
+           "qwen3-30b-a3b": ("qwen3-30b-a3b", 24)}
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,11 @@ ROWS = [
     Row("smollm2-mixed256", "smollm2", MAX256, MIXED256, ("output_throughput", "failed"), ">= 20,000 output tok/s"),
     Row("qwen3-8b-batch1", "qwen3-8b", MAX256, BATCH1, ("mean_tpot_ms",), "within 10% of 8b-batch1"),
     Row("qwen3-8b-c64", "qwen3-8b", MAX256, C64, ("output_throughput",), "within 10% of 8b-c64"),
+    # Mixture of experts: prompt steps of the whole step budget route 65,536 token-expert pairs.
+    Row("moe-batch1", "qwen3-30b-a3b", MAX256, BATCH1, ("mean_tpot_ms", "failed"), "0 failed (vLLM 0.26.0: 2.19 ms)"),
+    Row("moe-c64", "qwen3-30b-a3b", MAX256, C64, ("output_throughput", "failed"),
+        "0 failed (vLLM 0.26.0: 2,968 tok/s)"),
+    Row("moe-mixed256", "qwen3-30b-a3b", MAX256, MIXED256, ("output_throughput", "failed"), "0 failed"),
     *[Row(name, "llama-8b", (*server, *MAX256), SHARED16, ("total_token_throughput", "mean_ttft_ms", "hit_rate"),
           target) for name, server, target in (
         ("replicas2-prefix", ("--replicas", "2"), "prefix routing: hit rate near the workload's share of prefix"),
@@ -164,7 +172,8 @@ def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device
     server: FlareServer | None = None
     try:
         for row in rows:
-            core = synth(PRESETS[row.core], cores / row.core, layers)
+            preset, preset_layers = PRESETS[row.core]
+            core = synth(preset, cores / row.core, layers or preset_layers)
             if (row.core, row.server) != server_key:
                 if server:
                     server.stop()

@@ -2,6 +2,11 @@
 top k experts (the largest first, the lowest id among equals), and with `renormalize` their k weights scaled to sum
 to one (transformers' Mixtral; Qwen3-MoE's norm_topk_prob).
 
+Every id is an expert, whatever the logits: a row of NaN (a padding row's undefined activations, an overflow) compares
+equal to nothing, and an id past the experts would send the grouped kernels' sort and gathers out of bounds (a
+device-side assert that poisons the whole CUDA context), so such a row takes the last expert; its output is as
+undefined as its input.
+
 `route` is the torch reference; `route_in_one_program` is the same in one Triton launch, a program per token.
 """
 
@@ -35,7 +40,7 @@ def top_k_experts(logits_ptr, num_experts, TOP_K: tl.constexpr, K_POW2: tl.const
     ids = tl.zeros([K_POW2], tl.int32)
     for slot in tl.static_range(TOP_K):  # the largest left, the lowest id among equals
         best = tl.max(probs, 0)
-        expert = tl.min(tl.where(probs == best, e, E_POW2), 0)
+        expert = tl.minimum(tl.min(tl.where(probs == best, e, E_POW2), 0), num_experts - 1)
         weights = tl.where(k == slot, best, weights)
         ids = tl.where(k == slot, expert, ids)
         probs = tl.where(e == expert, -1.0, probs)

@@ -28,9 +28,11 @@ def multiprocessors(device: torch.device) -> int:
 
 def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
                      scale: float, window: int | None = None) -> torch.Tensor:
-    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]; rows of no sequence are undefined.
-    With a window, a query sees its own key and the window - 1 before it (sliding-window layers)."""
-    out = torch.empty_like(q)
+    """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]. With a window, a query sees its own key
+    and the window - 1 before it (sliding-window layers). An extend step's rows of no sequence (a graph's padding,
+    which its kernel skips) are zeros rather than whatever the memory held: they flow on through the layers, and a
+    NaN there would reach the router of a mixture of experts."""
+    out = torch.zeros_like(q) if meta.extend is not None else torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
         rows = q if d.rows is None else q[d.rows]
