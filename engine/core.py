@@ -28,6 +28,7 @@ log = logging.getLogger("flare.engine")
 FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "cancellations", "error": "failures"}
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
+FAREWELL = 0.5  # seconds a failed engine keeps its socket open after failing its requests
 MAX_LABELS = 256  # label token ids one query of a scored prefill reads
 SHORT_PROMPT = 128  # ids: below this, min() and max() beat packing for numpy (which costs 40 µs cold, 2 hot)
 # With a step in flight and no prompt waiting, the next step is planned this long before the one in flight is
@@ -173,8 +174,14 @@ class Engine:
         self._end_all("abort")
 
     def fail(self, error: str) -> None:
-        """The executor cannot go on (a tensor-parallel rank is gone): every request ends with this error."""
+        """The executor cannot go on (a tensor-parallel rank is gone, the device failed): every request ends with
+        this error, and the frontends get a moment to read it (submits meanwhile are refused) before the caller
+        closes the socket: messages sent just before a close were seen lost."""
         self._end_all("error", error)
+        deadline = time.monotonic() + FAREWELL
+        while (left := deadline - time.monotonic()) > 0:
+            self._ingest()
+            self.socket.poll(max(int(left * 1000), 1))
 
     def _end_all(self, reason: str, error: str | None = None) -> None:
         self.draining = True

@@ -24,7 +24,7 @@ from common.ranks import DEVICE_FAULT, GROUP_FAILED
 from engine.core import Engine
 from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, make_executor
-from engine.executor.faults import DeviceFault
+from engine.executor.faults import DeviceFault, sticky_fault
 from engine.model.loader import DTYPES, load_model
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
@@ -179,12 +179,17 @@ def main(argv: list[str] | None = None) -> None:
         log.error("%s", exc)
         engine.fail(str(exc))
         status = GROUP_FAILED
-    except DeviceFault as exc:  # nothing more can run on this device: fail everything, exit, let flare run decide
-        log.error("the device failed; stopping: %s", exc)
-        engine.fail(f"the engine's device failed and the engine stopped: {exc}")
+    except Exception as exc:  # a device fault, or whatever the loop raised once the device had failed
+        fault = str(exc) if isinstance(exc, DeviceFault) else sticky_fault(device)
+        if fault is None:
+            raise
+        # Nothing more can run on this device: fail everything, exit, and let flare run decide.
+        log.error("the device failed; stopping: %s", fault)
+        engine.fail(f"the engine's device failed and the engine stopped: {fault}")
         status = DEVICE_FAULT
     finally:
-        executor.close()
+        if status != DEVICE_FAULT:  # draining a failed device can hang; the exit frees its memory
+            executor.close()
         if grammars is not None:
             grammars.close()
         socket.close()

@@ -285,7 +285,7 @@ class GraphExecutor:
                     break
                 if self.fault is not None:  # the watcher sets it before it advances _completed
                     raise DeviceFault(self.fault)
-                ready.append((head.plan, self._collect(head)))
+                ready.append((head.plan, self._collected(head)))
             else:
                 ready.append((head.plan, head.completion))
             self._pending.popleft()
@@ -457,6 +457,18 @@ class GraphExecutor:
             torch.index_select(self._buffers.logits.view(-1), 0, self._label_index[:count],
                                out=self._label_dev[k][:count])
         return tuple(found)
+
+    def _collected(self, step: _Launched) -> Completion:
+        """The step's completion; reading it calls the device too (its events' times), which a fault since the step
+        ended makes fail."""
+        try:
+            return self._collect(step)
+        except Exception as exc:
+            log.exception("reading graph step %d failed", step.fence)
+            self.fault = self.fault or sticky_fault(self.kv_cache.device)
+            if self.fault is not None:
+                raise DeviceFault(self.fault) from exc
+            return Completion(step.fence, (), (), (), 0.0, error=f"execution failed: {type(exc).__name__}: {exc}")
 
     def _collect(self, step: _Launched) -> Completion:
         k = step.frame

@@ -88,13 +88,13 @@ def test_a_device_fault_fails_the_requests_in_flight_and_stops_the_engine(tiny_c
         assert started.wait(60)
         poisoned = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [1, POISON, 3]}, timeout=60)
         streaming.join(60)
-        assert poisoned.status_code == 500, poisoned.text
+        status = engine.wait(60)
+        log = engine.stdout.read()[-3000:]
+        assert status == DEVICE_FAULT and "the device failed" in log, log
+        assert poisoned.status_code == 500, (poisoned.text, log)
         assert "device failed" in poisoned.json()["error"]["message"]
         errors = [line for line in streamed if line.startswith("data: {\"error\"")]
         assert len(errors) == 1 and "device failed" in errors[0], streamed[-3:]  # an error event, then [DONE]
-        status = engine.wait(60)
-        log = engine.stdout.read()
-        assert status == DEVICE_FAULT and "the device failed" in log, log[-3000:]
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 503
     finally:
         for process in (frontend, engine):
