@@ -95,6 +95,7 @@ class Engine:
         self._compiling: dict[str, tuple[bytes, wire.Submit]] = {}  # request id -> submit awaiting its grammar
         self._columns = RequestColumns.of([])  # the last published step's
         self.drops = Drops(log, "engine socket")  # messages of the wrong shape or undecodable
+        self.unsent = Drops(log, "engine socket, sending")  # to frontends gone (or peers that only said Hello)
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -418,7 +419,7 @@ class Engine:
         try:
             self.socket.send_multipart([identity, wire.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # an unroutable or full peer loses this message, not the engine
-            log.warning("could not send to frontend %r: %s", identity, exc)
+            self.unsent.drop(identity, f"could not send: {exc}")
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
