@@ -91,7 +91,13 @@ ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
              if getattr(args, name) is not None]
-    return flags + (["--eager"] if args.eager else [])
+    return flags + (["--eager"] if args.eager else []) + link_keys_flag(args) + \
+        (["--insecure-engine-link"] if args.insecure_engine_link else [])
+
+
+def link_keys_flag(args: argparse.Namespace) -> list[str]:
+    """--engine-keys for every child on an engine link (a directory's path: the keys stay in their files)."""
+    return ["--engine-keys", str(args.engine_keys)] if args.engine_keys else []
 
 
 def replica_address(base: str, replica: int, replicas: int) -> str:
@@ -169,8 +175,6 @@ def serve(args: argparse.Namespace, manifest: Manifest, gpus: list[str | None], 
           key: str | None) -> int:
     """Start the children and watch them until a signal or a failure; the exit status."""
     base = args.engine_address or f"ipc://{ipc_directory}/engine.sock"
-    links = (["--engine-keys", str(args.engine_keys)] if args.engine_keys else []) + \
-        (["--insecure-engine-link"] if args.insecure_engine_link else [])
     # On a terminal the dashboard takes the screen after loading; the children's output then goes through a relay.
     relay = OutputRelay() if sys.stderr.isatty() else None
     output = relay.write_fd if relay else None
@@ -179,9 +183,9 @@ def serve(args: argparse.Namespace, manifest: Manifest, gpus: list[str | None], 
         address = replica_address(base, r, args.replicas)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible} if visible is not None else dict(os.environ)
         replicas.append(Replica(r, args.replicas, address, engine_commands(args.core, address, args.tp, args.device,
-                                                                           engine_flags(args) + links), env, output))
+                                                                           engine_flags(args)), env, output))
     frontend_args = ["frontend.main", "--core", str(args.core), "--host", args.host, "--port", str(args.port),
-                     "--routing", args.routing, *links[:2]]
+                     "--routing", args.routing, *link_keys_flag(args)]
     for replica in replicas:
         frontend_args += ["--engine", replica.address]
     for flag in ("capacity", "body_limit", "workers", "max_images", "max_image_bytes", "max_image_pixels",

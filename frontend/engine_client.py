@@ -44,7 +44,7 @@ class EngineClient:
                  frame_limit: int = FIXED_FRAME_BYTES) -> None:
         self.address = address
         self.frontend_id = frontend_id or f"frontend-{uuid.uuid4().hex[:8]}"
-        self.keys, self.frame_limit = keys, frame_limit  # the telemetry subscription (frontend/replicas.py) uses them too
+        self.keys, self.frame_limit = keys, frame_limit  # the telemetry subscription uses them too
         self.welcome: wire.Welcome | None = None
         self.draining = False
         self._context = zmq.asyncio.Context()
