@@ -15,6 +15,7 @@ import zmq
 from common import protocol as wire
 from common.links import Drops
 from common.mrope import mrope_delta
+from common.prefix_history import IDENTITY_BYTES
 from common.sampling_bounds import sampling_problem
 from common.vision import ImageProcessing
 from engine.executor.base import Executor
@@ -58,6 +59,8 @@ def image_problem(submit: wire.Submit, vision: ImageProcessing | None, model: st
         if len(image.grid) != 3 or min(image.grid) < 1 or image.grid[1] % vision.merge_size \
                 or image.grid[2] % vision.merge_size:
             return f"image {i + 1}: grid {image.grid} is not a (t, h, w) grid of merged patches"
+        if len(image.identity) != IDENTITY_BYTES:  # it keys the prefix cache (common/prefix_history.py)
+            return f"image {i + 1}: its identity is {len(image.identity)} bytes, not {IDENTITY_BYTES}"
         t, h, w = image.grid
         tokens = vision.tokens(image.grid)
         if len(image.patches) != 4 * t * h * w * vision.patch_dim:
@@ -271,9 +274,10 @@ class Engine:
         # fail the whole step, and with it every request batched beside this one.
         if (problem := sampling_problem(submit.sampling, self.vocab_size)) is not None:
             return reject(400, problem)
-        if len(submit.message_ends) > len(submit.prompt) or \
-                any(not 0 < end <= len(submit.prompt) for end in submit.message_ends):
-            return reject(400, f"message ends must be prompt positions in [1, {len(submit.prompt)}]")
+        if len(submit.message_ends) > len(submit.prompt) + 1 or \
+                any(not 0 <= end <= len(submit.prompt) for end in submit.message_ends):
+            return reject(400, f"message ends must be at most {len(submit.prompt) + 1} prompt positions in "
+                               f"[0, {len(submit.prompt)}]")
         total = len(submit.prompt) + submit.sampling.max_tokens
         if total > self.card.context_limit:
             return reject(400, f"This model's maximum context length is {self.card.context_limit} tokens; the "
