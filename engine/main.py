@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     log.info("up to %d prompt tokens a step%s", step_tokens, "" if args.max_batched_tokens else " (default)")
     num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
     limit = frame_limit(manifest.context_limit, manifest.vision)
-    channel = connect(tp, args.dist_address, keys, limit) if tp else None
+    # A step's rows carry their requests' images (a vision model's eager step places text by them), so one step
+    # message may hold what max_active Submits held.
+    channel = connect(tp, args.dist_address, keys, limit * max_active) if tp else None
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
