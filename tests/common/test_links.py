@@ -4,11 +4,13 @@ at a bounded rate, and which addresses count as reachable from other hosts."""
 from __future__ import annotations
 
 import logging
+import stat
+from pathlib import Path
 
 import pytest
 
 from common import protocol as wire
-from common.links import FIXED_FRAME_BYTES, Drops, exposed, exposure_problem, frame_limit
+from common.links import FIXED_FRAME_BYTES, Drops, exposed, exposure_problem, frame_limit, private_ipc_directory
 from common.sampling_bounds import MAX_TOP_LOGPROBS
 from common.vision import ImageProcessing
 
@@ -66,3 +68,10 @@ def test_which_addresses_other_hosts_reach(address: str, reachable: bool) -> Non
     if reachable:
         assert "--engine-keys" in problem and "\n" not in problem
         assert exposure_problem(address, None, insecure=True) is None
+
+
+def test_ipc_sockets_go_in_a_directory_of_their_own_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    directory = private_ipc_directory()
+    assert directory.parent == tmp_path and stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert private_ipc_directory() != directory  # a fresh one each run: no stale socket answers
