@@ -4,6 +4,7 @@ Submits, and connect with the wrong keys (docs/design.md, Trust boundaries)."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import stat
@@ -22,6 +23,7 @@ from zmq.utils.monitor import recv_monitor_message
 from common import protocol as wire
 from common.links import LinkKeys, frame_limit
 from common.manifest import load_manifest
+from tests.common.test_dashboard import wait_until
 from tests.support.ports import free_port
 from tests.support.servers import Server
 
@@ -265,3 +267,14 @@ def test_flare_keys_writes_private_key_files(tmp_path: Path) -> None:
     assert modes == {"engine.secret": 0o600, "peer.secret": 0o600, "engine.public": 0o644, "peer.public": 0o644}
     again = subprocess.run([str(BIN / "flare"), "keys", str(directory)], capture_output=True, text=True)
     assert again.returncode == 1 and "exists" in again.stderr
+
+
+def test_the_dashboard_follows_an_engine_with_keys(stack: Stack) -> None:
+    from common.dashboard.app import Dashboard  # textual loads only for this test
+
+    async def drive() -> None:
+        app = Dashboard(wire.telemetry_address(stack.address), stop_requested=lambda: False, keys=stack.keys)
+        async with app.run_test(size=(120, 16)) as pilot:
+            await wait_until(pilot, lambda: app.view.latest is not None)
+
+    asyncio.run(drive())
