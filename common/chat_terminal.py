@@ -16,9 +16,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from common.api_keys import ApiKeyError, add_api_key_flags, api_key, key_environment
 from common.chat_client import ChatError, ChatServer, Conversation, Usage
-from common.supervisor import READY_TIMEOUT, spawn, wait_ready
 from common.ranks import free_port
+from common.supervisor import READY_TIMEOUT, spawn, wait_ready
 
 HELP = """commands:
   /system [TEXT]     show or set the system prompt (an empty TEXT clears it)
@@ -171,8 +172,8 @@ def start_server(core: Path, api_key: str | None) -> tuple[subprocess.Popen, str
     port = free_port()
     log_fd, log_path = tempfile.mkstemp(prefix="flare-chat-", suffix=".log")
     print(f"flare chat: starting {core} on port {port} (log: {log_path})", file=sys.stderr, flush=True)
-    command = ["common.cli", "run", str(core), "--port", str(port)] + (["--api-key", api_key] if api_key else [])
-    process = spawn(command, log_fd)
+    # The key travels in the environment, never on a command line (common/api_keys.py).
+    process = spawn(["common.cli", "run", str(core), "--port", str(port)], log_fd, key_environment(api_key))
     os.close(log_fd)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health", {"flare run": process}, READY_TIMEOUT)
@@ -197,7 +198,11 @@ def chat(args: argparse.Namespace) -> int:
     if args.core is not None and args.base_url is not None:
         print("flare chat: error: give a core or --base-url, not both", file=sys.stderr)
         return 2
-    api_key = args.api_key or os.environ.get("FLARE_API_KEY")
+    try:
+        key = api_key(args)
+    except ApiKeyError as exc:
+        print(f"flare chat: error: {exc}", file=sys.stderr)
+        return 2
     # Ctrl-C stops a reply even when this process was started with SIGINT ignored (as a shell without job
     # control starts background commands, and what they start inherits): Python then installs no handler of its own.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -208,10 +213,10 @@ def chat(args: argparse.Namespace) -> int:
     process = None
     try:
         if args.core is not None:
-            process, base_url = start_server(args.core, api_key)
+            process, base_url = start_server(args.core, key)
         else:
             base_url = args.base_url or "http://127.0.0.1:8000"
-        server = ChatServer(base_url, api_key)
+        server = ChatServer(base_url, key)
         model = args.model or server.model()
         settings = {"temperature": args.temperature, "max_tokens": args.max_tokens}
         Session(server, model, Conversation(args.system or ""), settings).loop()
@@ -231,7 +236,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("chat", help="chat with a model in the terminal")
     parser.add_argument("core", type=Path, nargs="?", help="a core to serve for this chat (started and stopped here)")
     parser.add_argument("--base-url", help="a running server (default http://127.0.0.1:8000)")
-    parser.add_argument("--api-key", help="the server's API key (default: $FLARE_API_KEY)")
+    add_api_key_flags(parser, "the server's API key (default: --api-key-file, else $FLARE_API_KEY)")
     parser.add_argument("--model", help="the model name to send (default: the server's)")
     parser.add_argument("--system", help="the system prompt")
     parser.add_argument("--temperature", type=float)

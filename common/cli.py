@@ -1,6 +1,7 @@
 """`flare`: the command line. `flare run CORE [--tp R] [--replicas K]` starts the supervisor (common/supervisor.py);
 `flare chat` (common/chat_terminal.py) chats in the terminal, starting `flare run` itself when given a core;
-`flare dashboard --engine ADDR` attaches the terminal dashboard (common/dashboard/) to a running engine.
+`flare dashboard --engine ADDR` attaches the terminal dashboard (common/dashboard/) to a running engine; `flare keys
+DIR` makes the CURVE keys of the engine links (common/links.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from common.api_keys import add_api_key_flags
 from common.chat_terminal import add_parser, chat
+from common.links import LinkKeyError, add_link_flags, load_keys, write_keys
 from common.supervisor import run
 
 
@@ -27,14 +30,15 @@ def main(argv: list[str] | None = None) -> None:
                             help="engine groups of --tp ranks each, on their own GPUs; frontends route between them")
     run_parser.add_argument("--routing", choices=("prefix", "round-robin"), default="prefix",
                             help="how frontends pick a replica (default: by cached prefix, traded against load)")
-    run_parser.add_argument("--api-key", help="require this bearer token (or x-api-key) on every route but "
-                                              "/health and /metrics")
+    add_api_key_flags(run_parser, "require this bearer token (or x-api-key) on every route but /health and /metrics")
     run_parser.add_argument("--capacity", type=int, help="requests each frontend admits at once "
                                                        "(default: the engine's queue plus its slots)")
     run_parser.add_argument("--body-limit", type=int, help="largest request body in bytes (frontend default 32 MiB)")
     run_parser.add_argument("--workers", type=int, help="template/tokenizer threads per frontend (default 2)")
-    run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket); with "
-                                                     "replicas, the first's, the others' derived from it")
+    run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket in a private "
+                                                     "directory); with replicas, the first's, the others' derived "
+                                                     "from it")
+    add_link_flags(run_parser, binds=True)
     run_parser.add_argument("--allowed-media-domains", nargs="*", help="domains remote image URLs may name "
                                                                         "(default: none, data: URLs only)")
     run_parser.add_argument("--max-images", type=int, help="images per request (frontend default 16)")
@@ -60,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,
                                   help="the engine's request address, as given to flare-engine --listen")
+    add_link_flags(dashboard_parser)
+    keys_parser = commands.add_parser("keys", help="make the CURVE keys that guard the engine links")
+    keys_parser.add_argument("directory", type=Path, help="where to write them (made 0700; secret files 0600)")
     add_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "chat":
@@ -67,7 +74,19 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "dashboard":
         from common.dashboard.app import attach  # textual loads only for this command
 
-        sys.exit(attach(args.engine))
+        try:
+            keys = load_keys(args.engine_keys)
+        except LinkKeyError as exc:
+            sys.exit(f"flare: error: {exc}")
+        sys.exit(attach(args.engine, keys))
+    if args.command == "keys":
+        try:
+            write_keys(args.directory)
+        except (LinkKeyError, OSError) as exc:
+            sys.exit(f"flare: error: {exc}")
+        print(f"flare: wrote engine link keys to {args.directory}; give every process of the deployment "
+              f"--engine-keys {args.directory} (a copy on each host)", file=sys.stderr)
+        sys.exit(0)
     sys.exit(run(args))
 
 

@@ -19,12 +19,17 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable
 from itertools import zip_longest
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 KEY_BYTES = 16
 IDENTITY_BYTES = 32
+
+
+class ImageInputLike(Protocol):  # common.protocol.ImageInput, without importing the wire here
+    offset: int
+    identity: bytes
 
 
 def _hash(*parts: bytes) -> bytes:
@@ -113,6 +118,19 @@ class PrefixHistory:
             events = b"".join(struct.pack("<Q", self._event_positions[i]) + self._events[i]
                               for i in range(first, last))
         return _hash(kind, parent, self.identity, tokens, events)
+
+
+def salt_event(salt: str) -> tuple[int, bytes]:
+    """A cache salt as a conditioning event at position 0: it enters the first block's key, and through the chain
+    every later key, so requests of different salts share no cached prefix (another tenant cannot learn, from
+    `cached_tokens`, what others sent). Unsalted requests have no such event."""
+    return 0, hashlib.blake2b(b"cache_salt" + salt.encode(), digest_size=IDENTITY_BYTES).digest()
+
+
+def prefix_events(salt: str, images: Iterable[ImageInputLike]) -> list[tuple[int, bytes]]:
+    """A request's conditioning events in key order, as the engine keys its cache and frontends route by it."""
+    events = [salt_event(salt)] if salt else []
+    return events + [(image.offset, image.identity) for image in images]
 
 
 class RecentHistories:

@@ -76,6 +76,7 @@ class Submit(_Wire, tag="submit"):
     label_queries: list[LabelQuery] = []
     constraint: Constraint | None = None  # structured output; None: free text
     images: list[ImageInput] = []  # in prompt order
+    cache_salt: str = ""  # requests of different salts never share cached prefixes (common/prefix_history.py)
 
 
 class Abort(_Wire, tag="abort"):

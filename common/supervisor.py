@@ -14,17 +14,19 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import secrets
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
+from common.api_keys import ApiKeyError, api_key, key_environment
 from common.dashboard.relay import OutputRelay
 from common.errors import CoreError
-from common.manifest import load_manifest
+from common.links import LinkKeyError, exposure_problem, load_keys, private_ipc_directory
+from common.manifest import Manifest, load_manifest
 from common.ranks import RANK_GRACE, engine_commands, engine_names, first_failure, replica_gpus, settle
 
 READY_TIMEOUT = 600.0
@@ -89,7 +91,13 @@ ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
              if getattr(args, name) is not None]
-    return flags + (["--eager"] if args.eager else [])
+    return flags + (["--eager"] if args.eager else []) + link_keys_flag(args) + \
+        (["--insecure-engine-link"] if args.insecure_engine_link else [])
+
+
+def link_keys_flag(args: argparse.Namespace) -> list[str]:
+    """--engine-keys for every child on an engine link (a directory's path: the keys stay in their files)."""
+    return ["--engine-keys", str(args.engine_keys)] if args.engine_keys else []
 
 
 def replica_address(base: str, replica: int, replicas: int) -> str:
@@ -144,9 +152,29 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"flare: error: {exc}", file=sys.stderr)
         return 1
-    # A random part, so a stale socket file (or an engine left over) from an earlier run with the same pid never
-    # answers this run's frontends.
-    base = args.engine_address or f"ipc://{tempfile.gettempdir()}/flare-{os.getpid()}-{secrets.token_hex(4)}.sock"
+    try:
+        key, link_keys = api_key(args), load_keys(args.engine_keys)
+    except (ApiKeyError, LinkKeyError) as exc:
+        print(f"flare: error: {exc}", file=sys.stderr)
+        return 1
+    if args.engine_address and (problem := exposure_problem(args.engine_address, link_keys,
+                                                            args.insecure_engine_link)) is not None:
+        print(f"flare: error: {problem}", file=sys.stderr)
+        return 1
+    # A fresh private directory: no other user of the host reaches the sockets, and no stale socket file (or engine
+    # left over) from an earlier run answers this run's frontends.
+    ipc_directory = None if args.engine_address else private_ipc_directory()
+    try:
+        return serve(args, manifest, gpus, ipc_directory, key)
+    finally:
+        if ipc_directory is not None:
+            shutil.rmtree(ipc_directory, ignore_errors=True)
+
+
+def serve(args: argparse.Namespace, manifest: Manifest, gpus: list[str | None], ipc_directory: Path | None,
+          key: str | None) -> int:
+    """Start the children and watch them until a signal or a failure; the exit status."""
+    base = args.engine_address or f"ipc://{ipc_directory}/engine.sock"
     # On a terminal the dashboard takes the screen after loading; the children's output then goes through a relay.
     relay = OutputRelay() if sys.stderr.isatty() else None
     output = relay.write_fd if relay else None
@@ -157,16 +185,18 @@ def run(args: argparse.Namespace) -> int:
         replicas.append(Replica(r, args.replicas, address, engine_commands(args.core, address, args.tp, args.device,
                                                                            engine_flags(args)), env, output))
     frontend_args = ["frontend.main", "--core", str(args.core), "--host", args.host, "--port", str(args.port),
-                     "--routing", args.routing]
+                     "--routing", args.routing, *link_keys_flag(args)]
     for replica in replicas:
         frontend_args += ["--engine", replica.address]
-    for flag in ("api_key", "capacity", "body_limit", "workers", "max_images", "max_image_bytes",
-                 "max_image_pixels", "media_timeout"):
+    for flag in ("capacity", "body_limit", "workers", "max_images", "max_image_bytes", "max_image_pixels",
+                 "media_timeout"):
         if getattr(args, flag) is not None:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.allowed_media_domains:
         frontend_args += ["--allowed-media-domains", *args.allowed_media_domains]
-    frontends = {f"frontend {i}": spawn(frontend_args, output) for i in range(args.frontends)}
+    # The key travels in the environment, never on a command line (common/api_keys.py).
+    frontends = {f"frontend {i}": spawn(frontend_args, output, key_environment(key))
+                 for i in range(args.frontends)}
     stop = False
 
     def engines() -> dict[str, subprocess.Popen]:
@@ -186,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             from common.dashboard.app import supervise  # textual loads only when the dashboard shows
 
             supervise(replicas[0].address, lambda: stop or any(
-                c.poll() is not None for c in {**engines(), **frontends}.values()), relay)
+                c.poll() is not None for c in {**engines(), **frontends}.values()), relay, load_keys(args.engine_keys))
         while not stop:
             if (failure := first_failure(frontends)) is not None:
                 raise RuntimeError(failure)

@@ -13,7 +13,10 @@ import numpy as np
 import zmq
 
 from common import protocol as wire
+from common.links import Drops
 from common.mrope import mrope_delta
+from common.prefix_history import IDENTITY_BYTES
+from common.sampling_bounds import sampling_problem
 from common.vision import ImageProcessing
 from engine.executor.base import Executor
 from engine.sampling.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
@@ -57,6 +60,8 @@ def image_problem(submit: wire.Submit, vision: ImageProcessing | None, model: st
         if len(image.grid) != 3 or min(image.grid) < 1 or image.grid[1] % vision.merge_size \
                 or image.grid[2] % vision.merge_size:
             return f"image {i + 1}: grid {image.grid} is not a (t, h, w) grid of merged patches"
+        if len(image.identity) != IDENTITY_BYTES:  # it keys the prefix cache (common/prefix_history.py)
+            return f"image {i + 1}: its identity is {len(image.identity)} bytes, not {IDENTITY_BYTES}"
         t, h, w = image.grid
         tokens = vision.tokens(image.grid)
         if len(image.patches) != 4 * t * h * w * vision.patch_dim:
@@ -93,6 +98,8 @@ class Engine:
         self.grammars = grammars  # None: structured output is refused (no tokenizer for the grammar engine)
         self._compiling: dict[str, tuple[bytes, wire.Submit]] = {}  # request id -> submit awaiting its grammar
         self._columns = RequestColumns.of([])  # the last published step's
+        self.drops = Drops(log, "engine socket")  # messages of the wrong shape or undecodable
+        self.unsent = Drops(log, "engine socket, sending")  # to frontends gone (or peers that only said Hello)
 
     # --- the loop -----------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -196,13 +203,17 @@ class Engine:
     def _ingest(self) -> None:
         while True:
             try:
-                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            identity = frames[0]  # the ROUTER's prefix: a frontend's DEALER sends one frame after it
+            if len(frames) != 2:
+                self.drops.drop(identity, f"{len(frames) - 1} frames where a message has one")
+                continue
             try:
-                message = wire.decode_frontend_message(payload)
-            except Exception as exc:  # a broken peer must not stop the engine
-                log.warning("undecodable message from %r: %s", identity, exc)
+                message = wire.decode_frontend_message(frames[1])
+            except Exception as exc:  # a broken or hostile peer must not stop the engine
+                self.drops.drop(identity, f"undecodable: {exc}")
                 continue
             self._frontends[identity] = time.monotonic()
             if isinstance(message, wire.Submit):
@@ -243,7 +254,7 @@ class Engine:
             min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
             arrival=time.monotonic(), message_ends=list(submit.message_ends),
             label_queries=[(q.position, tuple(q.token_ids)) for q in submit.label_queries],
-            grammar=grammar, images=tuple(submit.images),
+            grammar=grammar, images=tuple(submit.images), cache_salt=submit.cache_salt,
             image_spans=tuple((i.offset, i.offset + self.vision.tokens(i.grid),
                                mrope_delta([(i.offset, i.grid)], self.vision.merge_size)) for i in submit.images))
         request.last_commit = request.arrival
@@ -266,6 +277,14 @@ class Engine:
             return reject(400, f"prompt token ids must lie in [0, {self.vocab_size})")
         if submit.sampling.max_tokens < 1:
             return reject(400, f"max_tokens must be at least 1, got {submit.sampling.max_tokens}")
+        # Every setting a step reads is checked here, before the request is planned: a value no step can hold would
+        # fail the whole step, and with it every request batched beside this one.
+        if (problem := sampling_problem(submit.sampling, self.vocab_size)) is not None:
+            return reject(400, problem)
+        if len(submit.message_ends) > len(submit.prompt) + 1 or \
+                any(not 0 <= end <= len(submit.prompt) for end in submit.message_ends):
+            return reject(400, f"message ends must be at most {len(submit.prompt) + 1} prompt positions in "
+                               f"[0, {len(submit.prompt)}]")
         total = len(submit.prompt) + submit.sampling.max_tokens
         if total > self.card.context_limit:
             return reject(400, f"This model's maximum context length is {self.card.context_limit} tokens; the "
@@ -411,7 +430,7 @@ class Engine:
         try:
             self.socket.send_multipart([identity, wire.encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # an unroutable or full peer loses this message, not the engine
-            log.warning("could not send to frontend %r: %s", identity, exc)
+            self.unsent.drop(identity, f"could not send: {exc}")
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

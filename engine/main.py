@@ -18,6 +18,7 @@ import zmq
 
 from common import protocol
 from common.errors import CoreError
+from common.links import LinkKeyError, LinkKeys, add_link_flags, bound, exposure_problem, frame_limit, load_keys
 from common.manifest import Manifest
 from common.protocol import ModelCard
 from common.ranks import DEVICE_FAULT, GROUP_FAILED
@@ -53,7 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dist-address", help="HOST:PORT where rank 0 hosts the ranks' rendezvous, reachable from "
                                                "every rank (needed with --world-size > 1)")
     parser.add_argument("--core", type=Path, required=True, help="core directory made by `ignition export`")
-    parser.add_argument("--listen", help="ZMQ address to bind on rank 0, e.g. ipc:///tmp/flare.sock")
+    parser.add_argument("--listen", help="ZMQ address to bind on rank 0, e.g. ipc:///run/user/1000/flare/engine.sock")
+    add_link_flags(parser, binds=True)
     parser.add_argument("--device", default="auto",
                         help="auto (default: cuda when CuPy and torch both see a GPU, else cpu), cpu or cuda")
     parser.add_argument("--eager", action="store_true", help="on cuda, run the eager executor instead of graphs")
@@ -88,6 +90,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def link_keys(args: argparse.Namespace) -> LinkKeys | None:
+    """The deployment's link keys; exits with one line when they are unreadable, or when an address other hosts can
+    reach (the request socket or the ranks' channel) would be served without them."""
+    try:
+        keys = load_keys(args.engine_keys)
+    except LinkKeyError as exc:
+        sys.exit(f"flare-engine: error: {exc}")
+    for address in ([args.listen] if args.listen else []) + \
+            ([f"tcp://{args.dist_address}"] if args.world_size > 1 else []):
+        if (problem := exposure_problem(address, keys, args.insecure_engine_link)) is not None:
+            sys.exit(f"flare-engine: error: {problem}")
+    if args.insecure_engine_link and keys is None:
+        log.warning("--insecure-engine-link: anyone who reaches %s can submit requests and read telemetry",
+                    args.listen or args.dist_address)
+    return keys
+
+
 def select_device(name: str) -> tuple[torch.device, str]:
     """The device and why it was chosen: `auto` takes the GPU only when both CuPy (graph launches) and torch can
     use it."""
@@ -107,6 +126,7 @@ def select_device(name: str) -> tuple[torch.device, str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
+    keys = link_keys(args)
     threads = set_threads(args.threads)
     started = time.monotonic()
     chosen, reason = select_device(args.device)
@@ -127,7 +147,10 @@ def main(argv: list[str] | None = None) -> None:
                                               if device.type == "cuda" else caps.prefill_chunk_size)
     log.info("up to %d prompt tokens a step%s", step_tokens, "" if args.max_batched_tokens else " (default)")
     num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
-    channel = connect(tp, args.dist_address) if tp else None
+    limit = frame_limit(manifest.context_limit, manifest.vision)
+    # A step's rows carry their requests' images (a vision model's eager step places text by them), so one step
+    # message may hold what max_active Submits held.
+    channel = connect(tp, args.dist_address, keys, limit * max_active) if tp else None
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
@@ -150,11 +173,16 @@ def main(argv: list[str] | None = None) -> None:
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)
     context = zmq.Context()
+    authenticator = keys.authenticate(context) if keys else None
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 1000)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    socket.bind(args.listen)
     telemetry_socket = context.socket(zmq.XPUB)
+    for link in (socket, telemetry_socket):
+        bound(link, limit)
+        if keys:
+            keys.serve(link)
+    socket.bind(args.listen)
     # Every subscribe and unsubscribe reaches the engine, so it can count attached dashboards (see telemetry.py).
     telemetry_socket.setsockopt(zmq.XPUB_VERBOSER, 1)
     telemetry_socket.setsockopt(zmq.LINGER, 0)
@@ -194,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
             grammars.close()
         socket.close()
         telemetry_socket.close()
+        if authenticator is not None:
+            authenticator.stop()
         context.term()
     log.info("stopped")
     os._exit(status)

@@ -114,11 +114,15 @@ class EngineTelemetry:
     def _track_subscriptions(self) -> None:
         while True:
             try:
-                event = self.socket.recv(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            event = frames[0]
+            # A subscriber's frames are (un)subscriptions; anything else a peer sends (an XSUB may) is not counted.
+            if len(frames) != 1 or event[:1] not in (b"\x00", b"\x01"):
+                continue
             if event[1:] == DASHBOARD_TOPIC:
-                self._dashboards += 1 if event[0] == 1 else -1
+                self._dashboards = max(self._dashboards + (1 if event[0] == 1 else -1), 0)
             elif event[1:] == CACHE_TOPIC and event[0] == 1:
                 self._cache_subscribed = True
 

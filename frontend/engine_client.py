@@ -14,6 +14,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from common import protocol as wire
 from common.errors import EngineUnavailable, FlareError, error_for_status
+from common.links import FIXED_FRAME_BYTES, Drops, LinkKeys, bound
 
 log = logging.getLogger("flare.frontend")
 
@@ -39,15 +40,21 @@ def failure(error: FlareError) -> Update:
 
 
 class EngineClient:
-    def __init__(self, address: str, frontend_id: str | None = None) -> None:
+    def __init__(self, address: str, frontend_id: str | None = None, keys: LinkKeys | None = None,
+                 frame_limit: int = FIXED_FRAME_BYTES) -> None:
         self.address = address
         self.frontend_id = frontend_id or f"frontend-{uuid.uuid4().hex[:8]}"
+        self.keys, self.frame_limit = keys, frame_limit  # the telemetry subscription uses them too
         self.welcome: wire.Welcome | None = None
         self.draining = False
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, self.frontend_id.encode())
         self._socket.setsockopt(zmq.LINGER, 0)
+        bound(self._socket, frame_limit)  # an engine that sends more is cut off (and reconnected)
+        if keys:
+            keys.join(self._socket)
+        self._drops = Drops(log, f"engine {address}")
         # Queue nothing for an engine that is not there: a Submit held back while the engine was down would reach
         # its successor, which would then run a request nobody waits for.
         self._socket.setsockopt(zmq.IMMEDIATE, 1)
@@ -139,11 +146,14 @@ class EngineClient:
 
     async def _read(self) -> None:
         while True:
-            data = await self._socket.recv()
+            frames = await self._socket.recv_multipart()
+            if len(frames) != 1:
+                self._drops.drop(self.address, f"{len(frames)} frames where a message has one")
+                continue
             try:
-                message = wire.decode_engine_message(data)
+                message = wire.decode_engine_message(frames[0])
             except Exception as exc:
-                log.warning("undecodable message from the engine: %s", exc)
+                self._drops.drop(self.address, f"undecodable: {exc}")
                 continue
             self._last_heard = time.monotonic()
             if isinstance(message, wire.Outputs):

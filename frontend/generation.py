@@ -27,6 +27,7 @@ class GenerationRequest:
     arrival: float = 0.0
     constraint: Constraint | None = None  # structured output (frontend/chat/structured.py)
     images: list[ImageInput] = field(default_factory=list)
+    cache_salt: str = ""  # vLLM's: requests of different salts share no cached prefix
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ async def generate(client: Replicas, model: ServedModel, request: GenerationRequ
                    ) -> AsyncIterator[Delta | Finish]:
     """Yields Deltas then one Finish. Leaving early (disconnect, cancellation) aborts the engine's request."""
     submit = Submit(uuid.uuid4().hex, request.prompt_ids, request.sampling, request.message_ends, request.arrival,
-                    images=request.images, constraint=request.constraint)
+                    images=request.images, constraint=request.constraint, cache_salt=request.cache_salt)
     detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_ids, model.hidden_token_ids)
     stops = StopMatcher(request.stop)
     hidden_ids = set(request.sampling.stop_token_ids)

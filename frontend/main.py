@@ -12,7 +12,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from common.api_keys import ApiKeyError, add_api_key_flags, api_key
 from common.errors import CoreError
+from common.links import LinkKeyError, LinkKeys, add_link_flags, frame_limit, load_keys
 from frontend import chat_page
 from frontend.api import (anthropic_messages, decisions, models, ollama, openai_chat, openai_completions,
                           openai_responses)
@@ -40,7 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="threads for template rendering, tokenization and images")
     parser.add_argument("--capacity", type=int, help="requests admitted at once (default: engine queue + slots)")
     parser.add_argument("--body-limit", type=int, default=32 << 20, help="largest request body, in bytes")
-    parser.add_argument("--api-key", help="require this bearer token (or x-api-key)")
+    add_api_key_flags(parser, "require this bearer token (or x-api-key)")
+    add_link_flags(parser)
     limits = ImageLimits()
     parser.add_argument("--allowed-media-domains", nargs="*", default=[],
                         help="domains (and their subdomains) remote image URLs may name; none: data: URLs only")
@@ -65,14 +68,15 @@ def create_app(frontend: Frontend, body_limit: int) -> web.Application:
     return app
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, key: str | None, link_keys: LinkKeys | None) -> None:
     model = ServedModel(args.core)
-    client = Replicas(args.engine, args.routing)
+    client = Replicas(args.engine, args.routing, link_keys,
+                      frame_limit(model.manifest.context_limit, model.manifest.vision))
     welcome = await client.start()
     capacity = args.capacity or (welcome.queue_capacity + welcome.max_active) * len(args.engine)
     image_limits = ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels,
                                tuple(d.lower().rstrip(".") for d in args.allowed_media_domains), args.media_timeout)
-    frontend = Frontend(model, client, args.workers, capacity, args.api_key, image_limits)
+    frontend = Frontend(model, client, args.workers, capacity, key, image_limits)
     EngineSnapshots(lambda: [replica.telemetry for replica in client.replicas])
     frontend_gauges(lambda: (frontend.capacity, frontend.in_use), lambda: (args.workers, frontend.pool_busy))
     runner = web.AppRunner(create_app(frontend, args.body_limit), handler_cancellation=True, access_log=None,
@@ -101,7 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
     try:
-        asyncio.run(serve(args))
+        key, link_keys = api_key(args), load_keys(args.engine_keys)
+    except (ApiKeyError, LinkKeyError) as exc:
+        sys.exit(f"flare-frontend: error: {exc}")
+    try:
+        asyncio.run(serve(args, key, link_keys))
     except CoreError as exc:
         sys.exit(f"flare-frontend: error: {exc}")
     except TimeoutError:

@@ -26,12 +26,10 @@ import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import zmq
-import zmq.asyncio
-
 from common import protocol as wire
 from common.errors import EngineUnavailable
-from common.prefix_history import RecentHistories
+from common.links import FIXED_FRAME_BYTES, Drops, LinkKeys, subscriber
+from common.prefix_history import RecentHistories, prefix_events
 from frontend.engine_client import EngineClient, Update
 
 log = logging.getLogger("flare.frontend")
@@ -74,11 +72,12 @@ class Replica:
 class Replicas:
     """The engine side of a frontend: submit, abort and release as one EngineClient offers them, over N engines."""
 
-    def __init__(self, addresses: list[str], routing: str = "prefix") -> None:
+    def __init__(self, addresses: list[str], routing: str = "prefix", keys: LinkKeys | None = None,
+                 frame_limit: int = FIXED_FRAME_BYTES) -> None:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
-        first = EngineClient(addresses[0])
-        clients = [first] + [EngineClient(a, first.frontend_id) for a in addresses[1:]]
+        first = EngineClient(addresses[0], None, keys, frame_limit)
+        clients = [first] + [EngineClient(a, first.frontend_id, keys, frame_limit) for a in addresses[1:]]
         self.replicas = [Replica(i, c) for i, c in enumerate(clients)]
         self.routing = routing
         self.frontend_id = first.frontend_id
@@ -123,7 +122,7 @@ class Replicas:
         """Route and send; a replica found unreachable on sending is skipped for the next choice."""
         tried: set[Replica] = set()
         while True:
-            replica = self.choose(submit.prompt, tried)
+            replica = self.choose(submit.prompt, tried, prefix_events(submit.cache_salt, submit.images))
             try:
                 queue = await replica.client.submit(submit)
             except EngineUnavailable:
@@ -160,7 +159,9 @@ class Replicas:
         if (replica := self._owner.pop(request_id, None)) is not None:
             replica.client.release(request_id)
 
-    def choose(self, prompt: list[int], exclude: set[Replica] = frozenset()) -> Replica:
+    def choose(self, prompt: list[int], exclude: set[Replica] = frozenset(),
+               events: list[tuple[int, bytes]] = ()) -> Replica:
+        """`events`: the prompt's conditioning (salt, images), which the replicas' prefix keys include."""
         available = [r for r in self.replicas if r.available and r not in exclude]
         if not available:
             if any(r.client.connected and r not in exclude for r in self.replicas):
@@ -176,14 +177,14 @@ class Replicas:
         by_load = sorted(available, key=lambda r: (loads[r], len(r.keys), (r.index - turn) % len(available)))
         if max(loads.values()) - least > IMBALANCE_ABS and max(loads.values()) > IMBALANCE_REL * max(least, 1):
             return by_load[0]
-        keys = self._keys(prompt, available)
+        keys = self._keys(prompt, available, events)
         runs = {r: r.cached_run(keys) for r in available} if keys else {}
         best = max(runs.values(), default=0)
         chosen = next(r for r in by_load if runs.get(r, 0) == best) if best > 0 else by_load[0]
         chosen.keys.update(keys)  # it will cache these blocks: the next turn of this conversation follows
         return chosen
 
-    def _keys(self, prompt: list[int], available: list[Replica]) -> list[bytes]:
+    def _keys(self, prompt: list[int], available: list[Replica], events: list[tuple[int, bytes]]) -> list[bytes]:
         welcome = next((r.client.welcome for r in available if r.client.welcome and r.client.welcome.cache_identity),
                        None)
         if welcome is None or len(prompt) < welcome.page_size:
@@ -191,25 +192,28 @@ class Replicas:
         recent = self._recent
         if recent is None or (recent.identity, recent.block_size) != (welcome.cache_identity, welcome.page_size):
             recent = self._recent = RecentHistories(welcome.cache_identity, welcome.page_size)
-        return recent.history(prompt).block_keys
+        return recent.history(prompt, events).block_keys
 
     async def _follow(self, replica: Replica) -> None:
         """The replica's telemetry: its load for routing and /metrics, and its cache announcements."""
         welcome = await replica.client.welcomed()
-        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SUBSCRIBE, wire.TELEMETRY_METRICS_TOPIC)
-        socket.setsockopt(zmq.SUBSCRIBE, wire.TELEMETRY_CACHE_TOPIC)
+        client = replica.client
+        socket = subscriber(client.keys, client.frame_limit, wire.TELEMETRY_METRICS_TOPIC, wire.TELEMETRY_CACHE_TOPIC)
         socket.connect(welcome.telemetry_address)
+        drops = Drops(log, f"telemetry of replica {replica.index}")
         try:
             while True:
-                topic, data = await socket.recv_multipart()
+                frames = await socket.recv_multipart()
+                if len(frames) != 2:
+                    drops.drop(welcome.telemetry_address, f"{len(frames)} frames where a snapshot has two")
+                    continue
+                topic, data = frames
                 try:
                     if topic == wire.TELEMETRY_METRICS_TOPIC:
                         replica.telemetry = wire.decode_telemetry(data)
                     elif topic == wire.TELEMETRY_CACHE_TOPIC:
                         replica.announce(wire.decode_cache_events(data))
                 except Exception as exc:  # a broken announcement must not stop routing
-                    log.warning("undecodable telemetry from replica %d: %s", replica.index, exc)
+                    drops.drop(welcome.telemetry_address, f"undecodable: {exc}")
         finally:
             socket.close()

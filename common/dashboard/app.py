@@ -12,8 +12,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-import zmq
-import zmq.asyncio
+import msgspec
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -24,6 +23,7 @@ from common import protocol as wire
 from common.dashboard.panes import GraphTable, Overview, RequestTable
 from common.dashboard.relay import OutputRelay
 from common.dashboard.view import TelemetryView
+from common.links import FIXED_FRAME_BYTES, LinkKeys, subscriber
 
 PANES = ("overview", "scheduler")
 POLL_INTERVAL = 0.2  # how often the app checks for a stop request and new log lines
@@ -50,10 +50,12 @@ class Dashboard(App[None]):
     ]
 
     def __init__(self, telemetry_address: str, stop_requested: Callable[[], bool],
-                 logs: OutputRelay | None = None) -> None:
-        """`stop_requested` is polled: the app closes once it says so. `logs`: the children's output, if ours."""
+                 logs: OutputRelay | None = None, keys: LinkKeys | None = None) -> None:
+        """`stop_requested` is polled: the app closes once it says so. `logs`: the children's output, if ours.
+        `keys`: the deployment's link keys, when its engines run CURVE."""
         super().__init__()
         self.telemetry_address = telemetry_address
+        self.keys = keys
         self.stop_requested = stop_requested
         self.logs = logs
         self._logs_seen = 0
@@ -79,14 +81,15 @@ class Dashboard(App[None]):
 
     @work(exclusive=True)
     async def _follow(self) -> None:
-        socket = zmq.asyncio.Context.instance().socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SUBSCRIBE, wire.TELEMETRY_DASHBOARD_TOPIC)
+        socket = subscriber(self.keys, FIXED_FRAME_BYTES, wire.TELEMETRY_DASHBOARD_TOPIC)
         socket.connect(self.telemetry_address)
         try:
             while True:
-                _topic, data = await socket.recv_multipart()
-                self.view.update(wire.decode_telemetry(data))
+                frames = await socket.recv_multipart()
+                try:
+                    self.view.update(wire.decode_telemetry(frames[-1]))
+                except msgspec.MsgspecError:  # another version's engine: keep the last good sample on screen
+                    continue
                 self.received = time.monotonic()
                 for pane in self.query("Overview, GraphTable, RequestTable"):
                     pane.refresh()
@@ -128,7 +131,7 @@ class Dashboard(App[None]):
         signal.raise_signal(signal.SIGINT)
 
 
-def attach(engine_address: str) -> int:
+def attach(engine_address: str, keys: LinkKeys | None = None) -> int:
     """`flare dashboard --engine ADDR`: watch a running engine until Ctrl-C (or SIGTERM)."""
     stop = False
 
@@ -138,15 +141,16 @@ def attach(engine_address: str) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    Dashboard(wire.telemetry_address(engine_address), lambda: stop).run()
+    Dashboard(wire.telemetry_address(engine_address), lambda: stop, keys=keys).run()
     return 0
 
 
-def supervise(engine_address: str, stop_requested: Callable[[], bool], relay: OutputRelay) -> None:
+def supervise(engine_address: str, stop_requested: Callable[[], bool], relay: OutputRelay,
+              keys: LinkKeys | None = None) -> None:
     """`flare run` on a terminal: hold it with the dashboard until the supervisor stops (its own signal handlers
     still decide when), with the children's output shown inside and printed again afterwards."""
     relay.hold()
     try:
-        Dashboard(wire.telemetry_address(engine_address), stop_requested, relay).run()
+        Dashboard(wire.telemetry_address(engine_address), stop_requested, relay, keys).run()
     finally:
         relay.release()

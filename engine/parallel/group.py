@@ -1,13 +1,14 @@
 """The tensor-parallel process group: joining it, and the two collectives the model forward calls.
 
 gloo on the CPU, NCCL on GPUs (one GPU per rank; bench/lab/gpu/tensor_parallel.py has run it on two H200s, the engine's ranks not
-yet: tests/engine/test_tensor_parallel.py's GPU test). The group's TCPStore, hosted by rank 0 at --dist-address, also
-hands the ranks the step channel's address.
+yet: tests/engine/test_tensor_parallel.py's GPU test). The group's TCPStore, hosted by rank 0 at --dist-address (and
+listening on that address's host only), also hands the ranks the step channel's address.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -56,7 +57,11 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 def join(rank: int, world_size: int, address: str, device: torch.device) -> TensorParallel:
     """Join the group at HOST:PORT (rank 0 hosts its store there); returns once every rank has joined."""
     host, port = address.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=JOIN_TIMEOUT)
+    # Rank 0 listens on that host alone (TCPStore by itself listens on every interface): with a loopback address
+    # the rendezvous cannot be reached from another host.
+    listener = socket.create_server((host, int(port))).detach() if rank == 0 else None
+    store = dist.TCPStore(host, int(port), world_size, is_master=rank == 0, timeout=JOIN_TIMEOUT,
+                          master_listen_fd=listener)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT,

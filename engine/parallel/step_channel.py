@@ -10,7 +10,9 @@ ZeroMQ over TCP rather than torch.distributed: the descriptor is Python data, wh
 buffers and host syncs; ZeroMQ sends never block rank 0's loop; every wait has a timeout; and a heartbeat runs while
 no step does, when no collective would notice a dead peer. Rank 0 binds a ROUTER, every other rank connects a DEALER
 named by its rank; the address travels through the group's TCPStore. Messages are msgspec MessagePack, so a
-malformed one fails to decode instead of running.
+malformed one fails to decode instead of running. With the deployment's link keys the channel runs CURVE (rank 0
+is the server, the other ranks are its peers), and every frame is bounded (docs/design.md, Trust boundaries): a
+message of another shape or from another identity is dropped, never decoded.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import replace
 import msgspec
 import zmq
 
+from common.links import Drops, LinkKeys, bound
 from engine.parallel.group import TensorParallel
 from engine.scheduler.plan import Plan
 
@@ -102,12 +105,17 @@ def _decode(payload: bytes, sender: str) -> _Message:
 class Leader:
     """Rank 0's end: one ROUTER that every other rank's DEALER connects to."""
 
-    def __init__(self, tp: TensorParallel, host: str) -> None:
+    def __init__(self, tp: TensorParallel, host: str, keys: LinkKeys | None, frame_limit: int) -> None:
         self.ranks = range(1, tp.world_size)
         self._context = zmq.Context()
+        self._authenticator = keys.authenticate(self._context) if keys else None
         self.socket = self._context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a rank whose connection closed raises
         self.socket.setsockopt(zmq.LINGER, 1000)
+        bound(self.socket, frame_limit)
+        if keys:
+            keys.serve(self.socket)
+        self._drops = Drops(log, "step channel")
         address = socket.gethostbyname(host)
         port = self.socket.bind_to_random_port(f"tcp://{address}")
         tp.store.set(ENDPOINT_KEY, f"tcp://{address}:{port}")
@@ -181,6 +189,8 @@ class Leader:
     def close(self) -> None:
         """Flush what is queued (for at most a second), then close."""
         self.socket.close(linger=1000)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._context.term()
 
     # --- plumbing -----------------------------------------------------------------------------------------------
@@ -201,14 +211,16 @@ class Leader:
             return
         while True:
             try:
-                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            rank = int(identity) if identity.isdigit() else -1
-            if rank not in self._heard:
-                continue  # not a rank of this group
+            rank = int(frames[0]) if frames[0].isdigit() else -1
+            if rank not in self._heard or len(frames) != 2:
+                self._drops.drop(frames[0], f"{len(frames) - 1} frames where a message has one" if rank in self._heard
+                                 else "not a rank of this group")
+                continue
             self._heard[rank] = time.monotonic()
-            message = _decode(payload, f"rank {rank}")
+            message = _decode(frames[1], f"rank {rank}")
             if isinstance(message, Failed):
                 self._failed[rank] = message.reason
             elif not isinstance(message, Beat):
@@ -240,12 +252,16 @@ class Leader:
 class Follower:
     """The end of a rank > 0: a DEALER named by its rank, connected to rank 0's ROUTER."""
 
-    def __init__(self, tp: TensorParallel) -> None:
+    def __init__(self, tp: TensorParallel, keys: LinkKeys | None, frame_limit: int) -> None:
         endpoint = tp.store.get(ENDPOINT_KEY).decode()  # waits until rank 0 has bound it
         self._context = zmq.Context()
         self.socket = self._context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, str(tp.rank).encode())
         self.socket.setsockopt(zmq.LINGER, 1000)
+        bound(self.socket, frame_limit)
+        if keys:
+            keys.join(self.socket)
+        self._drops = Drops(log, "step channel")
         self.socket.connect(endpoint)
         self._heard = time.monotonic()
         self._sent = 0.0
@@ -278,11 +294,14 @@ class Follower:
             return messages
         while True:
             try:
-                payload = self.socket.recv(zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            if len(frames) != 1:
+                self._drops.drop("rank 0", f"{len(frames)} frames where a message has one")
+                continue
             self._heard = time.monotonic()
-            message = _decode(payload, "rank 0")
+            message = _decode(frames[0], "rank 0")
             if not isinstance(message, Beat):
                 messages.append(message)
         return messages
@@ -315,6 +334,7 @@ class Follower:
         self._context.term()
 
 
-def connect(tp: TensorParallel, address: str) -> Leader | Follower:
+def connect(tp: TensorParallel, address: str, keys: LinkKeys | None, frame_limit: int) -> Leader | Follower:
     """Rank 0 binds the channel on the host of --dist-address; every other rank connects to it."""
-    return Leader(tp, address.rsplit(":", 1)[0]) if tp.rank == 0 else Follower(tp)
+    return Leader(tp, address.rsplit(":", 1)[0], keys, frame_limit) if tp.rank == 0 else \
+        Follower(tp, keys, frame_limit)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache
 from engine.cache.page_allocator import PageAllocator
-from common.prefix_history import PrefixHistory, RecentHistories
+from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
 from engine.scheduler.request import Request
 
 @dataclass(frozen=True)
@@ -41,8 +41,8 @@ class PrefixReuse:
         self.held_for_copies: set[int] = set()
 
     def track(self, request: Request) -> None:
-        # An image's content keys every prefix that reaches its first token.
-        request.history = self.recent.history(request.tokens, [(i.offset, i.identity) for i in request.images])
+        # An image's content keys every prefix that reaches its first token; a salt, every prefix.
+        request.history = self.recent.history(request.tokens, prefix_events(request.cache_salt, request.images))
 
     @staticmethod
     def _history(request: Request) -> PrefixHistory:

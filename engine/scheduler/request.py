@@ -46,6 +46,7 @@ class Request:
     # Their placeholder tokens [first, end), atomic for chunking, and how far each moves the M-RoPE position of the
     # text after it (common/mrope.py).
     image_spans: tuple[tuple[int, int, int], ...] = ()
+    cache_salt: str = ""  # requests of different salts share no cached prefix (common/prefix_history.py, salt_event)
     phase: Phase = Phase.WAITING
     slot: int = -1
     generation: int = 0

@@ -15,7 +15,7 @@ from common.protocol import Constraint
 from frontend.api.errors import anthropic_error_event, as_flare_error
 from frontend.api.json_body import json_response
 from frontend.api.models import requested_model
-from frontend.api.params import get_bool, get_int, get_stop
+from frontend.api.params import get_bool, get_cache_salt, get_int, get_stop
 from frontend.api.sampling import sampling_params
 from frontend.chat.replies import ReplyFormat, parse_replies
 from frontend.chat.structured import after_reasoning, one_of, response_format
@@ -220,7 +220,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     encoded, tools, parse, thinking, constraint = await encode(frontend, body)
     params = sampling_params(frontend.model, body, len(encoded.ids), max_tokens)
     generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop_sequences"), encoded.message_ends,
-                                   time.time(), constraint, encoded.images)
+                                   time.time(), constraint, encoded.images, get_cache_salt(body))
     message = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": name,
                "content": []}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:

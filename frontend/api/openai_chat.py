@@ -16,7 +16,7 @@ from frontend.api.errors import finish_openai_stream
 from frontend.api.json_body import json_response
 from frontend.api.logprobs import token_logprobs, unpack
 from frontend.api.models import requested_model
-from frontend.api.params import get_bool, get_int, get_stop
+from frontend.api.params import get_bool, get_cache_salt, get_int, get_stop
 from frontend.api.sampling import choice_params, requested_max_tokens, sampling_params, top_logprobs
 from frontend.chat.replies import ReplyFormat, parse_replies
 from frontend.chat.structured import after_reasoning, extension, one_of, response_format
@@ -229,8 +229,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                              requested_max_tokens(body, "max_completion_tokens", "max_tokens"), logprobs=logprobs)
     stop = get_stop(body, "stop")
     arrival = time.time()
+    salt = get_cache_salt(body)
     requests = [GenerationRequest(ids, choice_params(params, i), stop, encoded.message_ends, arrival, constraint,
-                                  encoded.images)
+                                  encoded.images, salt)
                 for i in range(n)]
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:

@@ -16,7 +16,7 @@ from frontend.api.json_body import json_response
 from frontend.api.logprobs import legacy_logprobs, prompt_entries, unpack
 from frontend.api.models import requested_model
 from frontend.api.openai_chat import MAX_CHOICES, choices_count, output_constraint, stream_options, usage
-from frontend.api.params import get_bool, get_stop, get_str
+from frontend.api.params import get_bool, get_cache_salt, get_stop, get_str
 from frontend.api.sampling import choice_params, requested_max_tokens, sampling_params, top_logprobs
 from frontend.generation import Delta, Finish, GenerationRequest, Outcome, collect, merge
 from frontend.model import ServedModel
@@ -83,12 +83,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     constraint = output_constraint(body, None, "response_format", body.get("response_format"))
     stop = get_stop(body, "stop")
     arrival = time.time()
-    requests = []
+    requests, salt = [], get_cache_salt(body)
     for ids in encoded:
         params = sampling_params(frontend.model, body, len(ids), max_tokens or DEFAULT_MAX_TOKENS, logprobs=logprobs,
                                  prompt_logprobs=logprobs if echo else None)
-        requests.extend(GenerationRequest(ids, choice_params(params, i), stop, [], arrival, constraint)
-                        for i in range(n))
+        requests.extend(GenerationRequest(ids, choice_params(params, i), stop, [], arrival, constraint,
+                                          cache_salt=salt) for i in range(n))
     prefixes = [(frontend.model.decode(r.prompt_ids) if echo else "") for r in requests]
     meta = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(arrival), "model": name}
     async with contextlib.aclosing(merge(frontend.client, frontend.model, requests)) as events:

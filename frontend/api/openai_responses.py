@@ -17,7 +17,7 @@ from frontend.api.json_body import json_response
 from frontend.api.logprobs import TokenLogprob, token_logprobs, unpack
 from frontend.api.models import requested_model
 from frontend.api.openai_chat import message_text, output_constraint, request_tools
-from frontend.api.params import get_bool, get_stop, get_str
+from frontend.api.params import get_bool, get_cache_salt, get_stop, get_str
 from frontend.api.sampling import requested_max_tokens, sampling_params, top_logprobs
 from frontend.chat.replies import ReplyFormat, parse_replies
 from frontend.chat.structured import after_reasoning
@@ -265,7 +265,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
             "metadata": metadata}
     builder = ResponseBuilder(frontend.model, base, logprobs is not None)
     generation = GenerationRequest(encoded.ids, params, get_stop(body, "stop"), encoded.message_ends, arrival,
-                                   constraint, encoded.images)
+                                   constraint, encoded.images, get_cache_salt(body))
     async with contextlib.aclosing(merge(frontend.client, frontend.model, [generation])) as events:
         events = parse_replies(events, ReplyFormat.of(frontend.model, encoded, tools if parse_tools else None))
         if stream:

@@ -61,6 +61,14 @@ def get_str(body: dict, name: str, default: str | None = None, required: bool = 
     return value
 
 
+def get_cache_salt(body: dict) -> str:
+    """vLLM's `cache_salt`: requests of different salts share no cached prefix; "" (absent): unsalted."""
+    salt = get_str(body, "cache_salt", "")
+    if body.get("cache_salt") is not None and not salt:
+        raise InvalidRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    return salt
+
+
 def get_stop(body: dict, name: str) -> list[str]:
     value = body.get(name)
     if value is None:

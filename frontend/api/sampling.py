@@ -8,10 +8,10 @@ import msgspec
 
 from common.errors import InvalidRequest
 from common.protocol import SamplingParams
+from common.sampling_bounds import (MAX_TOP_LOGPROBS, MIN_P, PENALTY, REPETITION_PENALTY, SEED, TEMPERATURE, TOP_K,
+                                    TOP_P)
 from frontend.api.params import get_bool, get_int, get_int_list, get_number
 from frontend.model import ServedModel
-
-MAX_TOP_LOGPROBS = 20
 
 
 def sampling_params(model: ServedModel, body: dict, prompt_len: int, max_tokens: int | None, *,
@@ -20,20 +20,20 @@ def sampling_params(model: ServedModel, body: dict, prompt_len: int, max_tokens:
     defaults = model.manifest.generation
     context = model.manifest.context_limit
     vocab = model.tokenizer.get_vocab_size()
-    top_k = get_int(body, "top_k", defaults.top_k, -1, 1 << 31)
+    top_k = get_int(body, "top_k", defaults.top_k, -1, TOP_K[1])
     params = SamplingParams(
-        temperature=get_number(body, "temperature", defaults.temperature, 0.0, 100.0),
-        top_p=get_number(body, "top_p", defaults.top_p, 1e-9, 1.0),
+        temperature=get_number(body, "temperature", defaults.temperature, *TEMPERATURE),
+        top_p=get_number(body, "top_p", defaults.top_p, *TOP_P),
         top_k=max(top_k, 0),  # -1 is vLLM's and SGLang's "off"
-        min_p=get_number(body, "min_p", defaults.min_p, 0.0, 1.0),
-        seed=get_int(body, "seed", None),
+        min_p=get_number(body, "min_p", defaults.min_p, *MIN_P),
+        seed=get_int(body, "seed", None, *SEED),
         max_tokens=max_tokens if max_tokens is not None else max(context - prompt_len, 1),
         min_tokens=get_int(body, "min_tokens", 0, 0, context),
         ignore_eos=get_bool(body, "ignore_eos", False),
         stop_token_ids=get_int_list(body, "stop_token_ids", vocab),
-        presence_penalty=get_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-        frequency_penalty=get_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=get_number(body, "repetition_penalty", defaults.repetition_penalty, 0.01, 10.0),
+        presence_penalty=get_number(body, "presence_penalty", 0.0, *PENALTY),
+        frequency_penalty=get_number(body, "frequency_penalty", 0.0, *PENALTY),
+        repetition_penalty=get_number(body, "repetition_penalty", defaults.repetition_penalty, *REPETITION_PENALTY),
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         speculative=get_bool(body, "speculative", True))

@@ -9,7 +9,7 @@ import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.prefix_history import PrefixHistory, RecentHistories
+from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
 
 IDENTITY = bytes(range(32))
 IMAGE = bytes([7]) * 32
@@ -99,3 +99,12 @@ def test_an_image_that_differs_ends_the_keys_lent_at_its_block() -> None:
     history = recent.history(tokens, [(40, bytes(32))])
     assert recent.reused_blocks == 2  # blocks 0 and 1 end before position 40
     assert history.block_keys == spec_keys(IDENTITY, 16, tokens, [(40, bytes(32))])
+
+
+def test_salts_keep_prefixes_apart_even_when_lent() -> None:
+    tokens = list(range(16 * 40))  # long enough for RecentHistories to remember it
+    recent = RecentHistories(IDENTITY, 16)
+    plain = recent.history(tokens).block_keys
+    salted = {salt: recent.history(tokens, prefix_events(salt, [])).block_keys for salt in ("a", "b")}
+    assert not set(plain) & set(salted["a"]) and not set(salted["a"]) & set(salted["b"])
+    assert recent.history(tokens, prefix_events("a", [])).block_keys == salted["a"]  # the same salt shares

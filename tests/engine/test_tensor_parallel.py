@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from common import protocol as wire
 from common.errors import CoreError
+from common.links import LinkKeys, write_keys
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
 from common.ranks import GROUP_FAILED, engine_commands
 from engine.model.config import DecoderConfig
@@ -130,10 +131,12 @@ def start_ranks(core: Path, world: int, address: str, logs: Path, device: str = 
 class WireClient:
     """A frontend's side of the wire, bare: submit token ids, collect each request's tokens and its end."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, keys: LinkKeys | None = None) -> None:
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, uuid.uuid4().hex.encode())
         self.socket.setsockopt(zmq.LINGER, 0)
+        if keys:
+            keys.join(self.socket)
         self.socket.connect(address)
         self.socket.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "test")))
         assert self.socket.poll(60_000), "no Welcome from rank 0"
@@ -170,13 +173,29 @@ def exit_statuses(ranks: list[subprocess.Popen], timeout: float) -> list[int | N
     return [rank.returncode for rank in ranks]
 
 
+def listening_hosts(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on `port` (hex, as /proc/net/tcp and tcp6 write them)."""
+    hosts = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            host, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                hosts.add(host)
+    return hosts
+
+
 @pytest.mark.slow
 def test_tiny_core_over_two_ranks_then_a_clean_stop(tiny_core: Path, tmp_path: Path) -> None:
+    """With link keys: the step channel and the request socket run CURVE, and the rendezvous listens on loopback."""
     expected = single_rank_tokens(tiny_core, PROMPTS, page_size=16, chunk=48)
     address = f"ipc://{tmp_path}/engine.sock"
-    ranks = start_ranks(tiny_core, 2, address, tmp_path)
+    write_keys(tmp_path / "keys")
+    ranks = start_ranks(tiny_core, 2, address, tmp_path, extra=["--engine-keys", str(tmp_path / "keys")])
+    rendezvous = int(ranks[0].args[ranks[0].args.index("--dist-address") + 1].rsplit(":", 1)[1])
     try:
-        client = WireClient(address)
+        client = WireClient(address, LinkKeys.load(tmp_path / "keys"))
+        assert listening_hosts(rendezvous) == {"0100007F"}  # 127.0.0.1 alone
         # Logprobs and prompt logprobs take the gathered logits on other rows: every rank must run that too.
         got = client.generate(PROMPTS, logprobs=2, prompt_logprobs=1)
         assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]

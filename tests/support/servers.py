@@ -18,14 +18,16 @@ TEST_API_KEY = "test-api-key"
 
 
 class Server:
-    def __init__(self, core: Path, *extra: str) -> None:
+    def __init__(self, core: Path, *extra: str, engine_address: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.engine_address = f"ipc://{tempfile.gettempdir()}/flare-test-{uuid.uuid4().hex[:12]}.sock"
+        self.engine_address = engine_address or \
+            f"ipc://{tempfile.gettempdir()}/flare-test-{uuid.uuid4().hex[:12]}.sock"
         flare = Path(sys.executable).with_name("flare")
         self.process = subprocess.Popen([str(flare), "run", str(core), "--port", str(self.port),
                                          "--engine-address", self.engine_address, *extra],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
