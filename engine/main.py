@@ -138,13 +138,24 @@ def main(argv: list[str] | None = None) -> None:
                      args.world_size, time.monotonic() - started, num_pages)
             os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size))
         executor = TensorParallelExecutor(executor, channel)
+    speculative = args.speculative
+    if model.config.hybrid and speculative != "off":
+        # A rejected draft would have to roll the linear-attention layers' recurrent state back to the accepted
+        # prefix, which the engine does not do.
+        log.info("speculative decoding off: %s carries a recurrent state that a rejected draft cannot roll back",
+                 manifest.architecture)
+        speculative = "off"
     try:
-        proposer = make_proposer(args.speculative, args.draft, manifest, device, caps.page_size, budget,
+        proposer = make_proposer(speculative, args.draft, manifest, device, caps.page_size, budget,
                                  max_active, step_tokens, graphs=not args.eager)
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
+    if model.config.hybrid:
+        log.info("prefix cache off: %s's recurrent state cannot be rebuilt from cached KV pages",
+                 manifest.architecture)
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
-                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer)
+                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer,
+                                 reuse_prefixes=not model.config.hybrid)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)

@@ -28,8 +28,16 @@ class PageCopy:
     source_checkpoint: Checkpoint | None  # the source's owner when the cache owns it: pinned until the copy is sent
 
 
+# Request.publish_from of a request whose prefixes are never published.
+NEVER = 2 ** 62
+
+
 class PrefixReuse:
-    def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str]) -> None:
+    def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str],
+                 enabled: bool = True) -> None:
+        """`enabled` False: no reuse and no publication. A hybrid model's requests carry a recurrent state that
+        pages of KV cannot rebuild (engine/model/recurrent_state.py), so a cached prefix would be no start."""
+        self.enabled = enabled
         self.identity = identity
         self.page_size = page_size
         self.pages = pages
@@ -63,6 +71,9 @@ class PrefixReuse:
 
     # --- reuse when a request gets its slot -------------------------------------------------------------------------
     def reuse(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
+        if not self.enabled:
+            request.publish_from = NEVER
+            return
         if request.sampling.prompt_logprobs is not None:
             return  # every prompt position must be computed to report its logprob
         history, size = self._history(request), self.page_size
@@ -106,6 +117,9 @@ class PrefixReuse:
         """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes. Sets
         Request.publish_from: a call before `computed` reaches it (another block complete) has no work, unless a
         message end may be pending."""
+        if not self.enabled:
+            request.publish_from = NEVER
+            return
         self._publish(request, computed, fence, allocate)
         request.publish_from = 0 if request.message_ends else (len(request.block_chain) + 1) * self.page_size
 

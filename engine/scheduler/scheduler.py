@@ -43,8 +43,9 @@ class StalePlan(ValueError):
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
                  prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig(),
-                 proposer: Proposer | None = None) -> None:
-        """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step."""
+                 proposer: Proposer | None = None, reuse_prefixes: bool = True) -> None:
+        """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step.
+        `reuse_prefixes` False: every request computes its whole prompt (a hybrid model's: PrefixReuse)."""
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -58,7 +59,7 @@ class RequestScheduler:
         self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
         self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
-        self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
+        self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters, reuse_prefixes)
         # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED

@@ -1,0 +1,75 @@
+"""The hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet linear attention in three layers of four,
+gated attention in the fourth) against transformers, end to end as tests/e2e/test_families.py tests the others: a
+tiny random checkpoint built with transformers' own class, exported with `ignition export`, served with `flare run`;
+greedy tokens over HTTP equal transformers' `generate` (fp32, CPU), with prompts of several prefill chunks, so that
+the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import pytest
+import transformers
+
+from common.manifest import load_manifest, write_manifest
+from ignition.main import main as ignition
+from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, build_checkpoint, chat, hf_generate, ids_of,
+                                     text)
+from tests.support.servers import Server
+
+# What each hybrid adds to test_families.BASE: 4 layers (3 linear, 1 full attention), 2 key heads serving 4 value
+# heads in the linear layers, a quarter of each attention head rotated; MoE: 8 experts top-2 and a shared expert.
+HYBRID = {"num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 16, "linear_value_head_dim": 16, "tie_word_embeddings": False,
+          "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]}
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 32}
+HYBRIDS = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**HYBRID, **MOE}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**HYBRID, **MOE}),
+}
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(family, a server of the exported core, transformers' model of the same checkpoint)."""
+    root = tmp_path_factory.mktemp(request.param)
+    hf_dir = build_checkpoint(request.param, root, HYBRIDS)
+    core = root / "core"
+    assert ignition(["export", str(hf_dir), str(core)]) == 0
+    manifest = load_manifest(core)
+    assert manifest.architecture == request.param
+    write_manifest(core, msgspec.structs.replace(manifest, capacities=CAPACITIES))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    reference.generation_config.eos_token_id = None  # like ignore_eos: always NEW_TOKENS tokens
+    server = Server(core)
+    yield request.param, server, reference
+    server.stop()
+
+
+def test_greedy_tokens_equal_transformers_generate_under_concurrency(hybrid) -> None:
+    name, server, reference = hybrid
+    with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+        results = [ids_of(r) for r in pool.map(lambda m: chat(server, m), CONVERSATIONS)]
+    assert len({token for _, tokens in results for token in tokens}) > 10, "degenerate outputs would test little"
+    assert max(len(prompt) for prompt, _ in results) > 2 * CAPACITIES.prefill_chunk_size
+    for (prompt, tokens), messages in zip(results, CONVERSATIONS):
+        assert tokens == hf_generate(reference, prompt), (name, messages)
+
+
+def test_a_second_turn_computes_its_whole_prompt_and_keeps_the_tokens(hybrid) -> None:
+    """Without exact checkpoints of the recurrent state, a cached prefix of KV pages is no place to start from:
+    the second turn reuses nothing, and its tokens still equal transformers'."""
+    name, server, reference = hybrid
+    first = [{"role": "user", "content": text(30, 7)}]
+    reply = chat(server, first, max_tokens=8)
+    first_prompt, first_tokens = ids_of(reply)
+    assert first_tokens == hf_generate(reference, first_prompt, 8)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": text(10, 1)}]
+    response = chat(server, second)
+    assert response.usage.prompt_tokens_details.cached_tokens == 0
+    prompt, tokens = ids_of(response)
+    assert tokens == hf_generate(reference, prompt), name
