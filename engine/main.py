@@ -25,6 +25,7 @@ from engine.core import Engine
 from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, make_executor
 from engine.model.loader import DTYPES, load_model
+from engine.model.recurrent_state import RecurrentState, snapshot_rows
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
 from engine.parallel.step_channel import Follower, RankFailure, connect
@@ -125,12 +126,17 @@ def main(argv: list[str] | None = None) -> None:
     step_tokens = args.max_batched_tokens or (gpu_step_tokens(device, caps.prefill_chunk_size)
                                               if device.type == "cuda" else caps.prefill_chunk_size)
     log.info("up to %d prompt tokens a step%s", step_tokens, "" if args.max_batched_tokens else " (default)")
-    num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
+    dtype = model.model.embed_tokens.weight.dtype
+    snapshots = snapshot_rows(model.config, dtype, max_active, budget) if model.config.hybrid else None
+    if snapshots is not None:  # a hybrid's state rows, its slots' and its snapshots', come out of the cache budget
+        budget -= (max_active + snapshots) * RecurrentState.row_bytes(model.config, dtype)
+        log.info("%d recurrent-state snapshot rows for exact prefix checkpoints", snapshots)
+    num_pages = pages_for_budget(model, caps.page_size, budget, dtype)
     channel = connect(tp, args.dist_address) if tp else None
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
-                             step_tokens, graphs=not args.eager)
+                             step_tokens, graphs=not args.eager, snapshots=snapshots or 0)
     if channel:
         channel.start()
         if isinstance(channel, Follower):
@@ -150,12 +156,9 @@ def main(argv: list[str] | None = None) -> None:
                                  max_active, step_tokens, graphs=not args.eager)
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
-    if model.config.hybrid:
-        log.info("prefix cache off: %s's recurrent state cannot be rebuilt from cached KV pages",
-                 manifest.architecture)
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
                                  cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer,
-                                 reuse_prefixes=not model.config.hybrid)
+                                 snapshots=snapshots)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)

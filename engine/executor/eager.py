@@ -43,15 +43,18 @@ def pages_for_budget(model: CausalLM, page_size: int, budget_bytes: int, dtype: 
 
 class EagerExecutor:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, max_active: int,
-                 device: torch.device) -> None:
+                 device: torch.device, snapshots: int = 0) -> None:
+        """`snapshots`: a hybrid model's state rows beyond the slots', for exact checkpoints (Plan.state_copies)."""
         self.model = model
         self.device = device
         self.page_size = page_size
         self.num_pages = num_pages
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=dtype, device=device)
-        # A hybrid model's linear-attention layers: a state row per slot (engine/model/recurrent_state.py).
-        self.state = RecurrentState(model.config, max_active, dtype, device) if model.config.hybrid else None
+        # A hybrid model's linear-attention layers: a state row per slot, then its snapshot rows
+        # (engine/model/recurrent_state.py).
+        self.state = RecurrentState(model.config, max_active + snapshots, dtype, device) \
+            if model.config.hybrid else None
         self.slot_tokens = torch.zeros(max_active, dtype=torch.int64, device=device)
         vocab = model.config.vocab_size
         # Penalty state per slot: output token counts, and every token seen (prompt and output).
@@ -114,6 +117,8 @@ class EagerExecutor:
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
         self._copy_pages(plan.copies)
+        if plan.state_copies:
+            self.state.copy_rows(plan.state_copies)
         if not plan.rows:
             return Completion(fence, (), (), (), time.perf_counter() - started)
         step = build_inputs(plan, self.page_size, self.device, self.state)

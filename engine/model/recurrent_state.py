@@ -27,6 +27,13 @@ class RecurrentState:
         self.delta = torch.zeros(layers, rows, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim,
                                  dtype=torch.float32, device=device)
 
+    def copy_rows(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """(source, destination) row copies in order (Plan.state_copies): a snapshot of a slot may precede a
+        restore into the same slot."""
+        for source, destination in copies:
+            self.conv[:, destination] = self.conv[:, source]
+            self.delta[:, destination] = self.delta[:, source]
+
     def reset(self, rows: torch.Tensor) -> None:
         """Zero these rows: their requests start at position 0."""
         self.conv[:, rows] = 0
@@ -40,6 +47,17 @@ class RecurrentState:
         conv = linear.conv_dim * (linear.conv_kernel - 1) * dtype.itemsize
         delta = linear.num_value_heads * linear.key_head_dim * linear.value_head_dim * 4
         return sum(c.layer_linear) * (conv + delta)
+
+
+SNAPSHOTS_PER_SLOT = 4
+SNAPSHOT_SHARE = 0.25  # of the cache budget, at most, for snapshot rows
+
+
+def snapshot_rows(c: DecoderConfig, dtype: torch.dtype, slots: int, budget_bytes: int) -> int:
+    """How many snapshot rows a hybrid model's engine keeps for exact checkpoints: a few per slot, within a share
+    of the cache budget (the KV pages get the rest)."""
+    row = RecurrentState.row_bytes(c, dtype)
+    return min(SNAPSHOTS_PER_SLOT * slots, int(budget_bytes * SNAPSHOT_SHARE) // row) if row else 0
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,14 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+import openai
 import pytest
 import transformers
 
 from common.manifest import load_manifest, write_manifest
 from ignition.main import main as ignition
-from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, build_checkpoint, chat, hf_generate, ids_of,
-                                     text)
+from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, NEW_TOKENS, build_checkpoint, chat, hf_generate,
+                                     ids_of, text)
 from tests.support.servers import Server
 
 # What each hybrid adds to test_families.BASE: 4 layers (3 linear, 1 full attention), 2 key heads serving 4 value
@@ -59,17 +60,39 @@ def test_greedy_tokens_equal_transformers_generate_under_concurrency(hybrid) -> 
         assert tokens == hf_generate(reference, prompt), (name, messages)
 
 
-def test_a_second_turn_computes_its_whole_prompt_and_keeps_the_tokens(hybrid) -> None:
-    """Without exact checkpoints of the recurrent state, a cached prefix of KV pages is no place to start from:
-    the second turn reuses nothing, and its tokens still equal transformers'."""
+def complete(server: Server, prompt: list[int], max_tokens: int = NEW_TOKENS, stream: bool = False):
+    """A completion of token ids: a conversation's turns as ids, which a reply's text need not tokenize back to."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    return client.completions.create(model=client.models.list().data[0].id, prompt=prompt, temperature=0,
+                                     max_tokens=max_tokens, stream=stream,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_a_second_turn_restores_the_first_turns_snapshot_and_keeps_the_tokens(hybrid) -> None:
+    """The first turn's end is an exact checkpoint (its recurrent state snapshot and its partial page): the second
+    turn, its prompt and reply and more, restores it, so its cached tokens cover the first turn's prompt and reply
+    (but the reply's last token, which no step consumed), and its tokens still equal transformers'."""
     name, server, reference = hybrid
-    first = [{"role": "user", "content": text(30, 7)}]
-    reply = chat(server, first, max_tokens=8)
-    first_prompt, first_tokens = ids_of(reply)
+    first_prompt = ids_of(chat(server, [{"role": "user", "content": text(30, 7)}], max_tokens=1))[0]
+    first = complete(server, first_prompt, max_tokens=8)
+    first_tokens = first.choices[0].model_extra["token_ids"]
     assert first_tokens == hf_generate(reference, first_prompt, 8)
-    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
-                      {"role": "user", "content": text(10, 1)}]
-    response = chat(server, second)
-    assert response.usage.prompt_tokens_details.cached_tokens == 0
-    prompt, tokens = ids_of(response)
-    assert tokens == hf_generate(reference, prompt), name
+    prompt = first_prompt + first_tokens + first_prompt[-12:]  # the next turn's text, as ids
+    second = complete(server, prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(first_prompt) + len(first_tokens) - 1
+    assert second.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
+
+
+def test_a_request_restored_then_cancelled_leaves_the_snapshot_for_the_next(hybrid) -> None:
+    """A restore copies the snapshot into the request's own state row: the request writes only there, so after it
+    is cancelled mid-stream the snapshot still starts the next request, whose tokens equal transformers'."""
+    name, server, reference = hybrid
+    base = ids_of(chat(server, [{"role": "system", "content": text(25, 4)}, {"role": "user", "content": "Hi"}],
+                       max_tokens=1))[0]
+    prompt = base + base[-9:]
+    stream = complete(server, prompt, max_tokens=400, stream=True)
+    next(iter(stream))  # restored, decoding: then gone
+    stream.close()
+    response = complete(server, prompt)
+    assert response.usage.prompt_tokens_details.cached_tokens >= len(base) - 1
+    assert response.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
