@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"flare-engine: error: {exc}")
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
                                  cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer,
-                                 snapshots=snapshots)
+                                 snapshots=snapshots, snapshot_bytes=RecurrentState.row_bytes(model.config, dtype))
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)

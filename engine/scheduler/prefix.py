@@ -54,14 +54,16 @@ NEVER = 2 ** 62
 
 class PrefixReuse:
     def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str],
-                 snapshots: int | None = None, slots: int = 0) -> None:
+                 snapshots: int | None = None, slots: int = 0, snapshot_bytes: int = 0) -> None:
         """`snapshots`: a hybrid model's snapshot rows (state rows `slots` onwards); its requests carry a recurrent
         state that pages of KV cannot rebuild (engine/model/recurrent_state.py), so only an exact checkpoint with a
-        snapshot is a start, and with no snapshot rows nothing is reused or published."""
+        snapshot is a start, and with no snapshot rows nothing is reused or published. `snapshot_bytes`: a
+        snapshot row's size (reported in /metrics)."""
         self.hybrid = snapshots is not None
         self.enabled = not self.hybrid or snapshots > 0
         self.snapshot_ids = PageAllocator(snapshots or 0)
         self.slot_rows = slots
+        self.snapshot_bytes = snapshot_bytes
         self.pending_state: list[StateCopy] = []
         self.snapshot_fences: dict[int, int] = {}  # snapshot id -> the step that wrote it (once committed)
         self.committed_fence = 0

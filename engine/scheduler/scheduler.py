@@ -43,9 +43,10 @@ class StalePlan(ValueError):
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
                  prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig(),
-                 proposer: Proposer | None = None, snapshots: int | None = None) -> None:
+                 proposer: Proposer | None = None, snapshots: int | None = None, snapshot_bytes: int = 0) -> None:
         """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step.
-        `snapshots`: a hybrid model's recurrent-state snapshot rows, which its prefix reuse needs (PrefixReuse)."""
+        `snapshots`: a hybrid model's recurrent-state snapshot rows (of `snapshot_bytes` each), which its prefix
+        reuse needs (PrefixReuse)."""
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -59,7 +60,8 @@ class RequestScheduler:
         self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
         self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
-        self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters, snapshots, max_active)
+        self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters, snapshots, max_active,
+                                  snapshot_bytes)
         # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED

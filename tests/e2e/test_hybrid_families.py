@@ -18,6 +18,7 @@ from common.manifest import load_manifest, write_manifest
 from ignition.main import main as ignition
 from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, NEW_TOKENS, build_checkpoint, chat, hf_generate,
                                      ids_of, text)
+from tests.e2e.test_metrics import wait_for
 from tests.support.servers import Server
 
 # What each hybrid adds to test_families.BASE: 4 layers (3 linear, 1 full attention), 2 key heads serving 4 value
@@ -81,6 +82,10 @@ def test_a_second_turn_restores_the_first_turns_snapshot_and_keeps_the_tokens(hy
     second = complete(server, prompt)
     assert second.usage.prompt_tokens_details.cached_tokens >= len(first_prompt) + len(first_tokens) - 1
     assert second.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
+    metrics = wait_for(server.base_url, lambda m: m.get("flare_engine_snapshot_restores_total", 0) > 0)
+    assert metrics["flare_engine_snapshot_restores_total"] > 0
+    assert metrics["flare_engine_snapshot_publications_total"] >= metrics["flare_engine_cached_snapshots"] > 0
+    assert metrics["flare_engine_snapshot_bytes"] > 0
 
 
 def test_a_request_restored_then_cancelled_leaves_the_snapshot_for_the_next(hybrid) -> None:
