@@ -2,11 +2,13 @@
 gated attention in the fourth) against transformers, end to end as tests/e2e/test_families.py tests the others: a
 tiny random checkpoint built with transformers' own class, exported with `ignition export`, served with `flare run`;
 greedy tokens over HTTP equal transformers' `generate` (fp32, CPU), with prompts of several prefill chunks, so that
-the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row.
+the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row; a second
+turn restores the first turn's exact checkpoint; structured output holds.
 """
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -101,3 +103,16 @@ def test_a_request_restored_then_cancelled_leaves_the_snapshot_for_the_next(hybr
     response = complete(server, prompt)
     assert response.usage.prompt_tokens_details.cached_tokens >= len(base) - 1
     assert response.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
+
+
+def test_structured_output_holds_to_its_schema(hybrid) -> None:
+    """Grammar masks reach a hybrid's sampling as any model's: the reply is the schema's JSON."""
+    name, server, _ = hybrid
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+              "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": text(12)}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "unit", "schema": schema}})
+    assert response.choices[0].finish_reason == "stop", name
+    assert json.loads(response.choices[0].message.content)["unit"] in ("celsius", "fahrenheit")
