@@ -51,6 +51,8 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     server = Server(core)
     yield request.param, server, reference
     server.stop()
+    # Speculative decoding (ngram by default on the CPU) stays off, and `flare run`'s log says why.
+    assert "speculative decoding off: " + request.param in server.process.stdout.read()
 
 
 def test_greedy_tokens_equal_transformers_generate_under_concurrency(hybrid) -> None:
