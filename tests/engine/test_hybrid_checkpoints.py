@@ -5,6 +5,7 @@ transformers: tests/e2e/test_hybrid_families.py.)"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.scheduler.request import Phase
@@ -24,17 +25,20 @@ def generate(harness: Harness, tokens: list[int], max_tokens: int, ends: list[in
     return request.cached_tokens, request.tokens[len(tokens):]
 
 
-def test_a_restored_snapshot_continues_exactly_where_its_request_stood() -> None:
-    model = tiny_model(family="qwen3_5")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_restored_snapshot_continues_exactly_where_its_request_stood(device: str) -> None:
+    """On a GPU too, where a hybrid model runs the same torch reference with eager steps."""
+    model = tiny_model(family="qwen3_5").to(device)
     first = prompt(169)
     turns = [(first, 6, [SYSTEM_END, USER_END])]
-    reused = Harness(model)
+    reused = Harness(model, device=device)
     cached, reply = generate(reused, *turns[0])
     assert cached == 0
     with_reply = first + reply + first[-10:]  # the next turn: the first, its reply, more
     second = generate(reused, with_reply, 6)
     reused.close()
-    fresh = Harness(model, snapshots=0)  # every prompt computed from position 0
+    fresh = Harness(model, snapshots=0, device=device)  # every prompt computed from position 0
     expected = [generate(fresh, first, 6, [SYSTEM_END, USER_END]), generate(fresh, with_reply, 6)]
     fresh.close()
     assert expected[0][1] == reply and expected[1][0] == 0

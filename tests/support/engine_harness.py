@@ -55,11 +55,13 @@ def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> Causa
 
 class Harness:
     def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
-                 chunk: int = 48, proposer: object = None, snapshots: int | None = None) -> None:
-        """`snapshots`: a hybrid model's snapshot rows (None: as many as the engine would keep; 0: none)."""
+                 chunk: int = 48, proposer: object = None, snapshots: int | None = None,
+                 device: str = "cpu") -> None:
+        """`snapshots`: a hybrid model's snapshot rows (None: as many as the engine would keep; 0: none); `device`:
+        the model's."""
         if snapshots is None and model.config.hybrid:
             snapshots = SNAPSHOTS_PER_SLOT * max_active
-        self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device("cpu"), snapshots or 0)
+        self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device(device), snapshots or 0)
         self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer,
                                           snapshots=snapshots)
         self._ids = itertools.count()
