@@ -13,7 +13,8 @@ from common.vision import ImageProcessing
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 # Model families the engine serves (engine/model/config.py).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_vl")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_vl",
+                           "qwen3_5", "qwen3_5_moe", "qwen3_next")
 # A decision model's settings and prompt template, carried into a core as they are (frontend/decisions/prompts.py).
 DECISION_FILES = ("decision.json", "decision_template.jinja")
 

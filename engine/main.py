@@ -27,6 +27,7 @@ from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, make_executor
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.model.loader import DTYPES, load_model
+from engine.model.recurrent_state import RecurrentState, snapshot_rows
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
 from engine.parallel.step_channel import Follower, RankFailure, connect
@@ -146,7 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     step_tokens = args.max_batched_tokens or (gpu_step_tokens(device, caps.prefill_chunk_size)
                                               if device.type == "cuda" else caps.prefill_chunk_size)
     log.info("up to %d prompt tokens a step%s", step_tokens, "" if args.max_batched_tokens else " (default)")
-    num_pages = pages_for_budget(model, caps.page_size, budget, model.model.embed_tokens.weight.dtype)
+    dtype = model.model.embed_tokens.weight.dtype
+    snapshots = snapshot_rows(model.config, dtype, max_active, budget) if model.config.hybrid else None
+    if snapshots is not None:  # a hybrid's state rows, its slots' and its snapshots', come out of the cache budget
+        budget -= (max_active + snapshots) * RecurrentState.row_bytes(model.config, dtype)
+        log.info("%d recurrent-state snapshot rows for exact prefix checkpoints", snapshots)
+    num_pages = pages_for_budget(model, caps.page_size, budget, dtype)
     limit = frame_limit(manifest.context_limit, manifest.vision)
     # A step's rows carry their requests' images (a vision model's eager step places text by them), so one step
     # message may hold what max_active Submits held.
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
-                             step_tokens, graphs=not args.eager)
+                             step_tokens, graphs=not args.eager, snapshots=snapshots or 0)
     if channel:
         channel.start()
         if isinstance(channel, Follower):
@@ -162,13 +168,21 @@ def main(argv: list[str] | None = None) -> None:
                      args.world_size, time.monotonic() - started, num_pages)
             os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size))
         executor = TensorParallelExecutor(executor, channel)
+    speculative = args.speculative
+    if model.config.hybrid and speculative != "off":
+        # A rejected draft would have to roll the linear-attention layers' recurrent state back to the accepted
+        # prefix, which the engine does not do.
+        log.info("speculative decoding off: %s carries a recurrent state that a rejected draft cannot roll back",
+                 manifest.architecture)
+        speculative = "off"
     try:
-        proposer = make_proposer(args.speculative, args.draft, manifest, device, caps.page_size, budget,
+        proposer = make_proposer(speculative, args.draft, manifest, device, caps.page_size, budget,
                                  max_active, step_tokens, graphs=not args.eager)
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
-                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer)
+                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer,
+                                 snapshots=snapshots, snapshot_bytes=RecurrentState.row_bytes(model.config, dtype))
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)

@@ -28,7 +28,8 @@ GRAPH_WINDOW = 2.0
 RING_SIZE = 1024
 COUNTERS = ("admissions", "completions", "cancellations", "failures", "rejections", "prefix_lookups", "prefix_hits",
             "prefix_misses", "reused_tokens", "checkpoint_publications", "checkpoint_evictions", "prompt_tokens",
-            "output_tokens", "launches_decode", "launches_prefill", "launches_mixed", "launches_verify")
+            "output_tokens", "launches_decode", "launches_prefill", "launches_mixed", "launches_verify",
+            "snapshot_publications", "snapshot_restores", "snapshot_evictions")
 MAX_REQUEST_ROWS = 128
 
 
@@ -149,7 +150,17 @@ class EngineTelemetry:
             "tokens_last_minute": self.counters["output_tokens"] - oldest[1],
             **({"spec_mean_acceptance_length": scheduler.counters["draft_accepted_tokens"]
                 / max(scheduler.counters["draft_rounds"], 1)} if scheduler.speculation is not None else {}),
+            **(self._snapshot_gauges(scheduler) if scheduler.prefix.hybrid else {}),
         }
+
+    @staticmethod
+    def _snapshot_gauges(scheduler: RequestScheduler) -> dict[str, float]:
+        """A hybrid model's recurrent-state snapshots (exact checkpoints): held by the cache, free, and the bytes
+        the held ones take."""
+        prefix = scheduler.prefix
+        cached = prefix.cache.snapshots
+        return {"cached_snapshots": cached, "free_snapshots": prefix.snapshot_ids.free_count,
+                "snapshot_bytes": cached * prefix.snapshot_bytes}
 
     def _graph_stats(self, now: float) -> list[wire.GraphStat]:
         groups: dict[tuple[str, int, int], list[tuple[int, float]]] = defaultdict(list)

@@ -4,7 +4,10 @@ Flare does not implement), the tensors a core holds, and the renaming from a che
 
 A core keeps Hugging Face names, except for mixture-of-experts layers, whose experts are stacked as the fused kernel
 reads them (engine/model/moe.py): `mlp.gate.weight [E, H]` (the router), `mlp.w13 [E, 2I, H]` (each expert's gate
-rows, then its up rows) and `mlp.w2 [E, H, I]`.
+rows, then its up rows) and `mlp.w2 [E, H, I]`; and for Qwen3-Next's linear attention, whose projections a core holds
+in Qwen3.5's layout (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`: engine/model/linear_attention.py), not
+interleaved per key head (`in_proj_qkvz`, `in_proj_ba`). A checkpoint's multi-token-prediction head (`mtp.`) is left
+out: the engine does not speculate with it.
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ from pathlib import Path
 import torch
 
 from common.errors import CoreError
-from engine.model.config import DecoderConfig
+from engine.model.config import HYBRIDS, DecoderConfig
 from ignition import qwen3_vl
 
 # Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama; a multimodal Gemma 3 (`gemma3`)
 # exports its text model, without the vision tower.
 FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
-          "mixtral": "mixtral", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text", "qwen3_vl": "qwen3_vl"}
+          "mixtral": "mixtral", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text", "qwen3_vl": "qwen3_vl",
+          "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
 # A multimodal checkpoint's text-model prefixes (original and transformers 5 layouts), and its other parts.
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
-_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "mtp.")
 # Config flags that change the function computed and that Flare does not implement: (key, the value that is fine).
 _UNSUPPORTED = (("attn_logit_softcapping", None), ("final_logit_softcapping", None), ("mlp_bias", False),
                 ("use_bidirectional_attention", False), ("partial_rotary_factor", 1.0))
@@ -60,6 +64,8 @@ def normalised_config(raw: dict[str, object], where: Path, dtype: str, checkpoin
         config = _transformers_config(raw, where)
         config["model_type"] = raw["model_type"]
     for key, fine in _UNSUPPORTED:
+        if key == "partial_rotary_factor" and family in HYBRIDS:
+            continue  # their attention rotates part of each head
         if config.get(key) not in (None, fine):
             raise CoreError(f"{where}: unsupported {raw.get('model_type')} feature {key}={config[key]}")
     activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
@@ -120,8 +126,7 @@ def _llama_config(raw: dict[str, object], where: Path) -> dict:
 def expected_shapes(family: str, config: dict[str, object]) -> dict[str, tuple[int, ...]]:
     """Every tensor a core of this family holds, by core name."""
     c = DecoderConfig.from_hf(family, config)
-    hidden, head = c.hidden_size, c.head_dim
-    q, kv = c.num_heads * head, c.num_kv_heads * head
+    hidden = c.hidden_size
     shapes = {"model.embed_tokens.weight": (c.vocab_size, hidden), "model.norm.weight": (hidden,)}
     if family == "qwen3_vl":
         shapes |= qwen3_vl.vision_shapes(config)
@@ -133,29 +138,58 @@ def expected_shapes(family: str, config: dict[str, object]) -> dict[str, tuple[i
     for i in range(c.num_layers):
         layer = f"model.layers.{i}."
         shapes |= {layer + f"{norm}.weight": (hidden,) for norm in norms}
-        attn = layer + "self_attn."
-        shapes |= {attn + "q_proj.weight": (q, hidden), attn + "k_proj.weight": (kv, hidden),
-                   attn + "v_proj.weight": (kv, hidden), attn + "o_proj.weight": (hidden, q)}
-        if c.qkv_bias:
-            shapes |= {attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,), attn + "v_proj.bias": (kv,)}
-        if c.qk_norm:
-            shapes |= {attn + "q_norm.weight": (head,), attn + "k_norm.weight": (head,)}
+        if c.is_linear(i):
+            shapes |= _linear_attention_shapes(c, layer + "linear_attn.")
+        else:
+            shapes |= _attention_shapes(c, layer + "self_attn.")
         mlp = layer + "mlp."
         if c.is_moe(i):
             experts, inter = c.num_experts, c.moe_intermediate_size
             shapes |= {mlp + "gate.weight": (experts, hidden), mlp + "w13": (experts, 2 * inter, hidden),
                        mlp + "w2": (experts, hidden, inter)}
+            if c.shared_expert_intermediate_size:
+                shapes |= _mlp_shapes(mlp + "shared_expert.", hidden, c.shared_expert_intermediate_size)
+                shapes[mlp + "shared_expert_gate.weight"] = (1, hidden)
         else:
-            inter = c.intermediate_size
-            shapes |= {mlp + "gate_proj.weight": (inter, hidden), mlp + "up_proj.weight": (inter, hidden),
-                       mlp + "down_proj.weight": (hidden, inter)}
+            shapes |= _mlp_shapes(mlp, hidden, c.intermediate_size)
+    return shapes
+
+
+def _mlp_shapes(mlp: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {mlp + "gate_proj.weight": (inter, hidden), mlp + "up_proj.weight": (inter, hidden),
+            mlp + "down_proj.weight": (hidden, inter)}
+
+
+def _linear_attention_shapes(c: DecoderConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    linear, hidden = c.linear, c.hidden_size
+    heads = linear.num_value_heads
+    return {prefix + "in_proj_qkv.weight": (linear.conv_dim, hidden),
+            prefix + "in_proj_z.weight": (linear.value_dim, hidden), prefix + "in_proj_b.weight": (heads, hidden),
+            prefix + "in_proj_a.weight": (heads, hidden),
+            prefix + "conv1d.weight": (linear.conv_dim, 1, linear.conv_kernel), prefix + "dt_bias": (heads,),
+            prefix + "A_log": (heads,), prefix + "norm.weight": (linear.value_head_dim,),
+            prefix + "out_proj.weight": (hidden, linear.value_dim)}
+
+
+def _attention_shapes(c: DecoderConfig, attn: str) -> dict[str, tuple[int, ...]]:
+    hidden, head = c.hidden_size, c.head_dim
+    q, kv = c.num_heads * head, c.num_kv_heads * head
+    shapes = {attn + "q_proj.weight": ((2 if c.attn_output_gate else 1) * q, hidden),
+              attn + "k_proj.weight": (kv, hidden), attn + "v_proj.weight": (kv, hidden),
+              attn + "o_proj.weight": (hidden, q)}
+    if c.qkv_bias:
+        shapes |= {attn + "q_proj.bias": (shapes[attn + "q_proj.weight"][0],), attn + "k_proj.bias": (kv,),
+                   attn + "v_proj.bias": (kv,)}
+    if c.qk_norm:
+        shapes |= {attn + "q_norm.weight": (head,), attn + "k_norm.weight": (head,)}
     return shapes
 
 
 def core_tensors(family: str, config: dict[str, object],
                  tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors under core names; a layer's experts come out stacked once the last has been read."""
-    num_experts = DecoderConfig.from_hf(family, config).num_experts
+    c = DecoderConfig.from_hf(family, config)
+    num_experts = c.num_experts
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # layer prefix -> {(expert, part): tensor}
     for name, tensor in tensors:
         name = qwen3_vl.core_name(name) if family == "qwen3_vl" else name
@@ -165,6 +199,9 @@ def core_tensors(family: str, config: dict[str, object],
         if prefix:
             name = _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
+        if name.endswith((".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight")):
+            yield from _split_interleaved(c, name, tensor)
+            continue
         if (match := _STACKED.match(name)):
             layer = f"model.layers.{match[1]}.mlp."
             if match[2] in ("gate_proj", "up_proj"):  # joined into w13 once both are read
@@ -192,3 +229,25 @@ def core_tensors(family: str, config: dict[str, object],
             yield layer + "w13", torch.stack([torch.cat([parts[(e, 0)], parts[(e, 1)]]) for e in range(num_experts)])
             yield layer + "w2", torch.stack([parts[(e, 2)] for e in range(num_experts)])
     # Layers whose experts are incomplete are left out: export names the missing tensor.
+
+
+def _split_interleaved(c: DecoderConfig, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next's fused projections, interleaved per key head ([q, k, v, z] rows of each key head's group of value
+    heads; [b, a] likewise), as Qwen3.5's separate ones: q of every head, then k, then v (the conv's channel order),
+    value heads in key-head order."""
+    linear, prefix = c.linear, name.rsplit(".in_proj_", 1)[0] + "."
+    group = linear.num_value_heads // linear.num_key_heads
+    if name.endswith("in_proj_ba.weight"):
+        b, a = tensor.reshape(linear.num_key_heads, 2 * group, -1).split((group, group), dim=1)
+        yield prefix + "in_proj_b.weight", b.reshape(-1, tensor.shape[-1])
+        yield prefix + "in_proj_a.weight", a.reshape(-1, tensor.shape[-1])
+        return
+    per_head = (linear.key_head_dim, linear.key_head_dim, group * linear.value_head_dim,
+                group * linear.value_head_dim)
+    if tensor.dim() != 2 or tensor.shape[0] != linear.num_key_heads * sum(per_head):
+        yield name, tensor  # export names the unexpected tensor
+        return
+    q, k, v, z = (part.reshape(-1, tensor.shape[-1])
+                  for part in tensor.reshape(linear.num_key_heads, sum(per_head), -1).split(per_head, dim=1))
+    yield prefix + "in_proj_qkv.weight", torch.cat((q, k, v))
+    yield prefix + "in_proj_z.weight", z

@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
 from ignition.export import DTYPES
-from engine.model.config import text_config
+from engine.model.config import HYBRIDS, text_config
 from ignition.families import expected_shapes, family_of
 
 BYTE_LEVEL_SPACE = "\u0120"  # how byte-level BPE spells a space ("Ġ")
@@ -80,6 +80,25 @@ PRESETS: dict[str, dict[str, object]] = {
                           "out_hidden_size": 4096, "num_position_embeddings": 2304, "patch_size": 16,
                           "spatial_merge_size": 2, "temporal_patch_size": 2, "deepstack_visual_indexes": [8, 16, 24],
                           "hidden_act": "gelu_pytorch_tanh"}},
+    # Hybrids: three Gated DeltaNet layers to each gated attention layer (transformers derives layer_types from
+    # full_attention_interval, so --layers keeps the pattern). Qwen3.5 as transformers' Qwen3.5-9B-style defaults;
+    # Qwen3-Next-80B-A3B-Instruct's config.json.
+    "qwen3.5-9b": {"model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+                   "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                   "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                   "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "max_position_embeddings": 32768,
+                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}},
+    "qwen3-next-80b-a3b": {"model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+                           "intermediate_size": 5120, "moe_intermediate_size": 512,
+                           "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
+                           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                           "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+                           "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                           "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                           "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                           "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0,
+                                               "partial_rotary_factor": 0.25}},
 }
 # The vision presets' image processor (Qwen3-VL's preprocessor_config.json).
 SYNTH_PREPROCESSOR = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
@@ -114,8 +133,9 @@ class SynthSource:
         if layers:
             (self._config["text_config"] if vision else self._config)["num_hidden_layers"] = layers
         self._family = family_of(self._config, self.path)
-        # Norm weights start at a scale of one, as trained ones roughly do: Gemma stores w for a scale of 1 + w.
-        self._norm_fill = 0.0 if self._family == "gemma3_text" else 1.0
+        # Norm weights start at a scale of one, as trained ones roughly do: Gemma and the hybrids store w for a scale
+        # of 1 + w (the hybrids' gated norm in linear attention excepted).
+        self._norm_fill = 0.0 if self._family in ("gemma3_text", *HYBRIDS) else 1.0
         self.generation_eos_ids = [vocab - len(SPECIALS), vocab - 1]
         self._dtype = DTYPES[dtype]
         self._seed = seed
@@ -141,7 +161,8 @@ class SynthSource:
         generator = torch.Generator(device).manual_seed(self._seed)
         for name, shape in self._shapes().items():
             if name.endswith(".weight") and "norm" in name.split(".")[-2]:  # RMSNorm, LayerNorm (norm1, ...)
-                yield name, torch.full(shape, self._norm_fill, dtype=self._dtype)
+                fill = 1.0 if name.endswith("linear_attn.norm.weight") else self._norm_fill
+                yield name, torch.full(shape, fill, dtype=self._dtype)
             else:
                 weight = torch.empty(shape, dtype=self._dtype, device=device)
                 yield name, weight.normal_(0, INIT_STD, generator=generator).cpu()

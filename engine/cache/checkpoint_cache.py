@@ -5,6 +5,10 @@ Every checkpoint owns exactly one page: a block checkpoint the page of its last 
 parent links, so a conversation's checkpoints share their common prefix. This is metadata only: it never touches the
 device. Pages come back through `RetiredResources`, which carry the fence of their last GPU use; the page allocator
 makes them reusable only once that fence has completed.
+
+A hybrid model's exact checkpoint also owns a snapshot row of recurrent state (`snapshot`: docs/design.md, Scheduler
+and prefix checkpoints): only such a checkpoint is a place to continue from, so the cache indexes them by parent
+(`exact_ends`) for a lookup that tries every endpoint a prompt may extend, and retires their rows with their pages.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class Checkpoint:
     last_access: int = 0
     last_use_fence: int = 0
     evicted: bool = False
+    snapshot: int | None = None  # a hybrid model's recurrent-state snapshot id at exactly `length`
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,8 @@ class Existing:
 @dataclass(frozen=True)
 class RetiredResources:
     pages: list[int]
-    fence: int  # the last GPU use of these pages
+    fence: int  # the last GPU use of these pages (and snapshots)
+    snapshots: tuple[int, ...] = ()
 
 
 @dataclass
@@ -64,6 +70,8 @@ class PrefixCheckpointCache:
         # routing indexes: engine/telemetry.py announces them).
         self._stored: list[bytes] = []
         self._evicted: list[bytes] = []
+        # Checkpoints with a snapshot, by the id of their parent (0: no parent): their keys and lengths.
+        self._exact_ends: dict[int, dict[bytes, int]] = {}
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -106,6 +114,20 @@ class PrefixCheckpointCache:
             checkpoint.ready = True
             self._stored.append(key)
         return Created(checkpoint)
+
+    def attach_snapshot(self, checkpoint: Checkpoint, snapshot: int) -> None:
+        """The checkpoint's state snapshot (a hybrid model's); it retires with the checkpoint."""
+        checkpoint.snapshot = snapshot
+        parent = checkpoint.parent.id if checkpoint.parent is not None else 0
+        self._exact_ends.setdefault(parent, {})[checkpoint.key] = checkpoint.length
+
+    def exact_ends(self, parent: Checkpoint | None) -> list[int]:
+        """The lengths of the checkpoints with a snapshot under `parent` (None: the root), deepest first."""
+        return sorted(set(self._exact_ends.get(parent.id if parent is not None else 0, {}).values()), reverse=True)
+
+    @property
+    def snapshots(self) -> int:
+        return sum(map(len, self._exact_ends.values()))
 
     def set_ready_fence(self, checkpoint: Checkpoint, fence: int) -> None:
         """The step that writes the checkpoint's page was submitted with this fence."""
@@ -157,13 +179,13 @@ class PrefixCheckpointCache:
             raise ValueError(f"checkpoint {child.id} is not a child of pinned checkpoint {parent.id}")
         child.pins += 1
 
-    def evict(self, pages: int) -> list[RetiredResources]:
-        """Retire unpinned, ready leaves in least-recently-used order until `pages` pages are retired (or none are
-        left to take)."""
+    def evict(self, pages: int, snapshots: int = 0) -> list[RetiredResources]:
+        """Retire unpinned, ready leaves in least-recently-used order until `pages` pages and `snapshots` snapshots
+        are retired (or none are left to take)."""
         retired: list[RetiredResources] = []
         leaves = sorted((c for c in self._by_key.values() if c.children == 0 and c.pins == 0 and c.ready),
                         key=lambda c: c.last_access)
-        while leaves and len(retired) < pages:
+        while leaves and (len(retired) < pages or sum(len(r.snapshots) for r in retired) < snapshots):
             checkpoint = leaves.pop(0)
             retired.append(self._remove(checkpoint))
             parent = checkpoint.parent
@@ -180,4 +202,11 @@ class PrefixCheckpointCache:
             checkpoint.parent.children -= 1
         self.stats.evictions += 1
         self.stats.pages -= 1
-        return RetiredResources([checkpoint.page], checkpoint.last_use_fence)
+        snapshots = ()
+        if checkpoint.snapshot is not None:
+            parent = checkpoint.parent.id if checkpoint.parent is not None else 0
+            del self._exact_ends[parent][checkpoint.key]
+            if not self._exact_ends[parent]:
+                del self._exact_ends[parent]
+            snapshots = (checkpoint.snapshot,)
+        return RetiredResources([checkpoint.page], checkpoint.last_use_fence, snapshots)

@@ -21,6 +21,7 @@ from engine.executor.inputs import build_inputs
 from engine.model.decoder import CausalLM
 from engine.model.image_features import Tower
 from engine.model.qwen3_vl import VisionLanguageLM
+from engine.model.recurrent_state import RecurrentState
 from engine.sampling.label_scores import eager_scores
 from engine.sampling.penalty_state import apply_known_tokens, known_tokens
 from engine.sampling.sampler import apply_penalties, sample, token_logprobs
@@ -32,24 +33,29 @@ MAX_IN_FLIGHT = 2
 
 def kv_cache_shape(model: CausalLM, num_pages: int, page_size: int) -> tuple[int, ...]:
     c = model.config
-    return (c.num_layers, 2, num_pages * page_size, c.num_kv_heads, c.head_dim)
+    return (len(c.kv_layers), 2, num_pages * page_size, c.num_kv_heads, c.head_dim)
 
 
 def pages_for_budget(model: CausalLM, page_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
     c = model.config
-    page_bytes = c.num_layers * 2 * page_size * c.num_kv_heads * c.head_dim * dtype.itemsize
+    page_bytes = len(c.kv_layers) * 2 * page_size * c.num_kv_heads * c.head_dim * dtype.itemsize
     return max(budget_bytes // page_bytes, 1)
 
 
 class EagerExecutor:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, max_active: int,
-                 device: torch.device) -> None:
+                 device: torch.device, snapshots: int = 0) -> None:
+        """`snapshots`: a hybrid model's state rows beyond the slots', for exact checkpoints (Plan.state_copies)."""
         self.model = model
         self.device = device
         self.page_size = page_size
         self.num_pages = num_pages
         dtype = model.model.embed_tokens.weight.dtype
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=dtype, device=device)
+        # A hybrid model's linear-attention layers: a state row per slot, then its snapshot rows
+        # (engine/model/recurrent_state.py).
+        self.state = RecurrentState(model.config, max_active + snapshots, dtype, device) \
+            if model.config.hybrid else None
         self.slot_tokens = torch.zeros(max_active, dtype=torch.int64, device=device)
         vocab = model.config.vocab_size
         # Penalty state per slot: output token counts, and every token seen (prompt and output).
@@ -116,9 +122,13 @@ class EagerExecutor:
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
         self._copy_pages(plan.copies)
+        if plan.state_copies:
+            self.state.copy_rows(plan.state_copies)
         if not plan.rows:
             return Completion(fence, (), (), (), time.perf_counter() - started)
-        step = build_inputs(plan, self.page_size, self.device)
+        step = build_inputs(plan, self.page_size, self.device, self.state)
+        if self.state is not None and (fresh := [row.slot for row in plan.rows if row.start == 0]):
+            self.state.reset(torch.tensor(fresh, device=self.device))
         input_ids = step.input_ids
         if step.device_token_rows.numel():
             input_ids[step.device_token_rows] = self.slot_tokens[step.device_token_slots]

@@ -12,6 +12,7 @@ import torch
 
 from common.protocol import SamplingParams
 from engine.model.attention import AttentionMetadata, PrefillSpan
+from engine.model.recurrent_state import RecurrentRows, RecurrentState
 from engine.sampling.sampler import SamplingTensors
 from engine.scheduler.plan import Plan, Row
 
@@ -52,12 +53,14 @@ def sampled_masks(plan: Plan, device: torch.device) -> torch.Tensor | None:
     return torch.from_numpy(masks[rows]).to(device)
 
 
-def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs:
+def build_inputs(plan: Plan, page_size: int, device: torch.device, state: RecurrentState | None = None
+                 ) -> StepInputs:
+    """`state`: a hybrid model's recurrent state, whose row each request continues is its slot's."""
     ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
     device_rows, device_slots = [], []
-    decode_rows, decode_tables, decode_lens = [], [], []
+    decode_rows, decode_tables, decode_lens, decode_slots, span_slots = [], [], [], [], []
     prefills: list[PrefillSpan] = []
     sample_rows = []
     sampled: list[tuple[Row, int]] = []  # (row, offset of the sampled position after the row's first sample)
@@ -76,7 +79,9 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
             decode_rows.append(first)
             decode_tables.append(row.page_table)
             decode_lens.append(end)
+            decode_slots.append(row.slot)
         else:
+            span_slots.append(row.slot)
             prefills.append(PrefillSpan(first, row.length, end, _tensor(list(row.page_table), torch.int64, device)))
         if row.sample:
             count = row.length if row.draft else 1  # a verify row samples every position
@@ -89,7 +94,9 @@ def build_inputs(plan: Plan, page_size: int, device: torch.device) -> StepInputs
         decode_rows=_tensor(decode_rows, torch.int64, device),
         decode_page_tables=_tensor(padded, torch.int64, device).view(len(padded), width),
         decode_context_lens=_tensor(decode_lens, torch.int64, device),
-        prefills=tuple(prefills), page_size=page_size)
+        prefills=tuple(prefills), page_size=page_size,
+        recurrent=None if state is None else RecurrentRows(state, _tensor(decode_slots, torch.int64, device),
+                                                           tuple(span_slots)))
     sampling = SamplingTensors(
         temperature=_tensor([r.sampling.temperature for r, _ in sampled], torch.float32, device),
         top_p=_tensor([r.sampling.top_p for r, _ in sampled], torch.float32, device),

@@ -16,6 +16,8 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from engine.model.recurrent_state import RecurrentRows
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -35,6 +37,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # [Bd] int64
     prefills: tuple[PrefillSpan, ...]
     page_size: int
+    recurrent: RecurrentRows | None = None  # a hybrid model's state rows (engine/model/recurrent_state.py)
 
     @cached_property
     def kernel(self) -> KernelMetadata:

@@ -12,6 +12,11 @@ A family is a set of features here plus, at most, a module for the layers only i
 - gemma3_text: (1 + w) RMSNorm, norms before and after attention and MLP, embeddings scaled by sqrt(hidden), GeLU-tanh
   MLP, attention scale from query_pre_attn_scalar, q/k norm, interleaved sliding-window and global layers with their
   own rope bases.
+- qwen3_5, qwen3_5_moe, qwen3_next: hybrids. Most layers are Gated DeltaNet linear attention
+  (engine/model/linear_attention.py: a fixed-size recurrent state per request instead of KV), one in `full_attention`
+  layers is gated attention (q_proj carries a sigmoid output gate beside q, per-head q/k norm, rotary on the first
+  `partial_rotary_factor` of each head); (1 + w) RMSNorm without Gemma's extra norms. The MoE variants add a shared
+  expert with its sigmoid gate to the routed experts (engine/model/moe.py).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class Rope:
     kind: str = "default"  # "default" | "linear" | "llama3"
 
     def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """The frequencies of a head of `head_dim` rotated dimensions (the rotary part of a partial rope's head)."""
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         scaling = dict(self.scaling)
         if self.kind == "linear":
@@ -57,8 +63,33 @@ def rope_of(params: dict, where: str) -> Rope:
     kind = str(params.get("rope_type", params.get("type", "default")))
     if kind not in ROPE_KINDS:
         raise CoreError(f"{where}: unsupported rope scaling {kind!r} (Flare implements {', '.join(ROPE_KINDS)})")
-    extra = tuple(sorted((k, v) for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")))
+    kept = ("rope_theta", "rope_type", "type", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+    extra = tuple(sorted((k, v) for k, v in params.items() if k not in kept))
     return Rope(float(params.get("rope_theta") or 10000.0), extra if kind != "default" else (), kind)
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """A Gated DeltaNet layer's shape: key heads (q and k) and value heads, each key head serving
+    num_value_heads // num_key_heads value heads; a depthwise causal conv of `conv_kernel` over q, k and v."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:  # q, k and v side by side
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -88,6 +119,35 @@ class DecoderConfig:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
     layer_moe: tuple[bool, ...] = ()
     mrope_section: tuple[int, ...] = ()  # M-RoPE: frequencies turned by t, h and w (interleaved); () plain rope
+    # Hybrids (qwen3_5, qwen3_5_moe, qwen3_next).
+    rotary_dim: int = 0  # the rotated leading dimensions of a head (partial rotary); 0: all of head_dim
+    attn_output_gate: bool = False  # q_proj gives q and a sigmoid gate on the attention's output, per head
+    zero_centered_norms: bool = False  # (1 + w) RMSNorm, without Gemma's norms after attention and MLP
+    shared_expert_intermediate_size: int = 0  # MoE layers' shared expert (0: none)
+    layer_linear: tuple[bool, ...] = ()  # Gated DeltaNet layers (the rest attend over the KV cache)
+    linear: LinearAttention | None = None
+
+    @property
+    def plus_one_norms(self) -> bool:
+        """RMSNorm scales by (1 + w) (engine/model/norms.py: GemmaRMSNorm)."""
+        return self.gemma_norms or self.zero_centered_norms
+
+    @property
+    def rotated_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layers carry a recurrent state (engine/model/recurrent_state.py) rather than KV."""
+        return any(self.layer_linear)
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_linear) and self.layer_linear[layer]
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers with KV in the cache, in order: a hybrid's cache holds its attention layers only."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
 
     @property
     def attention_scale(self) -> float:
@@ -140,9 +200,36 @@ class DecoderConfig:
         if family == "mixtral":
             base.update(num_experts=int(config["num_local_experts"]), moe_intermediate_size=base["intermediate_size"],
                         norm_topk_prob=True, layer_moe=(True,) * layers)
+        if family in HYBRIDS:
+            _hybrid(base, family, config, types)
         if base.get("num_experts"):
             base["num_experts_per_tok"] = int(config["num_experts_per_tok"])
         return cls(**base)
+
+
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+def _hybrid(base: dict, family: str, config: dict, types: list[str]) -> None:
+    """What Qwen3.5 and Qwen3-Next add to the base: every layer is `linear_attention` or `full_attention`."""
+    params = config.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    base.update(qk_norm=True, qkv_bias=bool(config.get("attention_bias", False)), attn_output_gate=True,
+                zero_centered_norms=True, rotary_dim=int(base["head_dim"] * factor),
+                layer_linear=tuple(t == "linear_attention" for t in types),
+                linear=LinearAttention(int(config["linear_num_key_heads"]), int(config["linear_num_value_heads"]),
+                                       int(config["linear_key_head_dim"]), int(config["linear_value_head_dim"]),
+                                       int(config.get("linear_conv_kernel_dim", 4))))
+    if family == "qwen3_5":
+        return
+    layers = base["num_layers"]
+    dense = set(config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step", 1))
+    base.update(num_experts=int(config["num_experts"]), moe_intermediate_size=int(config["moe_intermediate_size"]),
+                # Qwen3.5-MoE's router always renormalises its top k
+                norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+                shared_expert_intermediate_size=int(config.get("shared_expert_intermediate_size") or 0),
+                layer_moe=tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
 def text_config(config: dict) -> dict:

@@ -19,6 +19,7 @@ from torch import nn
 from engine.model.attention import AttentionMetadata, KernelMetadata, PagedAttention
 from engine.model.config import DecoderConfig
 from engine.model.image_features import ImageFeatures, Tower
+from engine.model.linear_attention import GatedDeltaNet
 from engine.model.moe import SparseMoE
 from engine.model.norms import rms_norm
 from engine.model.quant import QuantLinear
@@ -32,13 +33,14 @@ class Attention(nn.Module):
         super().__init__()
         self.c = c
         self.rope = c.layer_rope[layer]
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        gated = 2 if c.attn_output_gate else 1
+        self.q_proj = nn.Linear(c.hidden_size, gated * c.num_heads * c.head_dim, bias=c.qkv_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = parallel.row_linear(c.num_heads * c.head_dim, c.hidden_size, False, tp)
         if c.qk_norm:
-            self.q_norm = rms_norm(c.gemma_norms, c.head_dim, c.rms_norm_eps)
-            self.k_norm = rms_norm(c.gemma_norms, c.head_dim, c.rms_norm_eps)
+            self.q_norm = rms_norm(c.plus_one_norms, c.head_dim, c.rms_norm_eps)
+            self.k_norm = rms_norm(c.plus_one_norms, c.head_dim, c.rms_norm_eps)
         self.attn = PagedAttention(c.num_heads, c.num_kv_heads, c.attention_scale, c.layer_window[layer])
         self.qkv: nn.Module | None = None  # fuse()
 
@@ -46,17 +48,28 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """`sin` is signed (signed_sine): q and k are rotated together, as one [T, H + KVH, D] tensor."""
         c = self.c
-        qk, v = self.project(x)
+        gate = None
+        if c.attn_output_gate:  # each head's q_proj rows: its q, then its gate
+            q, gate = self.q_proj(x).view(-1, c.num_heads, 2 * c.head_dim).chunk(2, dim=-1)
+            qk = torch.cat((q, self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)), dim=1)
+            v = self.v_proj(x)
+        else:
+            qk, v = self.project(x)
         if c.qk_norm:
             qk = torch.cat((self.q_norm(qk[:, :c.num_heads]), self.k_norm(qk[:, c.num_heads:])), dim=1)
-        qk = rotate(qk, cos, sin)
+        if c.rotated_dim < c.head_dim:  # partial rotary: the leading dimensions turn, the rest pass
+            qk = torch.cat((rotate(qk[..., :c.rotated_dim], cos, sin), qk[..., c.rotated_dim:]), dim=-1)
+        else:
+            qk = rotate(qk, cos, sin)
         out = self.attn(qk[:, :c.num_heads], qk[:, c.num_heads:], v.view(-1, c.num_kv_heads, c.head_dim), k_cache,
-                        v_cache, meta)
-        return self.o_proj(out.flatten(1))
+                        v_cache, meta).flatten(1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(out.shape))
+        return self.o_proj(out)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k as one [T, H + KVH, D] tensor, and v [T, KVH * D]: from the fused product where the weights
-        were fused (fuse), else from the three."""
+        were fused (fuse), else from the three. (Gated attention's q_proj is its own: forward.)"""
         c = self.c
         heads, width = c.num_heads + c.num_kv_heads, (c.num_heads + c.num_kv_heads) * c.head_dim
         if self.qkv is not None:
@@ -66,16 +79,19 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """One [q; k; v] product, the three projections left as views of it (the weight names stay); kept
-        separate where the parts cannot share one product (fuse_linears)."""
-        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        separate where the parts cannot share one product (fuse_linears), or where q_proj carries a gate."""
+        if not self.c.attn_output_gate:
+            self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
 
 class MLP(nn.Module):
-    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None, size: int | None = None) -> None:
+        """`size`: the intermediate size when not the config's (a shared expert's)."""
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = parallel.row_linear(c.intermediate_size, c.hidden_size, False, tp)
+        size = size or c.intermediate_size
+        self.gate_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.down_proj = parallel.row_linear(size, c.hidden_size, False, tp)
         self.gelu = c.hidden_act == "gelu_tanh"
         self.gate_up: nn.Module | None = None  # fuse()
 
@@ -118,10 +134,19 @@ def fuse_linears(*linears: nn.Module) -> nn.Module | None:
 class DecoderLayer(nn.Module):
     def __init__(self, c: DecoderConfig, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(c, layer, tp)
-        self.mlp = SparseMoE(c, tp) if c.is_moe(layer) else MLP(c, tp)
-        self.input_layernorm = rms_norm(c.gemma_norms, c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = rms_norm(c.gemma_norms, c.hidden_size, c.rms_norm_eps)
+        # A hybrid's token mixer is linear attention in some layers (its weights under linear_attn)
+        self.linear = c.is_linear(layer)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(c, layer, tp)
+        else:
+            self.self_attn = Attention(c, layer, tp)
+        if c.is_moe(layer):
+            shared = MLP(c, tp, c.shared_expert_intermediate_size) if c.shared_expert_intermediate_size else None
+            self.mlp = SparseMoE(c, tp, shared)
+        else:
+            self.mlp = MLP(c, tp)
+        self.input_layernorm = rms_norm(c.plus_one_norms, c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(c.plus_one_norms, c.hidden_size, c.rms_norm_eps)
         # Gemma normalises each branch's output too: post_attention_layernorm is then the attention's output norm,
         # and the MLP has its own pair.
         self.sandwich = c.gemma_norms
@@ -129,9 +154,11 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
             self.post_feedforward_layernorm = rms_norm(True, c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """A linear-attention layer reads neither rotary nor KV (None): its state rows are meta.recurrent's."""
+        h = self.input_layernorm(x)
+        attn = self.linear_attn(h, meta) if self.linear else self.self_attn(h, cos, sin, k_cache, v_cache, meta)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -147,7 +174,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = parallel.embedding(c.vocab_size, c.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(c, i, tp) for i in range(c.num_layers))
-        self.norm = rms_norm(c.gemma_norms, c.hidden_size, c.rms_norm_eps)
+        self.norm = rms_norm(c.plus_one_norms, c.hidden_size, c.rms_norm_eps)
 
 
 class Backend(Protocol):
@@ -171,9 +198,14 @@ class Reference:
         x = model.embed(input_ids)
         if images is not None:
             x = images.splice(x)
+        kv_layers = model.config.kv_layers
         for i, layer in enumerate(model.model.layers):
-            cos, sin = rotations[layer.self_attn.rope]
-            x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+            if layer.linear:
+                x = layer(x, None, None, None, None, meta)
+            else:
+                cos, sin = rotations[layer.self_attn.rope]
+                kv = kv_layers.index(i)  # a hybrid's cache holds its attention layers only
+                x = layer(x, cos, sin, kv_cache[kv, 0], kv_cache[kv, 1], meta)
             if images is not None:
                 x = images.after_layer(i, x)
         return model.model.norm(x)
@@ -199,7 +231,8 @@ class CausalLM(nn.Module):
     def set_rope(self, device: torch.device | None = None) -> None:
         """The inverse frequencies of each distinct rope (Gemma 3's local and global layers have their own)."""
         for i, rope in enumerate(self.config.ropes):
-            self.register_buffer(f"inv_freq{i}", rope.inv_freq(self.config.head_dim).to(device), persistent=False)
+            self.register_buffer(f"inv_freq{i}", rope.inv_freq(self.config.rotated_dim).to(device),
+                                 persistent=False)
 
     @property
     def inv_freqs(self) -> list[torch.Tensor]:
@@ -209,7 +242,8 @@ class CausalLM(nn.Module):
         """q/k/v and gate/up as one product each: always on the kernel path; on the CPU for a quantized core, where
         it saves operators a layer (a dense CPU model keeps transformers' separate products, its parity reference)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
+            if not layer.linear:
+                layer.self_attn.fuse()
             if isinstance(layer.mlp, MLP):
                 layer.mlp.fuse()
 

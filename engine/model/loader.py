@@ -41,6 +41,9 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     if shard:
         config = shard.local_config(config)
     dtype = dtype or DTYPES[manifest.dtype]
+    if config.hybrid and tp and tp.world_size > 1:
+        raise CoreError(f"{core}: tensor parallelism does not split linear-attention layers yet; serve "
+                        f"{manifest.architecture} on one rank")
     if manifest.vision is not None and tp:
         raise CoreError(f"{core}: tensor parallelism is not supported for vision models")
     with torch.device("meta"):
@@ -71,5 +74,5 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     elif head_parts is not None:
         model.lm_head = output_layer(model.lm_head, lambda: dequantize(*head_parts).to(dtype))
     model.set_rope(device)
-    use_backend(model, backend_kind(device, quantized, dtype), manifest.context_limit)
+    use_backend(model, backend_kind(device, quantized, dtype, config.hybrid), manifest.context_limit)
     return manifest, model.eval()

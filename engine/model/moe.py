@@ -1,4 +1,6 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks the top k of E experts per token.
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Mixtral, Qwen3.5-MoE, Qwen3-Next): a router picks the top k of E
+experts per token. Qwen3.5-MoE and Qwen3-Next add a shared expert every token runs, its output scaled by a sigmoid
+gate (`shared_expert_gate [1, H]`) and added to the routed experts'.
 
 Expert weights are stacked per layer, the layout the fused kernel reads in place (engine/kernels/triton/fused_moe.py,
 which the kernel path runs: engine/model/backends/triton_layers.py):
@@ -21,7 +23,8 @@ from engine.parallel.group import TensorParallel
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, c: DecoderConfig, tp: TensorParallel | None = None, shared: nn.Module | None = None) -> None:
+        """`shared`: the shared expert (a dense MLP of the family's shared_expert_intermediate_size), if any."""
         super().__init__()
         self.top_k = c.num_experts_per_tok
         self.norm_topk_prob = c.norm_topk_prob
@@ -30,6 +33,9 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * inter, c.hidden_size))
         self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, inter))
         self.tp = tp
+        if shared is not None:
+            self.shared_expert = shared
+            self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, K] float32, expert ids [T, K] int32). No host sync: graphs capture it."""
@@ -49,7 +55,13 @@ class SparseMoE(nn.Module):
             gate, up = nn.functional.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
             y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[expert])
             out.index_add_(0, token, y * weights[token, slot, None])
-        return self.all_reduce(out)
+        return self.with_shared(x, self.all_reduce(out))
+
+    def with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the shared expert's, where the family has one."""
+        if not hasattr(self, "shared_expert"):
+            return routed
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The layer's output from this rank's partial one (the sum over ranks; one rank: as it is)."""

@@ -114,6 +114,10 @@ class Plan:
     # KV pages to copy (source, destination) before the step's forward: private copies of partial pages for exact
     # prefix checkpoints, made or reused. A plan may hold copies and no rows.
     copies: tuple[tuple[int, int], ...] = ()
+    # A hybrid model's recurrent-state row copies (source row, destination row), in order, before the step's forward
+    # and after its page copies: snapshots of slot rows at exact endpoints, and restores of snapshots into slot rows
+    # (engine/scheduler/prefix.py). Slot s is row s; snapshot i is row max_active + i.
+    state_copies: tuple[tuple[int, int], ...] = ()
     shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
     # Grammar masks (engine/sampling/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.

@@ -4,18 +4,26 @@ message ends as checkpoints as its steps complete, and give back what it held wh
 Page ownership: a request's page list mixes pages the cache owns (shared, read-only for everyone: complete blocks) and
 private pages. An exact checkpoint inside a block gets a private copy of that partial page, so the request that made it
 can keep writing its own page, and a request that reuses it writes into a fresh copy.
+
+A hybrid model (`snapshots` given) reuses exact checkpoints only, each holding a snapshot of the recurrent state at
+exactly its length (docs/design.md, Scheduler and prefix checkpoints): a step that ends a request's row at a message
+end or its prompt end has the next step copy the slot's state row to a snapshot row (StateCopy) before its forward,
+and so does the request's end, at the position its submitted steps consumed (the terminal endpoint); the exact
+checkpoint is published with that snapshot and a private copy of its partial page. A later request restores the
+deepest snapshot whose prefix its prompt extends into its own slot row and continues from exactly there.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache
-from engine.cache.page_allocator import PageAllocator
 from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
+from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache, RetiredResources
+from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.request import Request
+
 
 @dataclass(frozen=True)
 class PageCopy:
@@ -28,8 +36,37 @@ class PageCopy:
     source_checkpoint: Checkpoint | None  # the source's owner when the cache owns it: pinned until the copy is sent
 
 
+@dataclass(frozen=True)
+class StateCopy:
+    """A recurrent-state row copy the next step makes before its forward (after its page copies): a snapshot of a
+    slot's row, or the restore of a snapshot into a slot's row."""
+
+    source: int  # state rows (Plan.state_copies)
+    destination: int
+    snapshot: int  # the snapshot id written or read
+    reader: Request  # the request whose slot row is read or written
+    source_checkpoint: Checkpoint | None  # a restore's checkpoint: pinned until the copy is sent
+
+
+# Request.publish_from of a request whose prefixes are never published.
+NEVER = 2 ** 62
+
+
 class PrefixReuse:
-    def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str]) -> None:
+    def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str],
+                 snapshots: int | None = None, slots: int = 0, snapshot_bytes: int = 0) -> None:
+        """`snapshots`: a hybrid model's snapshot rows (state rows `slots` onwards); its requests carry a recurrent
+        state that pages of KV cannot rebuild (engine/model/recurrent_state.py), so only an exact checkpoint with a
+        snapshot is a start, and with no snapshot rows nothing is reused or published. `snapshot_bytes`: a
+        snapshot row's size (reported in /metrics)."""
+        self.hybrid = snapshots is not None
+        self.enabled = not self.hybrid or snapshots > 0
+        self.snapshot_ids = PageAllocator(snapshots or 0)
+        self.slot_rows = slots
+        self.snapshot_bytes = snapshot_bytes
+        self.pending_state: list[StateCopy] = []
+        self.snapshot_fences: dict[int, int] = {}  # snapshot id -> the step that wrote it (once committed)
+        self.committed_fence = 0
         self.identity = identity
         self.page_size = page_size
         self.pages = pages
@@ -58,13 +95,35 @@ class PrefixReuse:
         retiring, or nothing more can go."""
         shortfall = needed - self.pages.free_count
         if shortfall > 0:
-            for retired in self.cache.evict(shortfall):
-                self.pages.release(retired.pages, retired.fence)
+            self._retire(self.cache.evict(shortfall))
+
+    def advance_completed(self, fence: int) -> None:
+        """Steps up to `fence` completed: checkpoints they wrote become visible, snapshot rows they last used free."""
+        self.cache.advance_completed(fence)
+        self.snapshot_ids.advance_completed(fence)
+
+    def _retire(self, retired: list[RetiredResources]) -> None:
+        for resources in retired:
+            self.pages.release(resources.pages, resources.fence)
+            if resources.snapshots:
+                self.snapshot_ids.release(list(resources.snapshots), resources.fence)
+                self.counters["snapshot_evictions"] += len(resources.snapshots)
+
+    def _allocate_snapshot(self) -> int | None:
+        if not self.snapshot_ids.free_count:
+            self._retire(self.cache.evict(0, 1))
+        return self.snapshot_ids.allocate(1)[0] if self.snapshot_ids.free_count else None
 
     # --- reuse when a request gets its slot -------------------------------------------------------------------------
     def reuse(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
+        if not self.enabled:
+            request.publish_from = NEVER
+            return
         if request.sampling.prompt_logprobs is not None:
             return  # every prompt position must be computed to report its logprob
+        if self.hybrid:
+            self._restore(request, allocate)
+            return
         history, size = self._history(request), self.page_size
         limit = request.first_computed  # the position whose logits are read is always computed
         chain = self.cache.lookup_run(history.block_keys, limit // size)
@@ -100,14 +159,88 @@ class PrefixReuse:
         if not request.started:
             request.cached_tokens = reused
 
+    def _restore(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
+        """A hybrid model's reuse: the deepest exact checkpoint with a snapshot that the prompt extends (a message
+        end, a prompt end or a terminal endpoint of an earlier request), its blocks' pages shared, its partial page
+        copied, its snapshot restored into the request's slot row."""
+        history, size = self._history(request), self.page_size
+        limit = request.first_computed
+        chain = self.cache.lookup_run(history.block_keys, limit // size)
+        self.counters["prefix_lookups"] += 1
+        exact = None
+        for depth in range(len(chain), -1, -1):
+            for end in self.cache.exact_ends(chain[depth - 1] if depth else None):
+                if end <= limit and (found := self.cache.lookup(history.key_at(end))) is not None:
+                    exact = found
+                    break
+            if exact is not None:
+                break
+        page = allocate(1) if exact is not None else None
+        if page is None:
+            self.counters["prefix_misses"] += 1
+            return
+        self._copy(PageCopy(exact.page, page[0], None, request, exact))
+        self.cache.pin(exact)  # for the state copy, until it is sent
+        self.pending_state.append(StateCopy(self.slot_rows + exact.snapshot, request.slot, exact.snapshot, request,
+                                            exact))
+        blocks = chain[: exact.length // size]
+        self.counters["prefix_hits"] += 1
+        self.counters["reused_tokens"] += exact.length
+        request.cache_pages = {c.page for c in blocks}
+        request.pages = [c.page for c in blocks] + page
+        request.block_chain = list(blocks)
+        request.published_ends = exact.length
+        self._pin(request, exact)
+        request.scheduled = exact.length
+        if not request.started:
+            request.cached_tokens = exact.length
+
+    def stop_at(self, request: Request, start: int, length: int) -> int:
+        """A hybrid model's prefill row from `start` stops at the next message end, where a snapshot is taken."""
+        if not (self.hybrid and self.enabled):
+            return length
+        return min([length] + [end - start for end in request.message_ends if start < end < start + length])
+
+    def snapshot_at(self, request: Request, end: int) -> None:
+        """The request's slot row holds its state at exactly `end` once the step just committed completes: the next
+        step copies it to a snapshot row, published with an exact checkpoint as steps complete (publish)."""
+        if not (self.hybrid and self.enabled) or end % self.page_size == 0 or end <= request.published_ends or \
+                end in request.snapshots:
+            return  # (a block boundary has no partial page: no exact checkpoint there)
+        snapshot = self._allocate_snapshot()
+        if snapshot is None:
+            return
+        self.pending_state.append(StateCopy(request.slot, self.slot_rows + snapshot, snapshot, request, None))
+        request.snapshots[end] = snapshot
+        request.publish_from = 0
+
+    def terminal(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
+        """A hybrid request that ended: an exact checkpoint of what its submitted steps consumed (its prompt and its
+        output but the last token, or all of it when a step after the last token was already in flight), so that
+        the next turn of the conversation continues from there."""
+        end = request.scheduled
+        self.snapshot_at(request, end)
+        if end in request.snapshots:
+            self._publish(request, end, request.last_fence, allocate)
+
+    def _drop_snapshot(self, snapshot: int) -> None:
+        pending = [c for c in self.pending_state if c.source_checkpoint is None and c.snapshot == snapshot]
+        for copy in pending:
+            self.pending_state.remove(copy)
+        self.snapshot_ids.release([snapshot], self.snapshot_fences.pop(snapshot, self.committed_fence))
+
     # --- publication as steps complete ----------------------------------------------------------------------------
     def publish(self, request: Request, computed: int, fence: int,
                 allocate: Callable[[int], list[int] | None]) -> None:
         """KV for positions below `computed` is written (by steps up to `fence`): publish what that completes. Sets
         Request.publish_from: a call before `computed` reaches it (another block complete) has no work, unless a
         message end may be pending."""
+        if not self.enabled:
+            request.publish_from = NEVER
+            return
         self._publish(request, computed, fence, allocate)
-        request.publish_from = 0 if request.message_ends else (len(request.block_chain) + 1) * self.page_size
+        ends = request.snapshots if self.hybrid else request.message_ends
+        request.publish_from = 0 if ends else (len(request.block_chain) + 1) * self.page_size
 
     def _publish(self, request: Request, computed: int, fence: int,
                  allocate: Callable[[int], list[int] | None]) -> None:
@@ -117,46 +250,77 @@ class PrefixReuse:
             parent = request.block_chain[-1] if request.block_chain else None
             if parent is not None and parent.evicted:
                 return
-            if any(copy.source == request.pages[k] for copy in self.pending_copies):
-                break  # a copy not yet sent reads this page: it stays the request's until then
             result = self.cache.publish(history.block_keys[k], (k + 1) * size, parent, request.pages[k], fence)
             if isinstance(result, Created):
                 request.cache_pages.add(request.pages[k])
                 self.counters["checkpoint_publications"] += 1
+                self._reading_cached(request.pages[k], result.checkpoint)
             request.block_chain.append(result.checkpoint)
             self._pin(request, result.checkpoint)
+        if self.hybrid:
+            for end in sorted(request.snapshots):
+                if end <= computed and end // size <= len(request.block_chain):
+                    self._publish_exact(request, end, allocate, request.snapshots.pop(end))
+            return
         for end in request.message_ends:
             if request.published_ends < end <= computed and end % size and end // size <= len(request.block_chain):
                 self._publish_exact(request, end, allocate)
                 request.published_ends = end
 
-    def _publish_exact(self, request: Request, end: int, allocate: Callable[[int], list[int] | None]) -> None:
+    def _reading_cached(self, page: int, checkpoint: Checkpoint) -> None:
+        """A copy not yet sent that reads a private page the cache now owns holds the new checkpoint's pin until it
+        is sent, as a copy of a cached page does."""
+        for i, copy in enumerate(self.pending_copies):
+            if copy.source == page and copy.source_checkpoint is None:
+                self.cache.pin(checkpoint)
+                self.pending_copies[i] = replace(copy, source_checkpoint=checkpoint)
+
+    def _publish_exact(self, request: Request, end: int, allocate: Callable[[int], list[int] | None],
+                       snapshot: int | None = None) -> None:
+        """With a snapshot (a hybrid model's), the checkpoint owns it; a snapshot not published is dropped."""
         key = self._history(request).key_at(end)
         parent = request.block_chain[end // self.page_size - 1] if end >= self.page_size else None
-        if self.cache.lookup(key) is not None or (parent is not None and parent.evicted):
-            return
-        page = allocate(1)
+        page = None
+        if self.cache.lookup(key) is None and not (parent is not None and parent.evicted):
+            page = allocate(1)
         if page is None:
+            if snapshot is not None:
+                self._drop_snapshot(snapshot)
             return
         result = self.cache.publish(key, end, parent, page[0], ready_fence=None)
         if isinstance(result, Created):
             self.counters["checkpoint_publications"] += 1
+            if snapshot is not None:
+                self.cache.attach_snapshot(result.checkpoint, snapshot)
+                self.counters["snapshot_publications"] += 1
             k = end // self.page_size
             owner = request.block_chain[k] if request.pages[k] in request.cache_pages else None
             self._copy(PageCopy(request.pages[k], page[0], result.checkpoint, request, owner))
         else:
             self.pages.release(page, 0)
+            if snapshot is not None:
+                self._drop_snapshot(snapshot)
 
     def _copy(self, copy: PageCopy) -> None:
         if copy.source_checkpoint is not None:
             self.cache.pin(copy.source_checkpoint)
         self.pending_copies.append(copy)
 
-    def planned_copies(self) -> tuple[PageCopy, ...]:
-        """The copies the next plan makes; they stay pending until that plan is committed."""
-        return tuple(self.pending_copies)
+    @property
+    def pending(self) -> bool:
+        return bool(self.pending_copies or self.pending_state)
 
-    def copies_committed(self, copies: tuple[PageCopy, ...], fence: int) -> None:
+    def planned_copies(self) -> tuple[PageCopy | StateCopy, ...]:
+        """The copies the next plan makes, page copies then state copies; they stay pending until that plan is
+        committed."""
+        return (*self.pending_copies, *self.pending_state)
+
+    def copies_committed(self, copies: tuple[PageCopy | StateCopy, ...], fence: int) -> None:
+        self.committed_fence = fence
+        states = [c for c in copies if isinstance(c, StateCopy)]
+        if states:
+            self._states_committed(states, fence)
+            copies = tuple(c for c in copies if isinstance(c, PageCopy))
         self.pending_copies = [c for c in self.pending_copies if c not in copies]
         for copy in copies:
             if copy.made is not None:
@@ -168,6 +332,16 @@ class PrefixReuse:
                 self.held_for_copies.discard(copy.source)
                 self.pages.release([copy.source], fence)
 
+    def _states_committed(self, copies: list[StateCopy], fence: int) -> None:
+        self.pending_state = [c for c in self.pending_state if c not in copies]
+        for copy in copies:
+            copy.reader.copy_fence = max(copy.reader.copy_fence, fence)  # the copy uses the reader's slot row
+            if copy.source_checkpoint is not None:
+                self.cache.unpin(copy.source_checkpoint, fence)
+                self.counters["snapshot_restores"] += 1
+            else:
+                self.snapshot_fences[copy.snapshot] = fence
+
     # --- the end of a request's hold on its pages -------------------------------------------------------------------
     def release(self, request: Request) -> None:
         """Give back private pages at the request's last-use fence and drop its pin."""
@@ -176,6 +350,12 @@ class PrefixReuse:
             self.pending_copies.remove(copy)
             if copy.source_checkpoint is not None:
                 self.cache.unpin(copy.source_checkpoint, request.last_fence)
+        for state in [c for c in self.pending_state if c.reader is request and c.source_checkpoint is not None]:
+            self.pending_state.remove(state)  # a restore not sent: moot now
+            self.cache.unpin(state.source_checkpoint, request.last_fence)
+        for snapshot in request.snapshots.values():  # taken (or to be) but not published
+            self._drop_snapshot(snapshot)
+        request.snapshots = {}
         sources = {copy.source for copy in self.pending_copies}
         private = [p for p in request.pages if p not in request.cache_pages]
         self.held_for_copies.update(p for p in private if p in sources)

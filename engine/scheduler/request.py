@@ -72,6 +72,7 @@ class Request:
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
     publish_from: int = 0  # PrefixReuse.publish has no work before the request's computed positions reach this
+    snapshots: dict[int, int] = field(default_factory=dict)  # a hybrid's state snapshots not yet published: end -> id
     finish_reason: str | None = None
     # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
     label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)

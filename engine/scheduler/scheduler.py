@@ -21,7 +21,7 @@ from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
 from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
 from engine.scheduler.policy import Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price
-from engine.scheduler.prefix import PrefixReuse
+from engine.scheduler.prefix import PageCopy, PrefixReuse, StateCopy
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.results import Finished, StepResult
 
@@ -43,8 +43,10 @@ class StalePlan(ValueError):
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
                  prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig(),
-                 proposer: Proposer | None = None) -> None:
-        """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step."""
+                 proposer: Proposer | None = None, snapshots: int | None = None, snapshot_bytes: int = 0) -> None:
+        """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step.
+        `snapshots`: a hybrid model's recurrent-state snapshot rows (of `snapshot_bytes` each), which its prefix
+        reuse needs (PrefixReuse)."""
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -58,7 +60,8 @@ class RequestScheduler:
         self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
         self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
-        self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters)
+        self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters, snapshots, max_active,
+                                  snapshot_bytes)
         # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
@@ -128,7 +131,7 @@ class RequestScheduler:
     # --- planning -----------------------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
         if self.speculation is None and not self.constrained and not self._prefilling and \
-                not self.prefix.pending_copies and (not self.waiting or None not in self.slots):
+                not self.prefix.pending and (not self.waiting or None not in self.slots):
             plan = self._plan_steady()
             if plan is not None:
                 return plan
@@ -178,6 +181,7 @@ class RequestScheduler:
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
             length = request.atomic_length(request.scheduled, min(budget, request.prefill_target - request.scheduled))
+            length = self.prefix.stop_at(request, request.scheduled, length)
             if not self._reserve(request, request.scheduled + length, rows):
                 break
             rows.append(self._row(request, length))
@@ -192,7 +196,9 @@ class RequestScheduler:
         # The plan's kind as Plan.kind would find it: known from the rows made (a prefill row holds its tokens).
         kind = "verify" if verifies else "mixed" if decodes and len(rows) > decodes else "decode" if decodes \
             else "prefill"
-        plan = Plan.of_kind(kind, tuple(rows), copies=tuple((c.source, c.destination) for c in copies), shape=shape)
+        plan = Plan.of_kind(kind, tuple(rows), shape=shape,
+                            copies=tuple((c.source, c.destination) for c in copies if isinstance(c, PageCopy)),
+                            state_copies=tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)))
         self._planned = (plan, copies, self._epoch_bumps, planned)
         return plan
 
@@ -332,6 +338,9 @@ class RequestScheduler:
         for row, request in zip(rows, requests):
             request.scheduled = row.start + row.length
             request.row_fence = fence
+            if self.prefix.hybrid and row.tokens is not None and (
+                    request.scheduled == request.prefill_target or request.scheduled in request.message_ends):
+                self.prefix.snapshot_at(request, request.scheduled)  # a checkpoint endpoint: the state there
         if plan.kind != "decode":  # (a decode row's request is decoding, and was placed steps ago)
             for row, request in zip(rows, requests):
                 request.fresh = False
@@ -475,7 +484,7 @@ class RequestScheduler:
             if self.speculation is not None:
                 self.speculation.earn(completion.duration)
         self.pages.advance_completed(fence)
-        self.prefix.cache.advance_completed(fence)
+        self.prefix.advance_completed(fence)
         result = StepResult()
         if error is None and plan.kind != "verify":
             ending = self._complete_steady(cohort, completion, fence, result) if cohort is not None else \
@@ -669,6 +678,8 @@ class RequestScheduler:
         self._set_phase(request, FINISHED)
         request.finish_reason = reason
         self._bump_epoch(request)
+        if self.prefix.hybrid and reason in ("stop", "length"):
+            self.prefix.terminal(request, self._try_allocate)
         if self.in_flight(request):
             self._retiring.add(request)
         self.prefix.release(request)

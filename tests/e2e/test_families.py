@@ -60,9 +60,10 @@ CONVERSATIONS = [
 ]
 
 
-def build_checkpoint(family: str, root: Path) -> Path:
-    config_class, model_class, extra = FAMILIES[family]
-    config = getattr(transformers, config_class)(**BASE, **extra)
+def build_checkpoint(family: str, root: Path, families: dict = FAMILIES) -> Path:
+    """`families`: FAMILIES, or another table of (config class, model class, what it adds to BASE)."""
+    config_class, model_class, extra = families[family]
+    config = getattr(transformers, config_class)(**{**BASE, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_class)(config).eval()
     # Larger weights than the default init, and norm weights off their init, so that outputs vary from token to

@@ -135,6 +135,10 @@ def test_every_synth_preset_is_a_config_the_engine_reads(preset: str) -> None:
         assert model.layer_window == (1024,) * 5 + (None,) and len(model.ropes) == 2
     if preset == "qwen3-30b-a3b":
         assert (model.num_experts, model.num_experts_per_tok, model.norm_topk_prob) == (128, 8, True)
+    if preset in ("qwen3.5-9b", "qwen3-next-80b-a3b"):  # --layers keeps three linear layers to each full one
+        assert model.layer_linear == (True, True, True, False, True, True) and model.rotated_dim == 64
+    if preset == "qwen3-next-80b-a3b":
+        assert (model.num_experts, model.num_experts_per_tok, model.shared_expert_intermediate_size) == (512, 10, 512)
 
 
 def test_a_multimodal_gemma3_exports_its_text_model(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from common.protocol import SamplingParams
 from engine.executor.eager import EagerExecutor
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
+from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT
 from engine.sampling.grammar import mask_words
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
@@ -35,6 +36,11 @@ FAMILY_CONFIGS = {
                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
                     "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e5},
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}},
+    # A hybrid: 3 linear-attention layers (2 key heads serving 4 value heads) and a gated attention layer.
+    "qwen3_5": {"head_dim": 32, "num_hidden_layers": 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+                "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25}},
 }
 
 
@@ -49,9 +55,15 @@ def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> Causa
 
 class Harness:
     def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
-                 chunk: int = 48, proposer: object = None) -> None:
-        self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device("cpu"))
-        self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer)
+                 chunk: int = 48, proposer: object = None, snapshots: int | None = None,
+                 device: str = "cpu") -> None:
+        """`snapshots`: a hybrid model's snapshot rows (None: as many as the engine would keep; 0: none); `device`:
+        the model's."""
+        if snapshots is None and model.config.hybrid:
+            snapshots = SNAPSHOTS_PER_SLOT * max_active
+        self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device(device), snapshots or 0)
+        self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer,
+                                          snapshots=snapshots)
         self._ids = itertools.count()
         self.steps = 0
 
@@ -80,7 +92,9 @@ class Harness:
         return results
 
     def run(self) -> None:
-        while self.scheduler.has_work():
+        """Until every request ended and the copies their ends left (exact checkpoints) are made, as the engine
+        loop makes them in its next step."""
+        while self.scheduler.has_work() or self.scheduler.prefix.pending:
             self.step()
         while not self.executor.can_submit() or self.scheduler.pages.retiring_count:
             select.select([self.executor.wake_fd], [], [], 0.05)

@@ -15,10 +15,14 @@ from engine.model.decoder import CausalLM, Reference
 Kind = Literal["reference", "fused_reference", "cpu_ops", "triton"]
 
 
-def backend_kind(device: torch.device, quantized: bool, dtype: torch.dtype) -> Kind:
+def backend_kind(device: torch.device, quantized: bool, dtype: torch.dtype, hybrid: bool = False) -> Kind:
     """A GPU runs the kernel path. On the CPU a dense core keeps the torch reference (its parity reference); a
     quantized core fuses its products, which saves operators a layer, and runs Flare's C++ ops in fp32 where they
-    build (engine/kernels/cpu/extension.py), the torch reference otherwise."""
+    build (engine/kernels/cpu/extension.py), the torch reference otherwise. A hybrid model (linear-attention layers:
+    engine/model/linear_attention.py) has no kernels yet: the torch reference on every device, its quantized
+    products fused."""
+    if hybrid:
+        return "fused_reference" if quantized else "reference"
     if device.type == "cuda":
         return "triton"
     if not quantized:

@@ -1,0 +1,70 @@
+"""The recurrent state of a hybrid model's linear-attention layers (docs/design.md, Models and kernels): a row per
+request slot, beside the KV pages its attention layers use. A row holds, per Gated DeltaNet layer, the short conv's
+last `conv_kernel - 1` inputs and the delta rule's state matrix per value head.
+
+Rows are indexed by slot: a slot's row is its request's while the request holds the slot, and a request's first step
+(the row that starts at position 0) starts from zeros (RecurrentState.reset). `RecurrentRows` is what a step hands
+the layers: the storage and which row each decode row and prefill span reads and writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.config import DecoderConfig
+
+
+class RecurrentState:
+    def __init__(self, c: DecoderConfig, rows: int, dtype: torch.dtype, device: torch.device) -> None:
+        linear = c.linear
+        assert linear is not None, "only a hybrid model has recurrent state"
+        layers = sum(c.layer_linear)
+        # The conv's inputs in the activations' dtype (what the conv reads); the delta rule's state in float32,
+        # as the reference computes it whatever the weights' dtype.
+        self.conv = torch.zeros(layers, rows, linear.conv_dim, linear.conv_kernel - 1, dtype=dtype, device=device)
+        self.delta = torch.zeros(layers, rows, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim,
+                                 dtype=torch.float32, device=device)
+
+    def copy_rows(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """(source, destination) row copies in order (Plan.state_copies): a snapshot of a slot may precede a
+        restore into the same slot."""
+        for source, destination in copies:
+            self.conv[:, destination] = self.conv[:, source]
+            self.delta[:, destination] = self.delta[:, source]
+
+    def reset(self, rows: torch.Tensor) -> None:
+        """Zero these rows: their requests start at position 0."""
+        self.conv[:, rows] = 0
+        self.delta[:, rows] = 0
+
+    @staticmethod
+    def row_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:
+        linear = c.linear
+        if linear is None:
+            return 0
+        conv = linear.conv_dim * (linear.conv_kernel - 1) * dtype.itemsize
+        delta = linear.num_value_heads * linear.key_head_dim * linear.value_head_dim * 4
+        return sum(c.layer_linear) * (conv + delta)
+
+
+SNAPSHOTS_PER_SLOT = 4
+SNAPSHOT_SHARE = 0.25  # of the cache budget, at most, for snapshot rows
+
+
+def snapshot_rows(c: DecoderConfig, dtype: torch.dtype, slots: int, budget_bytes: int) -> int:
+    """How many snapshot rows a hybrid model's engine keeps for exact checkpoints: a few per slot, within a share
+    of the cache budget (the KV pages get the rest)."""
+    row = RecurrentState.row_bytes(c, dtype)
+    return min(SNAPSHOTS_PER_SLOT * slots, int(budget_bytes * SNAPSHOT_SHARE) // row) if row else 0
+
+
+@dataclass(frozen=True)
+class RecurrentRows:
+    """A step's view of the state: the row each decode row (in AttentionMetadata.decode_rows' order) and each
+    prefill span (in AttentionMetadata.prefills' order) continues."""
+
+    state: RecurrentState
+    decode: torch.Tensor  # [Bd] int64
+    spans: tuple[int, ...]

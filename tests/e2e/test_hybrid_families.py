@@ -1,0 +1,120 @@
+"""The hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next: Gated DeltaNet linear attention in three layers of four,
+gated attention in the fourth) against transformers, end to end as tests/e2e/test_families.py tests the others: a
+tiny random checkpoint built with transformers' own class, exported with `ignition export`, served with `flare run`;
+greedy tokens over HTTP equal transformers' `generate` (fp32, CPU), with prompts of several prefill chunks, so that
+the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row; a second
+turn restores the first turn's exact checkpoint; structured output holds.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import openai
+import pytest
+import transformers
+
+from common.manifest import load_manifest, write_manifest
+from ignition.main import main as ignition
+from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, NEW_TOKENS, build_checkpoint, chat, hf_generate,
+                                     ids_of, text)
+from tests.e2e.test_metrics import wait_for
+from tests.support.servers import Server
+
+# What each hybrid adds to test_families.BASE: 4 layers (3 linear, 1 full attention), 2 key heads serving 4 value
+# heads in the linear layers, a quarter of each attention head rotated; MoE: 8 experts top-2 and a shared expert.
+HYBRID = {"num_hidden_layers": 4, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+          "linear_key_head_dim": 16, "linear_value_head_dim": 16, "tie_word_embeddings": False,
+          "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"]}
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48, "shared_expert_intermediate_size": 32}
+HYBRIDS = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", HYBRID),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {**HYBRID, **MOE}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**HYBRID, **MOE}),
+}
+
+
+@pytest.fixture(scope="module", params=list(HYBRIDS))
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(family, a server of the exported core, transformers' model of the same checkpoint)."""
+    root = tmp_path_factory.mktemp(request.param)
+    hf_dir = build_checkpoint(request.param, root, HYBRIDS)
+    core = root / "core"
+    assert ignition(["export", str(hf_dir), str(core)]) == 0
+    manifest = load_manifest(core)
+    assert manifest.architecture == request.param
+    write_manifest(core, msgspec.structs.replace(manifest, capacities=CAPACITIES))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    reference.generation_config.eos_token_id = None  # like ignore_eos: always NEW_TOKENS tokens
+    server = Server(core)
+    yield request.param, server, reference
+    server.stop()
+    # Speculative decoding (ngram by default on the CPU) stays off, and `flare run`'s log says why.
+    assert "speculative decoding off: " + request.param in server.process.stdout.read()
+
+
+def test_greedy_tokens_equal_transformers_generate_under_concurrency(hybrid) -> None:
+    name, server, reference = hybrid
+    with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
+        results = [ids_of(r) for r in pool.map(lambda m: chat(server, m), CONVERSATIONS)]
+    assert len({token for _, tokens in results for token in tokens}) > 10, "degenerate outputs would test little"
+    assert max(len(prompt) for prompt, _ in results) > 2 * CAPACITIES.prefill_chunk_size
+    for (prompt, tokens), messages in zip(results, CONVERSATIONS):
+        assert tokens == hf_generate(reference, prompt), (name, messages)
+
+
+def complete(server: Server, prompt: list[int], max_tokens: int = NEW_TOKENS, stream: bool = False):
+    """A completion of token ids: a conversation's turns as ids, which a reply's text need not tokenize back to."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    return client.completions.create(model=client.models.list().data[0].id, prompt=prompt, temperature=0,
+                                     max_tokens=max_tokens, stream=stream,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_a_second_turn_restores_the_first_turns_snapshot_and_keeps_the_tokens(hybrid) -> None:
+    """The first turn's end is an exact checkpoint (its recurrent state snapshot and its partial page): the second
+    turn, its prompt and reply and more, restores it, so its cached tokens cover the first turn's prompt and reply
+    (but the reply's last token, which no step consumed), and its tokens still equal transformers'."""
+    name, server, reference = hybrid
+    first_prompt = ids_of(chat(server, [{"role": "user", "content": text(30, 7)}], max_tokens=1))[0]
+    first = complete(server, first_prompt, max_tokens=8)
+    first_tokens = first.choices[0].model_extra["token_ids"]
+    assert first_tokens == hf_generate(reference, first_prompt, 8)
+    prompt = first_prompt + first_tokens + first_prompt[-12:]  # the next turn's text, as ids
+    second = complete(server, prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens >= len(first_prompt) + len(first_tokens) - 1
+    assert second.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
+    metrics = wait_for(server.base_url, lambda m: m.get("flare_engine_snapshot_restores_total", 0) > 0)
+    assert metrics["flare_engine_snapshot_restores_total"] > 0
+    assert metrics["flare_engine_snapshot_publications_total"] >= metrics["flare_engine_cached_snapshots"] > 0
+    assert metrics["flare_engine_snapshot_bytes"] > 0
+
+
+def test_a_request_restored_then_cancelled_leaves_the_snapshot_for_the_next(hybrid) -> None:
+    """A restore copies the snapshot into the request's own state row: the request writes only there, so after it
+    is cancelled mid-stream the snapshot still starts the next request, whose tokens equal transformers'."""
+    name, server, reference = hybrid
+    base = ids_of(chat(server, [{"role": "system", "content": text(25, 4)}, {"role": "user", "content": "Hi"}],
+                       max_tokens=1))[0]
+    prompt = base + base[-9:]
+    stream = complete(server, prompt, max_tokens=400, stream=True)
+    next(iter(stream))  # restored, decoding: then gone
+    stream.close()
+    response = complete(server, prompt)
+    assert response.usage.prompt_tokens_details.cached_tokens >= len(base) - 1
+    assert response.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
+
+
+def test_structured_output_holds_to_its_schema(hybrid) -> None:
+    """Grammar masks reach a hybrid's sampling as any model's: the reply is the schema's JSON."""
+    name, server, _ = hybrid
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    schema = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+              "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=[{"role": "user", "content": text(12)}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "unit", "schema": schema}})
+    assert response.choices[0].finish_reason == "stop", name
+    assert json.loads(response.choices[0].message.content)["unit"] in ("celsius", "fahrenheit")
