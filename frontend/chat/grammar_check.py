@@ -54,7 +54,8 @@ class IsolatedValidator:
             if self._pool is pool:
                 self._pool = None
         pool.shutdown(wait=False, cancel_futures=True)
-        for process in list((pool._processes or {}).values()):  # a hung worker is killed, not waited for
+        # A hung worker is killed, not waited for (the executor has no public way to stop a running call).
+        for process in list((pool._processes or {}).values()):
             process.kill()
 
     def start(self) -> None:
