@@ -1,6 +1,7 @@
 """Structured output requests (docs/design.md, Beyond plain decoding): each dialect's field becomes one Constraint for
-the wire, validated here with the grammar engine the engine compiles with (llguidance: torch-free, so the frontend
-may import it), so a bad schema or grammar is a 400 naming its field before anything reaches the engine.
+the wire, bounded (common/constraint_limits.py) and validated with the grammar engine the engine compiles with
+(llguidance: torch-free, so the frontend may import it; it runs in worker processes, grammar_check.py), so a bad or
+oversized schema or grammar is a 400 naming its field before anything reaches the engine.
 
 Fields: OpenAI `response_format` (chat, completions) and Responses `text.format`: json_object / json_schema;
 forced tool calls (tools.py builds their grammar); and the extension field `structured_outputs`, as vLLM names
