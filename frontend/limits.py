@@ -19,6 +19,12 @@ PROMPT_CHARS_PER_TOKEN = 16
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256
 
+# Bytes of bodies being read at once (by their Content-Length), in largest bodies (--body-limit): bodies are read
+# before admission, so this bounds their memory instead. Bodies up to SMALL_BODY_BYTES (any chat turn) are always
+# read, so ordinary requests still pass while big ones trickle.
+BODIES_IN_FLIGHT = 4
+SMALL_BODY_BYTES = 64 << 10
+
 HEADER_TIMEOUT = 15.0  # seconds from a connection's start (or its previous response) to a request's headers
 BODY_TIMEOUT = 30.0  # seconds to read a request's body (--body-timeout); slower is a 408
 

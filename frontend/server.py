@@ -18,7 +18,8 @@ from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, Frontend
 from frontend.api.errors import dialect_of, error_response
 from frontend.api.json_body import json_response
 from frontend.images.decode import ImageLimits
-from frontend.limits import BODY_TIMEOUT, OFFLOAD_JSON_BYTES, POOL_QUEUE_PER_WORKER, RETRY_AFTER_SECONDS
+from frontend.limits import (BODIES_IN_FLIGHT, BODY_TIMEOUT, OFFLOAD_JSON_BYTES, POOL_QUEUE_PER_WORKER,
+                             RETRY_AFTER_SECONDS, SMALL_BODY_BYTES)
 from frontend.model import ServedModel
 from frontend.origins import OriginPolicy
 from frontend.replicas import Replicas
@@ -47,6 +48,7 @@ class Frontend:
         self.capacity = capacity
         self.api_key = api_key
         self.in_use = 0
+        self.reading_bytes = 0  # Content-Length of the bodies being read now
         self.pool_busy = 0
         self.pool_limit = workers * (1 + POOL_QUEUE_PER_WORKER)
         self.draining = False
@@ -72,9 +74,18 @@ def frontend_of(request: web.Request) -> Frontend:
     return request.app[FRONTEND_KEY]
 
 
-async def read_body(request: web.Request, timeout: float) -> bytes:
-    """The whole body, within the size limit (413) and `timeout` seconds (408): a client that trickles its body
-    holds a connection for that long at most, and no admission slot meanwhile."""
+async def read_body(request: web.Request, frontend: Frontend) -> bytes:
+    """The whole body, within the size limit (413) and --body-timeout (408): a client that trickles its body holds a
+    connection for that long at most, and no admission slot meanwhile. The large bodies being read at once are
+    bounded in bytes (429 past BODIES_IN_FLIGHT largest ones)."""
+    declared = request.content_length
+    size = min(request.client_max_size if declared is None else declared, request.client_max_size)
+    size = 0 if size <= SMALL_BODY_BYTES else size
+    if size and frontend.reading_bytes + size > BODIES_IN_FLIGHT * request.client_max_size:
+        raise FrontendBusy(f"the frontend is reading {frontend.reading_bytes} bytes of request bodies already",
+                           "capacity_hint: add frontends")
+    frontend.reading_bytes += size
+    timeout = frontend.body_timeout
     try:
         async with asyncio.timeout(timeout):
             return await request.read()
@@ -84,6 +95,8 @@ async def read_body(request: web.Request, timeout: float) -> bytes:
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout:g} seconds",
                              "body_timeout: raise --body-timeout of flare-frontend") from None
+    finally:
+        frontend.reading_bytes -= size
 
 
 async def read_json(request: web.Request) -> dict:
@@ -132,7 +145,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
                 # A browser page may send text/plain (or no type) to any server without asking first.
                 raise UnsupportedMediaType(f"the request body must be JSON sent as Content-Type: application/json, "
                                            f"not {request.headers.get('Content-Type', 'none')[:60]!r}")
-            await read_body(request, frontend.body_timeout)
+            await read_body(request, frontend)
             if frontend.in_use >= frontend.capacity:
                 raise FrontendBusy(f"the frontend is at its admission capacity ({frontend.capacity} requests)",
                                    "capacity_hint: raise --capacity of flare-frontend or add frontends")

@@ -18,8 +18,9 @@ from tests.support.servers import TEST_API_KEY, Server
 
 MODEL = "smollm2-135m-instruct"
 HELLO = [{"role": "user", "content": "Hi"}]
-TRICKLERS = 4  # more than the capacity of the small server below
 SMALL_CAPACITY = 2
+SMALL_BODY_LIMIT = 1 << 20
+TRICKLERS = 4  # more than the small frontend's capacity; as many bodies of the largest size as it reads at once
 APP_ORIGIN = "http://app.example"
 
 
@@ -148,23 +149,28 @@ def test_an_authorization_header_that_is_not_utf8_is_a_401(keyed_server) -> None
 @pytest.fixture(scope="module")
 def small_frontend(core_dir):
     """A real frontend (before the scripted engine: no model is needed to hold connections) admitting two
-    requests, reading bodies within two seconds, and allowing one web origin."""
+    requests, reading bodies of up to 1 MiB within two seconds, and allowing one web origin."""
     from tests.support.scripted_engine import ScriptedStack
 
-    stack = ScriptedStack(core_dir, "--capacity", str(SMALL_CAPACITY), "--body-timeout", "2", "--allowed-origins",
-                          APP_ORIGIN)
+    stack = ScriptedStack(core_dir, "--capacity", str(SMALL_CAPACITY), "--body-limit", str(SMALL_BODY_LIMIT),
+                          "--body-timeout", "2", "--allowed-origins", APP_ORIGIN)
     yield stack
     stack.stop()
 
 
+def trickle(port: int) -> socket.socket:
+    """A request whose body, announced at the largest size allowed, stops after its first bytes."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(SMALL_BODY_LIMIT).encode() + b"\r\n\r\n{\"model\": ")
+    return sock
+
+
 def test_trickled_bodies_take_no_admission_slot_and_end_with_408(small_frontend) -> None:
-    tricklers = []
-    for _ in range(TRICKLERS):
-        sock = socket.create_connection(("127.0.0.1", small_frontend.port), timeout=60)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"model\": ")
-        tricklers.append(sock)
+    tricklers = [trickle(small_frontend.port) for _ in range(TRICKLERS)]
     try:
+        with trickle(small_frontend.port) as one_more:  # past the bytes of bodies read at once
+            assert one_more.recv(65536).startswith(b"HTTP/1.1 429 ")
         reply = httpx.post(f"{small_frontend.base_url}/v1/chat/completions", timeout=60,
                            json={"model": MODEL, "messages": HELLO, "max_tokens": 2})
         assert reply.status_code == 200
