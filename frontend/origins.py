@@ -3,9 +3,9 @@
 Any web page can send a request to a server on 127.0.0.1 (a `text/plain` POST needs no preflight), and with DNS
 rebinding (a name of the page's that resolves to 127.0.0.1) read the reply. So, as Ollama does: bound to loopback,
 a frontend serves only loopback Host names (a rebinding page's requests carry its own name); and a request from a
-browser page of another origin (its Origin header) is refused unless `--allowed-origins` names that origin, in which
-case CORS preflights are answered and replies carry Access-Control-Allow-Origin. The chat page is served from the
-frontend itself, so its requests are same-origin.
+browser page of another origin (its Origin header) is refused unless that page is on loopback too or
+`--allowed-origins` names its origin; allowed pages get CORS preflights answered and replies that carry
+Access-Control-Allow-Origin. The chat page is served from the frontend itself, so its requests are same-origin.
 """
 
 from __future__ import annotations
