@@ -28,10 +28,7 @@ SMALL_BODY_BYTES = 64 << 10
 HEADER_TIMEOUT = 15.0  # seconds from a connection's start (or its previous response) to a request's headers
 BODY_TIMEOUT = 30.0  # seconds to read a request's body (--body-timeout); slower is a 408
 
-# Jobs waiting for the worker pool (rendering, tokenization, images, grammar validation) per worker thread, beyond
-# which a request is refused with 503 and Retry-After rather than queued behind minutes of work.
-POOL_QUEUE_PER_WORKER = 32
-RETRY_AFTER_SECONDS = 1
+RETRY_AFTER_SECONDS = 1  # on a 429 or 503 of the frontend's own
 
 # JSON bodies larger than this are parsed on the worker pool rather than on the event loop.
 OFFLOAD_JSON_BYTES = 1 << 20

@@ -18,8 +18,7 @@ from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, Frontend
 from frontend.api.errors import dialect_of, error_response
 from frontend.api.json_body import json_response
 from frontend.images.decode import ImageLimits
-from frontend.limits import (BODIES_IN_FLIGHT, BODY_TIMEOUT, OFFLOAD_JSON_BYTES, POOL_QUEUE_PER_WORKER,
-                             RETRY_AFTER_SECONDS, SMALL_BODY_BYTES)
+from frontend.limits import BODIES_IN_FLIGHT, BODY_TIMEOUT, OFFLOAD_JSON_BYTES, RETRY_AFTER_SECONDS, SMALL_BODY_BYTES
 from frontend.model import ServedModel
 from frontend.origins import OriginPolicy
 from frontend.replicas import Replicas
@@ -50,16 +49,14 @@ class Frontend:
         self.in_use = 0
         self.reading_bytes = 0  # Content-Length of the bodies being read now
         self.pool_busy = 0
-        self.pool_limit = workers * (1 + POOL_QUEUE_PER_WORKER)
         self.draining = False
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontend-worker")
 
     async def on_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        """CPU work (template rendering, tokenization, images, grammar validation) on the bounded worker pool; when
-        its queue is full the request is refused rather than queued behind minutes of others' work."""
-        if self.pool_busy >= self.pool_limit:
-            raise FrontendBusy(f"the frontend's worker pool has {self.pool_busy} jobs waiting",
-                               "capacity_hint: raise --workers of flare-frontend or add frontends")
+        """CPU work (template rendering, tokenization, images, grammar validation, large JSON bodies) on the bounded
+        worker pool. Its queue is bounded by admission: an admitted request waits on one job at a time (one per image
+        while its images are prepared), and a request past the capacity is a 429 with Retry-After before it queues
+        anything."""
         self.pool_busy += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
