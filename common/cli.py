@@ -34,6 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--capacity", type=int, help="requests each frontend admits at once "
                                                        "(default: the engine's queue plus its slots)")
     run_parser.add_argument("--body-limit", type=int, help="largest request body in bytes (frontend default 32 MiB)")
+    run_parser.add_argument("--body-timeout", type=float, help="seconds to read a request's body; slower is a 408 "
+                                                               "(frontend default 30)")
+    run_parser.add_argument("--allowed-origins", help="comma-separated web page origins (scheme://host[:port], or *) "
+                                                      "that may call the server from a browser (default: pages on "
+                                                      "loopback and the built-in chat page only)")
     run_parser.add_argument("--workers", type=int, help="template/tokenizer threads per frontend (default 2)")
     run_parser.add_argument("--engine-address", help="ZMQ address for the engine (default: an ipc socket in a private "
                                                      "directory); with replicas, the first's, the others' derived "

@@ -27,13 +27,28 @@ class Unauthorized(FlareError):
     kind = "authentication_error"
 
 
+class Forbidden(FlareError):
+    status = 403
+    kind = "permission_error"
+
+
 class NotFound(FlareError):
     status = 404
     kind = "not_found_error"
 
 
+class RequestTimeout(FlareError):
+    status = 408
+    kind = "invalid_request_error"
+
+
 class BodyTooLarge(FlareError):
     status = 413
+    kind = "invalid_request_error"
+
+
+class UnsupportedMediaType(FlareError):
+    status = 415
     kind = "invalid_request_error"
 
 
@@ -57,6 +72,6 @@ class CoreError(Exception):
 
 
 def error_for_status(status: int, message: str, hint: str = "") -> FlareError:
-    classes = {c.status: c for c in (InvalidRequest, Unauthorized, NotFound, BodyTooLarge, FrontendBusy,
-                                     EngineUnavailable)}
+    classes = {c.status: c for c in (InvalidRequest, Unauthorized, Forbidden, NotFound, RequestTimeout, BodyTooLarge,
+                                     UnsupportedMediaType, FrontendBusy, EngineUnavailable)}
     return classes.get(status, ExecutionFailed)(message, hint)

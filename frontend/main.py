@@ -18,10 +18,13 @@ from common.links import LinkKeyError, LinkKeys, add_link_flags, frame_limit, lo
 from frontend import chat_page
 from frontend.api import (anthropic_messages, decisions, models, ollama, openai_chat, openai_completions,
                           openai_responses)
+from frontend.chat.grammar_check import VALIDATOR
 from frontend.decisions.prompts import Decider
 from frontend.images.decode import ImageLimits
+from frontend.limits import BODY_TIMEOUT, HEADER_TIMEOUT
 from frontend.metrics import EngineSnapshots, frontend_gauges, serve_metrics
 from frontend.model import ServedModel
+from frontend.origins import OriginPolicy
 from frontend.replicas import ROUTINGS, Replicas
 from frontend.server import FRONTEND_KEY, Frontend, guard, health
 
@@ -42,8 +45,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=2, help="threads for template rendering, tokenization and images")
     parser.add_argument("--capacity", type=int, help="requests admitted at once (default: engine queue + slots)")
     parser.add_argument("--body-limit", type=int, default=32 << 20, help="largest request body, in bytes")
+    parser.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
+                        help="seconds to read a request's body (slower is a 408)")
     add_api_key_flags(parser, "require this bearer token (or x-api-key)")
     add_link_flags(parser)
+    parser.add_argument("--allowed-origins", default="",
+                        help="comma-separated web page origins (scheme://host[:port], or *) that may call this server "
+                             "from a browser; pages on loopback and the built-in chat page always may")
     limits = ImageLimits()
     parser.add_argument("--allowed-media-domains", nargs="*", default=[],
                         help="domains (and their subdomains) remote image URLs may name; none: data: URLs only")
@@ -59,6 +67,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def create_app(frontend: Frontend, body_limit: int) -> web.Application:
     app = web.Application(middlewares=[guard], client_max_size=body_limit)
     app[FRONTEND_KEY] = frontend
+    app.on_response_prepare.append(frontend.origins.add_cors_headers)
     app[decisions.DECIDER_KEY] = Decider(frontend.model)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", serve_metrics)
@@ -76,11 +85,15 @@ async def serve(args: argparse.Namespace, key: str | None, link_keys: LinkKeys |
     capacity = args.capacity or (welcome.queue_capacity + welcome.max_active) * len(args.engine)
     image_limits = ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels,
                                tuple(d.lower().rstrip(".") for d in args.allowed_media_domains), args.media_timeout)
-    frontend = Frontend(model, client, args.workers, capacity, key, image_limits)
+    origins = OriginPolicy.for_listener(args.host, args.allowed_origins)
+    frontend = Frontend(model, client, args.workers, capacity, key, image_limits, origins, args.body_timeout)
+    await asyncio.get_running_loop().run_in_executor(None, VALIDATOR.start)
     EngineSnapshots(lambda: [replica.telemetry for replica in client.replicas])
     frontend_gauges(lambda: (frontend.capacity, frontend.in_use), lambda: (args.workers, frontend.pool_busy))
+    # keepalive_timeout also bounds the time to a first request's headers (aiohttp closes a connection that has
+    # sent no whole request by then).
     runner = web.AppRunner(create_app(frontend, args.body_limit), handler_cancellation=True, access_log=None,
-                            shutdown_timeout=1.0)
+                            shutdown_timeout=1.0, keepalive_timeout=HEADER_TIMEOUT)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=True)
     await site.start()
@@ -99,6 +112,7 @@ async def serve(args: argparse.Namespace, key: str | None, link_keys: LinkKeys |
     await runner.cleanup()
     await client.close()
     frontend.pool.shutdown(wait=False, cancel_futures=True)
+    VALIDATOR.close()
 
 
 def main(argv: list[str] | None = None) -> None:

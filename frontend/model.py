@@ -18,6 +18,7 @@ from frontend.chat import reasoning, tool_parsers
 from frontend.chat.templates import ChatTemplate, TemplateError
 from frontend.chat.tools import for_template, template_supports_tools
 from frontend.detokenizer import special_token_ids
+from frontend.limits import check_prompt_chars
 from frontend.prefix_tokens import PrefixTokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -83,11 +84,13 @@ class ServedModel:
                 raise InvalidRequest("the final assistant message cannot be continued with this chat template",
                                      param="messages")
             text, ends = text[:cut], [end for end in ends if end <= cut]
+        check_prompt_chars(len(text), self.manifest.context_limit, "messages")
         tokens = self.prefix_tokens.encode(text)
         opens = self.reasons and reasoning.opens_reasoning(text[ends[-1]:] if ends else text)
         return EncodedChat(tokens.ids, [bisect_right(tokens.ends, offset) for offset in ends], opens)
 
     def encode_text(self, text: str) -> list[int]:
+        check_prompt_chars(len(text), self.manifest.context_limit, "prompt")
         return self.prefix_tokens.ids(text, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:

@@ -1,4 +1,5 @@
-"""The aiohttp application: admission before the body is read, auth, errors in the dialect's shape, lifecycle."""
+"""The aiohttp application: Host and Origin checks, auth, the body read against its size and time bounds, then
+admission; errors in the dialect's shape; lifecycle (docs/design.md, Trust boundaries)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest, NotFound,
-                            Unauthorized)
+                            RequestTimeout, Unauthorized, UnsupportedMediaType)
 from frontend.api.errors import dialect_of, error_response
 from frontend.api.json_body import json_response
 from frontend.images.decode import ImageLimits
+from frontend.limits import BODIES_IN_FLIGHT, BODY_TIMEOUT, OFFLOAD_JSON_BYTES, RETRY_AFTER_SECONDS, SMALL_BODY_BYTES
 from frontend.model import ServedModel
+from frontend.origins import OriginPolicy
 from frontend.replicas import Replicas
 
 log = logging.getLogger("flare.frontend")
@@ -34,19 +37,26 @@ class Frontend:
     """State shared by the handlers of one frontend process."""
 
     def __init__(self, model: ServedModel, client: Replicas, workers: int, capacity: int,
-                 api_key: str | None, image_limits: ImageLimits = ImageLimits()) -> None:
+                 api_key: str | None, image_limits: ImageLimits = ImageLimits(),
+                 origins: OriginPolicy = OriginPolicy(loopback_only=True), body_timeout: float = BODY_TIMEOUT) -> None:
         self.model = model
+        self.origins = origins
+        self.body_timeout = body_timeout
         self.image_limits = image_limits
         self.client = client
         self.capacity = capacity
         self.api_key = api_key
         self.in_use = 0
+        self.reading_bytes = 0  # Content-Length of the bodies being read now
         self.pool_busy = 0
         self.draining = False
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontend-worker")
 
     async def on_pool(self, fn: Callable[..., T], *args: Any) -> T:
-        """CPU work (template rendering, tokenization, images) on the bounded worker pool."""
+        """CPU work (template rendering, tokenization, images, grammar validation, large JSON bodies) on the bounded
+        worker pool. Its queue is bounded by admission: an admitted request waits on one job at a time (one per image
+        while its images are prepared), and a request past the capacity is a 429 with Retry-After before it queues
+        anything."""
         self.pool_busy += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -61,12 +71,40 @@ def frontend_of(request: web.Request) -> Frontend:
     return request.app[FRONTEND_KEY]
 
 
-async def read_json(request: web.Request) -> dict:
+async def read_body(request: web.Request, frontend: Frontend) -> bytes:
+    """The whole body, within the size limit (413) and --body-timeout (408): a client that trickles its body holds a
+    connection for that long at most, and no admission slot meanwhile. The large bodies being read at once are
+    bounded in bytes (429 past BODIES_IN_FLIGHT largest ones)."""
+    declared = request.content_length
+    size = min(request.client_max_size if declared is None else declared, request.client_max_size)
+    size = 0 if size <= SMALL_BODY_BYTES else size
+    if size and frontend.reading_bytes + size > BODIES_IN_FLIGHT * request.client_max_size:
+        raise FrontendBusy(f"the frontend is reading {frontend.reading_bytes} bytes of request bodies already",
+                           "capacity_hint: add frontends")
+    frontend.reading_bytes += size
+    timeout = frontend.body_timeout
     try:
-        raw = await request.read()
+        async with asyncio.timeout(timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise BodyTooLarge(f"the request body is over the limit of {request.client_max_size} bytes",
                            "body_limit: raise --body-limit of flare-frontend") from None
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout:g} seconds",
+                             "body_timeout: raise --body-timeout of flare-frontend") from None
+    finally:
+        frontend.reading_bytes -= size
+
+
+async def read_json(request: web.Request) -> dict:
+    """The body (already read by the guard) as a JSON object; a large one is parsed on the worker pool."""
+    raw = await request.read()
+    if len(raw) > OFFLOAD_JSON_BYTES:
+        return await frontend_of(request).on_pool(parse_json, raw)
+    return parse_json(raw)
+
+
+def parse_json(raw: bytes) -> dict:
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as exc:
@@ -85,16 +123,26 @@ async def read_json(request: web.Request) -> dict:
 
 @web.middleware
 async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Auth, admission, and errors: every failure leaves as the dialect's JSON, never a traceback."""
+    """Host, origin, auth, body, admission, and errors: every failure leaves as the dialect's JSON, never a
+    traceback. Cheap checks come first; a request counts against admission only once its body is read."""
     frontend = frontend_of(request)
     dialect = dialect_of(request)
     admitted = False
     try:
+        frontend.origins.check_host(request)
+        if request.method == "OPTIONS":
+            return frontend.origins.preflight(request)
+        frontend.origins.check_origin(request)
         if frontend.api_key and request.path not in OPEN_PATHS and not request.path.startswith(OPEN_PREFIX):
             check_api_key(request, frontend.api_key)
         if request.method == "POST":
             if frontend.draining:
                 raise EngineUnavailable("the server is draining and admits no new requests")
+            if request.content_type != "application/json":
+                # A browser page may send text/plain (or no type) to any server without asking first.
+                raise UnsupportedMediaType(f"the request body must be JSON sent as Content-Type: application/json, "
+                                           f"not {request.headers.get('Content-Type', 'none')[:60]!r}")
+            await read_body(request, frontend)
             if frontend.in_use >= frontend.capacity:
                 raise FrontendBusy(f"the frontend is at its admission capacity ({frontend.capacity} requests)",
                                    "capacity_hint: raise --capacity of flare-frontend or add frontends")
@@ -102,7 +150,12 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             admitted = True
         return await handler(request)
     except FlareError as exc:
-        return error_response(dialect, exc)
+        response = error_response(dialect, exc)
+        if exc.status in (429, 503):
+            response.headers["Retry-After"] = str(RETRY_AFTER_SECONDS)
+        if exc.status == 408:
+            response.force_close()  # the rest of the body may still come; the connection cannot be reused
+        return response
     except web.HTTPNotFound:
         return error_response(dialect, NotFound(f"no route for {request.method} {request.path}"))
     except web.HTTPMethodNotAllowed:
@@ -125,7 +178,9 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
 def check_api_key(request: web.Request, api_key: str) -> None:
     header = request.headers.get("Authorization", "")
     token = header[7:] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
-    if not hmac.compare_digest(token.encode(), api_key.encode()):
+    # Header bytes that are not UTF-8 arrive as lone surrogates (aiohttp decodes with surrogateescape): compare the
+    # original bytes, which never match a key given as text.
+    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), api_key.encode()):
         raise Unauthorized("missing or wrong API key")
 
 

@@ -23,13 +23,11 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
+from common.constraint_limits import LLGUIDANCE_LIMITS, constraint_problem
 from engine.scheduler.plan import Plan
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used ones go first)
 COMPILE_THREADS = 2
-# Lexer work allowed per mask, about 70 ms at worst (the default, 200_000, is too little for the date-time format's
-# regex at some states); errors name the failure without echoing the parser state and the whole grammar.
-LIMITS = dict(step_lexer_fuel=1_000_000, verbose_errors=False)
 
 
 class GrammarError(ValueError):
@@ -68,12 +66,17 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(spec)
         if cached is None:
+            # The frontend refused whatever is over these bounds (and validated the rest in a process of its own);
+            # checked again here because llguidance runs in this process, and a grammar past them can crash it.
+            problem = constraint_problem(spec.kind, spec.text)
+            if problem is not None:
+                raise GrammarError(problem)
             try:
                 grammar = llguidance.grammar_from(spec.kind, spec.text)  # type: ignore[arg-type]
             except ValueError as exc:
                 raise GrammarError(str(exc)) from exc
             cached = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
-                                          limits=llguidance.LLParserLimits(**LIMITS))
+                                          limits=llguidance.LLParserLimits(**LLGUIDANCE_LIMITS))
             if cached.is_error():
                 raise GrammarError(cached.get_error())
             with self._lock:

@@ -159,8 +159,8 @@ async def encode(frontend: Frontend, body: dict
     """The prompt, tools, whether calls are parsed, whether the reply thinks, and the output's constraint (a
     forced call or an output format)."""
     messages = conversation(body)
-    tools, parse, forced = anthropic_tools(body, frontend.model.tool_format)
-    constraint = one_of(("tool_choice", forced), ("output_config.format", output_format(body)))
+    tools, parse, forced = await frontend.on_pool(anthropic_tools, body, frontend.model.tool_format)
+    constraint = one_of(("tool_choice", forced), ("output_config.format", await frontend.on_pool(output_format, body)))
     thinking = thinking_enabled(body, frontend.model)
     prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     extra = {"enable_thinking": thinking} if frontend.model.reasons else {}

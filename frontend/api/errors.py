@@ -21,8 +21,8 @@ Dialect = Literal["openai", "anthropic", "ollama"]
 
 # Anthropic's documented error types per status (the SDK maps 529 to OverloadedError; we keep docs/design.md's 503).
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error"}
+                    404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def dialect_of(request: web.Request) -> Dialect:

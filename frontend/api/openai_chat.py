@@ -214,8 +214,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = get_bool(body, "stream", False)
     include_usage = stream_options(body, stream)
     n = choices_count(body)
-    tools, parse_tools, forced = request_tools(body, False, frontend.model)
-    constraint = output_constraint(body, forced, "response_format", body.get("response_format"))
+    # Tools' and formats' grammars are validated in a worker process, waited for on the worker pool.
+    tools, parse_tools, forced = await frontend.on_pool(request_tools, body, False, frontend.model)
+    constraint = await frontend.on_pool(output_constraint, body, forced, "response_format", body.get("response_format"))
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     continue_final = get_bool(body, "continue_final_message", False)  # vLLM's extension: prefill the reply
     if continue_final and (messages[-1]["role"] != "assistant" or body.get("add_generation_prompt")):

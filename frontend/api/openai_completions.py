@@ -80,7 +80,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise InvalidRequest(f"at most {MAX_CHOICES * 4} choices per request (prompts times n)", param="prompt")
     encoded = [p if isinstance(p, list) else await frontend.on_pool(frontend.model.encode_text, p) for p in prompts]
     max_tokens = requested_max_tokens(body, "max_tokens")
-    constraint = output_constraint(body, None, "response_format", body.get("response_format"))
+    constraint = await frontend.on_pool(output_constraint, body, None, "response_format", body.get("response_format"))
     stop = get_stop(body, "stop")
     arrival = time.time()
     requests, salt = [], get_cache_salt(body)

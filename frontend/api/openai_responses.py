@@ -247,8 +247,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     if not isinstance(metadata, dict):
         raise InvalidRequest("'metadata' must be an object", param="metadata")
     stream = get_bool(body, "stream", False)
-    tools, parse_tools, forced = request_tools(body, True, frontend.model)
-    constraint = output_constraint(body, forced, "text.format", text_format, flat=True)
+    tools, parse_tools, forced = await frontend.on_pool(request_tools, body, True, frontend.model)
+    constraint = await frontend.on_pool(output_constraint, body, forced, "text.format", text_format, True)
     encoded = await encode_chat(frontend, messages, tools, True, {})
     constraint = after_reasoning(constraint, encoded.opens_reasoning) if frontend.model.reasons else constraint
     max_tokens = requested_max_tokens(body, "max_output_tokens")

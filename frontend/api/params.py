@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from common.errors import InvalidRequest
+from frontend.limits import check_stops
 
 INT64_MAX = (1 << 63) - 1
 
@@ -74,9 +75,9 @@ def get_stop(body: dict, name: str) -> list[str]:
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
+        return check_stops([value], name)
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return list(value)
+        return check_stops(list(value), name)
     raise InvalidRequest(f"'{name}' must be a string or a list of strings", param=name)
 
 

@@ -1,6 +1,7 @@
 """Structured output requests (docs/design.md, Beyond plain decoding): each dialect's field becomes one Constraint for
-the wire, validated here with the grammar engine the engine compiles with (llguidance: torch-free, so the frontend
-may import it), so a bad schema or grammar is a 400 naming its field before anything reaches the engine.
+the wire, bounded (common/constraint_limits.py) and validated with the grammar engine the engine compiles with
+(llguidance: torch-free, so the frontend may import it; it runs in worker processes, grammar_check.py), so a bad or
+oversized schema or grammar is a 400 naming its field before anything reaches the engine.
 
 Fields: OpenAI `response_format` (chat, completions) and Responses `text.format`: json_object / json_schema;
 forced tool calls (tools.py builds their grammar); and the extension field `structured_outputs`, as vLLM names
@@ -19,11 +20,13 @@ from __future__ import annotations
 import json
 import re
 
-from llguidance import LLMatcher, grammar_from
+from llguidance import grammar_from
 
+from common.constraint_limits import constraint_problem
 from common.errors import InvalidRequest
 from common.protocol import Constraint
 from frontend.chat import reasoning
+from frontend.chat.grammar_check import VALIDATOR, ValidatorCrashed
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 EXTENSION = "structured_outputs"
@@ -40,12 +43,17 @@ def json_schema_text(schema: object, param: str) -> str:
 
 
 def checked(constraint: Constraint, param: str) -> Constraint:
-    """The constraint, if the grammar engine accepts it: unknown or unsupported keywords, unsatisfiable schemas
-    and malformed grammars are a 400 that names the field."""
+    """The constraint, if it is within the bounds (common/constraint_limits.py) and the grammar engine accepts it:
+    unknown or unsupported keywords, unsatisfiable schemas and malformed grammars are a 400 that names the field.
+    The grammar engine runs in a worker process (grammar_check.py) and waits there, so this runs on the frontend's
+    worker pool, never on the event loop."""
+    problem = constraint_problem(constraint.kind, constraint.text)
+    if problem is not None:
+        raise InvalidRequest(f"'{param}' is too large to enforce: {problem}", param=param)
     try:
-        error, messages = LLMatcher.validate_grammar_with_warnings(grammar_from(constraint.kind, constraint.text))
-    except Exception as exc:  # the library's own exceptions for what it cannot read at all
-        error, messages = True, [str(exc)]
+        error, messages = VALIDATOR.check(constraint.kind, constraint.text)
+    except ValidatorCrashed:
+        raise InvalidRequest(f"'{param}' cannot be enforced: the grammar engine failed on it", param=param) from None
     if error:
         detail = messages[0].strip() if messages else "invalid"
         raise InvalidRequest(f"'{param}' cannot be enforced: {detail[:400]}", param=param)

@@ -28,6 +28,7 @@ from common.manifest import DECISION_FILES
 from frontend.chat.control_tokens import ControlTokens
 from frontend.chat.templates import ChatTemplate, TemplateError
 from frontend.decisions.questions import Question, parse_questions
+from frontend.limits import check_prompt_chars
 from frontend.model import ServedModel
 
 CONFIG_FILE, TEMPLATE_FILE = DECISION_FILES
@@ -170,6 +171,7 @@ class Decider:
             text = chat.render(messages, add_generation_prompt=True, enable_thinking=False, **variables).text
         except TemplateError as exc:
             raise InvalidRequest(f"the decision template rejected the request: {exc}") from None
+        check_prompt_chars(len(text), self.model.manifest.context_limit, "state")
         ids = self.escape.encode(text) if sanitize else self.tokenizer.encode(text, add_special_tokens=False).ids
         kept, marks = [], []
         for token in ids:

@@ -1,4 +1,5 @@
-"""`flare run`'s engine flags reach every rank, and the engine refuses nonsense before it loads anything."""
+"""`flare run`'s engine flags reach every rank and its frontend flags every frontend, and the engine refuses nonsense
+before it loads anything."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from common.cli import main as flare_main
 from common.ranks import engine_commands
 from engine.main import parse_args
+from frontend.main import parse_args as frontend_args
 
 
 def test_capacity_flags_reach_every_rank(monkeypatch: pytest.MonkeyPatch, core_dir: Path) -> None:
@@ -26,6 +28,19 @@ def test_capacity_flags_reach_every_rank(monkeypatch: pytest.MonkeyPatch, core_d
                      "--eager"):
             assert flag in command
         parse_args(command[1:])  # the engine accepts what it is given
+
+
+def test_frontend_flags_reach_every_frontend(monkeypatch: pytest.MonkeyPatch, core_dir: Path) -> None:
+    def spawn(args: list[str], *_: object) -> None:
+        if args[0] == "frontend.main":
+            sys.exit(args[1:])  # the engines' commands are not started either: this runs nothing
+
+    monkeypatch.setattr("common.supervisor.spawn", spawn)
+    with pytest.raises(SystemExit) as frontend:
+        flare_main(["run", str(core_dir), "--allowed-origins", "http://app.example,http://other.example",
+                    "--body-timeout", "5"])
+    given = frontend_args(frontend.value.code)
+    assert given.allowed_origins == "http://app.example,http://other.example" and given.body_timeout == 5
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -49,6 +49,17 @@ def test_a_spec_that_does_not_compile_fails_its_future_only(compiler) -> None:
         compiler.compile(GrammarSpec("no-such-format", "x"))
 
 
+@pytest.mark.parametrize("spec,bound", [
+    (GrammarSpec("regex", "(a{1000}){1000}"), "over the limit of 10000"),
+    (GrammarSpec("lark", "\n".join(["start: r0", *(f'r{i}: "a" r{i + 1}' for i in range(3000)), 'r3000: "b"'])),
+     "3002 rules"),
+])
+def test_a_spec_past_the_bounds_is_refused_before_llguidance_sees_it(compiler, spec: GrammarSpec, bound: str) -> None:
+    # The chained rules would overflow llguidance's stack and kill the engine; the repetition costs seconds a mask.
+    with pytest.raises(GrammarError, match=bound):
+        compiler.compile(spec)
+
+
 def test_packed_masks_keep_exactly_the_allowed_tokens() -> None:
     rng = np.random.default_rng(0)
     vocab = 100
