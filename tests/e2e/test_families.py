@@ -83,19 +83,24 @@ def build_checkpoint(family: str, root: Path, families: dict = FAMILIES) -> Path
     return hf_dir
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(family, a server of the exported core, transformers' model of the same checkpoint)."""
-    root = tmp_path_factory.mktemp(request.param)
-    hf_dir = build_checkpoint(request.param, root)
+def served_checkpoint(family: str, root: Path, families: dict = FAMILIES) -> tuple[Server, torch.nn.Module]:
+    """A server of the family's tiny checkpoint as `ignition export` makes its core, and transformers' model of the
+    same checkpoint."""
+    hf_dir = build_checkpoint(family, root, families)
     core = root / "core"
     assert ignition(["export", str(hf_dir), str(core)]) == 0
     manifest = load_manifest(core)
-    assert manifest.architecture == request.param
+    assert manifest.architecture == family
     write_manifest(core, msgspec.structs.replace(manifest, capacities=CAPACITIES))
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     reference.generation_config.eos_token_id = None  # like ignore_eos: always NEW_TOKENS tokens
-    server = Server(core)
+    return Server(core), reference
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(family, a server of the exported core, transformers' model of the same checkpoint)."""
+    server, reference = served_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     yield request.param, server, reference
     server.stop()
 

@@ -11,15 +11,11 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import msgspec
 import openai
 import pytest
-import transformers
 
-from common.manifest import load_manifest, write_manifest
-from ignition.main import main as ignition
-from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, NEW_TOKENS, build_checkpoint, chat, hf_generate,
-                                     ids_of, text)
+from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, NEW_TOKENS, chat, hf_generate, ids_of,
+                                     served_checkpoint, text)
 from tests.e2e.test_metrics import wait_for
 from tests.support.servers import Server
 
@@ -39,16 +35,7 @@ HYBRIDS = {
 @pytest.fixture(scope="module", params=list(HYBRIDS))
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(family, a server of the exported core, transformers' model of the same checkpoint)."""
-    root = tmp_path_factory.mktemp(request.param)
-    hf_dir = build_checkpoint(request.param, root, HYBRIDS)
-    core = root / "core"
-    assert ignition(["export", str(hf_dir), str(core)]) == 0
-    manifest = load_manifest(core)
-    assert manifest.architecture == request.param
-    write_manifest(core, msgspec.structs.replace(manifest, capacities=CAPACITIES))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
-    reference.generation_config.eos_token_id = None  # like ignore_eos: always NEW_TOKENS tokens
-    server = Server(core)
+    server, reference = served_checkpoint(request.param, tmp_path_factory.mktemp(request.param), HYBRIDS)
     yield request.param, server, reference
     server.stop()
     # Speculative decoding (ngram by default on the CPU) stays off, and `flare run`'s log says why.
