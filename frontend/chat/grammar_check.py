@@ -17,6 +17,9 @@ from common.constraint_limits import LLGUIDANCE_LIMITS
 
 WORKERS = 2
 TIMEOUT = 30.0  # seconds for one validation; a bounded grammar needs milliseconds
+# Address space a worker may map (it starts at about 30 MB). A grammar within the bounds that llguidance still
+# expands past this fails its allocation and kills the worker, rather than the host killing whatever it chooses.
+WORKER_MEMORY = 1 << 30
 
 
 class ValidatorCrashed(Exception):
@@ -34,6 +37,13 @@ def validate(kind: str, text: str) -> tuple[bool, list[str]]:
         return True, [str(exc)]
 
 
+def bound_memory() -> None:
+    """A worker's initializer: cap its address space at WORKER_MEMORY."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (WORKER_MEMORY, WORKER_MEMORY))
+
+
 class IsolatedValidator:
     """A small process pool for `validate`, started again when a worker dies."""
 
@@ -46,7 +56,8 @@ class IsolatedValidator:
         with self._lock:
             if self._pool is None:
                 # spawn: a fork of a process with threads and ZeroMQ sockets would copy their locks mid-use.
-                self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"))
+                self._pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"),
+                                                 initializer=bound_memory)
             return self._pool
 
     def _discard(self, pool: ProcessPoolExecutor) -> None:
