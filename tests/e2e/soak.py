@@ -1,6 +1,6 @@
 """Soak: drive a real `flare run` with mixed traffic for a while, then check that nothing leaked or went missing.
 
-    python -m tests.e2e.soak --core DIR [--minutes 10] [--replicas 2] [--frontends 2]
+    python -m tests.e2e.soak --core DIR [--minutes 10] [--replicas 2] [--frontends 2] [--attack]
 
 Traffic, from several client threads at once: chat and completions (streamed and not), streams the client cuts after
 a few chunks, requests cancelled by a short client timeout, long prompts (half the context), and every minute an
@@ -11,12 +11,16 @@ Checks at the end (each printed; exit status 1 if any fails):
 - no 5xx outside the bursts;
 - the engines' counters add up to what the clients saw: admissions = completions + cancellations + failures, and
   completions >= the requests clients saw finish (a cut stream may still finish in the engine before its abort lands).
+With --attack, an attacker runs beside the honest clients (tests/e2e/attacker.py) and the checks add: no 5xx to the
+attacker, and honest requests finished during every attack kind's windows; a table compares the honest clients'
+latency during each kind with the quiet windows between them.
 Not part of CI (it takes minutes); needs psutil (installed with the ignition extra's accelerate).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import sys
@@ -29,11 +33,13 @@ import httpx
 import openai
 import psutil
 
+from tests.e2e.attacker import BODY_LIMIT, BODY_TIMEOUT, Attacker, report
 from tests.support.servers import Server
 
 WARMUP_SECONDS = 60.0
 BURST_EVERY = 60.0
 BURST_SIZE = 96
+API_KEY = "soak-key"
 
 
 class Tally:
@@ -41,6 +47,8 @@ class Tally:
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.in_burst = threading.Event()
+        self.timings: list[tuple[float, float, str]] = []  # start, end, outcome of every honest request
+        self.bursts: list[tuple[float, float]] = []
 
     def add(self, key: str) -> None:
         with self.lock:
@@ -58,7 +66,15 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def one_request(client: openai.OpenAI, model: str, kind: str, tally: Tally, long_prompt: str) -> None:
-    """One client request of the given kind; its outcome goes to the tally."""
+    """One client request of the given kind; its outcome and timing go to the tally."""
+    start = time.monotonic()
+    outcome = attempt(client, model, kind, tally, long_prompt)
+    tally.add(outcome)
+    with tally.lock:
+        tally.timings.append((start, time.monotonic(), outcome))
+
+
+def attempt(client: openai.OpenAI, model: str, kind: str, tally: Tally, long_prompt: str) -> str:
     try:
         if kind == "chat":
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a fact."}],
@@ -72,25 +88,23 @@ def one_request(client: openai.OpenAI, model: str, kind: str, tally: Tally, long
             for i, _ in enumerate(stream):
                 if i == 3:
                     stream.close()
-                    tally.add("cut by the client")
-                    return
+                    return "cut by the client"
         elif kind == "cancelled":
             client.with_options(timeout=0.3).completions.create(model=model, prompt="Write an essay.",
                                                                 max_tokens=300)
         elif kind == "long":
             client.completions.create(model=model, prompt=long_prompt, max_tokens=4)
-        tally.add(f"{kind}: finished")
+        return f"{kind}: finished"
     except openai.APITimeoutError:
-        tally.add(f"{kind}: timed out")
+        return f"{kind}: timed out"
     except openai.APIStatusError as exc:
-        burst = tally.in_burst.is_set()
-        tally.add(f"{exc.status_code}{' in burst' if burst else ''}")
+        return f"{exc.status_code}{' in burst' if tally.in_burst.is_set() else ''}"
     except openai.APIConnectionError:
-        tally.add("connection error")
+        return "connection error"
 
 
 def client_loop(base_url: str, model: str, until: float, tally: Tally, long_prompt: str, seed: int) -> None:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     rng = random.Random(seed)
     kinds = ["chat"] * 4 + ["completion-stream"] * 3 + ["cut-stream", "cancelled", "long"]
     while time.monotonic() < until:
@@ -98,10 +112,11 @@ def client_loop(base_url: str, model: str, until: float, tally: Tally, long_prom
 
 
 def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     while time.monotonic() + BURST_EVERY < until:
         time.sleep(BURST_EVERY)
         tally.in_burst.set()
+        start = time.monotonic()
         threads = [threading.Thread(target=one_request, args=(client, model, "chat", tally, ""))
                    for _ in range(BURST_SIZE)]
         for thread in threads:
@@ -110,6 +125,7 @@ def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
             thread.join()
         time.sleep(2.0)  # responses of the burst still draining count as the burst's
         tally.in_burst.clear()
+        tally.bursts.append((start, time.monotonic()))
 
 
 def rss(server: Server) -> dict[int, int]:
@@ -125,10 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--frontends", type=int, default=2)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--attack", action="store_true", help="run the attacker beside the clients")
     args = parser.parse_args(argv)
-    server = Server(args.core, "--replicas", str(args.replicas), "--frontends", str(args.frontends))
+    attack_flags = ["--body-limit", str(BODY_LIMIT), "--body-timeout", str(BODY_TIMEOUT)] if args.attack else []
+    server = Server(args.core, "--replicas", str(args.replicas), "--frontends", str(args.frontends), *attack_flags,
+                    env={**os.environ, "FLARE_API_KEY": API_KEY})
+    attacker = None
     try:
-        model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+        model = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+                          ).json()["data"][0]["id"]
         time.sleep(1.0)
         start = scrape(server.base_url)
         total_pages = start["flare_engine_free_pages"] + start["flare_engine_cached_pages"]
@@ -138,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         threads = [threading.Thread(target=client_loop, args=(server.base_url, model, until, tally, long_prompt, i))
                    for i in range(args.clients)]
         threads.append(threading.Thread(target=burst_loop, args=(server.base_url, model, until, tally)))
+        if args.attack:
+            attacker = Attacker(server.base_url, server.engine_address, args.core, API_KEY, model)
+            threads.append(threading.Thread(target=attacker.run, args=(until,)))
         for thread in threads:
             thread.start()
         time.sleep(min(WARMUP_SECONDS, args.minutes * 30))
@@ -166,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         f"admissions {admitted:.0f} = completions + cancellations + failures {ended:.0f}": admitted == ended,
         f"completions {completed:.0f} >= requests finished at clients {finished}": completed >= finished,
     }
+    if attacker is not None:
+        table, attack_checks = report(attacker, tally.timings, tally.bursts)
+        checks |= attack_checks
+        print(table)
     print(f"client outcomes: {dict(sorted(tally.counts.items()))}")
     for text, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {text}")
