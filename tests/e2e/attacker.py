@@ -15,6 +15,7 @@ import socket
 import statistics
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -40,8 +41,10 @@ def chained_rules(count: int) -> str:
 
 
 class Attacker:
-    def __init__(self, base_url: str, engine_address: str, core: Path, api_key: str, model: str) -> None:
-        self.base_url, self.engine_address, self.api_key, self.model = base_url, engine_address, api_key, model
+    def __init__(self, base_url: str, engine_addresses: list[str], core: Path, api_key: str, model: str,
+                 paused: threading.Event) -> None:
+        self.base_url, self.engine_addresses, self.api_key, self.model = base_url, engine_addresses, api_key, model
+        self.paused = paused  # set during the soak's overload bursts: attack windows stay out of them
         self.port = urlsplit(base_url).port
         self.context = zmq.Context()
         manifest = load_manifest(core)
@@ -81,6 +84,8 @@ class Attacker:
             for kind, attack in self.kinds.items():
                 if time.monotonic() + ATTACK_SECONDS >= until:
                     break
+                while self.paused.is_set():
+                    time.sleep(0.2)
                 start = time.monotonic()
                 while time.monotonic() < start + ATTACK_SECONDS:
                     try:
@@ -95,27 +100,40 @@ class Attacker:
         self.context.destroy(linger=0)
         self.http.close()
 
-    def zmq_junk(self, frames: list[bytes]) -> str:
-        """Send frames as a raw DEALER peer; the engine should answer nothing and stay up."""
+    def peer(self, address: str) -> zmq.Socket:
         peer = self.context.socket(zmq.DEALER)
         peer.setsockopt(zmq.LINGER, 0)
-        peer.connect(self.engine_address)
-        peer.send_multipart(frames)
-        answered = peer.poll(300)
-        peer.close()
-        return "answered" if answered else "dropped, no reply"
+        peer.connect(address)
+        return peer
+
+    def zmq_junk(self, frames: list[bytes]) -> str:
+        """Send frames to every engine as a raw DEALER peer: each should drop them without a word, then welcome the
+        same peer's Hello (which proves the junk reached a live engine)."""
+        answers = []
+        for address in self.engine_addresses:
+            peer = self.peer(address)
+            peer.send_multipart(frames)
+            answered = peer.poll(300)
+            name = f"attacker-{uuid.uuid4().hex[:8]}"
+            peer.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, name)))
+            welcomed = peer.poll(10_000) and isinstance(wire.decode_engine_message(peer.recv()), wire.Welcome)
+            peer.send(wire.encode(wire.Goodbye(name)))
+            peer.close()
+            answers.append(f"{'answered' if answered else 'dropped'}, {'Welcome' if welcomed else 'NO Welcome'} "
+                           "to the next Hello")
+        return ",".join(sorted(set(answers)))
 
     def zmq_oversized(self) -> str:
-        peer = self.context.socket(zmq.DEALER)
-        peer.setsockopt(zmq.LINGER, 0)
-        monitor = peer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        peer.connect(self.engine_address)
-        peer.send(bytes(self.frame_limit + 1))
-        cut = monitor.poll(5000)
-        peer.disable_monitor()
-        monitor.close()
-        peer.close()
-        return "peer disconnected" if cut else "peer kept"
+        answers = []
+        for address in self.engine_addresses:
+            peer = self.peer(address)
+            monitor = peer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            peer.send(bytes(self.frame_limit + 1))
+            answers.append("peer cut off" if monitor.poll(10_000) else "peer kept")
+            peer.disable_monitor()
+            monitor.close()
+            peer.close()
+        return ",".join(sorted(set(answers)))
 
     def post(self, body: str | bytes, headers: dict[str, str] | None = None) -> str:
         response = self.http.post("/v1/chat/completions", content=body,

@@ -33,6 +33,7 @@ import httpx
 import openai
 import psutil
 
+from common.supervisor import replica_address
 from tests.e2e.attacker import BODY_LIMIT, BODY_TIMEOUT, Attacker, report
 from tests.support.servers import Server
 
@@ -128,9 +129,11 @@ def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
         tally.bursts.append((start, time.monotonic()))
 
 
-def rss(server: Server) -> dict[int, int]:
+def rss(server: Server) -> dict[str, int]:
+    """RSS by process, each named by its command line's module and pid."""
     parent = psutil.Process(server.process.pid)
-    return {child.pid: child.memory_info().rss for child in parent.children(recursive=True)}
+    return {f"{' '.join(child.cmdline()[1:3])} ({child.pid})": child.memory_info().rss
+            for child in parent.children(recursive=True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                    for i in range(args.clients)]
         threads.append(threading.Thread(target=burst_loop, args=(server.base_url, model, until, tally)))
         if args.attack:
-            attacker = Attacker(server.base_url, server.engine_address, args.core, API_KEY, model)
+            addresses = [replica_address(server.engine_address, r, args.replicas) for r in range(args.replicas)]
+            attacker = Attacker(server.base_url, addresses, args.core, API_KEY, model, tally.in_burst)
             threads.append(threading.Thread(target=attacker.run, args=(until,)))
         for thread in threads:
             thread.start()
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         end, final = scrape(server.base_url), rss(server)
     finally:
         server.stop()
-    growth = {pid: final[pid] / warm[pid] - 1 for pid in warm if pid in final}
+    growth = {name: final[name] / warm[name] - 1 for name in warm if name in final}
+    largest = max(growth, key=growth.get)
     server_errors = {k: v for k, v in tally.counts.items() if k.startswith("5") and "burst" not in k}
     settled = sum(end[f"flare_engine_{name}"] for name in ("live_requests", "pending_requests", "retiring_pages"))
     admitted = end["flare_engine_admissions_total"] - start["flare_engine_admissions_total"]
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     completed = end["flare_engine_completions_total"] - start["flare_engine_completions_total"]
     finished = sum(v for k, v in tally.counts.items() if k.endswith(": finished"))
     checks = {
-        f"RSS growth after warm-up < 5% (max {max(growth.values()):.1%} over {len(growth)} processes)":
+        f"RSS growth after warm-up < 5% (max {growth[largest]:.1%}, {largest} "
+        f"{warm[largest] >> 20} -> {final[largest] >> 20} MiB, over {len(growth)} processes)":
             max(growth.values()) < 0.05,
         f"slots and pages back (live+pending+retiring {settled:.0f}; pages "
         f"{end['flare_engine_free_pages'] + end['flare_engine_cached_pages']:.0f} of {total_pages:.0f})":
