@@ -56,8 +56,13 @@ class Tally:
             self.counts[key] += 1
 
 
-def scrape(base_url: str) -> dict[str, float]:
+def scrape(base_url: str, replicas: int) -> dict[str, float]:
+    """The /metrics totals, once every replica's telemetry has reached the frontend (a replica not heard from yet
+    would be missing from the sums)."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    while replicas > 1 and text.count("flare_engine_free_pages{") < replicas:
+        time.sleep(0.5)
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
     totals: Counter[str] = Counter()
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -153,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
                           ).json()["data"][0]["id"]
-        time.sleep(1.0)
-        start = scrape(server.base_url)
+        start = scrape(server.base_url, args.replicas)
         total_pages = start["flare_engine_free_pages"] + start["flare_engine_cached_pages"]
         long_prompt = "lorem ipsum " * 700
         tally = Tally()
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         for thread in threads:
             thread.join()
         time.sleep(3.0)  # aborts and retiring pages settle; the next telemetry snapshot lands
-        end, final = scrape(server.base_url), rss(server)
+        end, final = scrape(server.base_url, args.replicas), rss(server)
     finally:
         server.stop()
     growth = {name: final[name] / warm[name] - 1 for name in warm if name in final}
