@@ -135,10 +135,14 @@ def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
 
 
 def rss(server: Server) -> dict[str, int]:
-    """RSS by process, each named by its command line's module and pid."""
-    parent = psutil.Process(server.process.pid)
-    return {f"{' '.join(child.cmdline()[1:3])} ({child.pid})": child.memory_info().rss
-            for child in parent.children(recursive=True)}
+    """RSS by process, each named by its command line's module and pid (workers replaced meanwhile are left out)."""
+    sizes = {}
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            sizes[f"{' '.join(child.cmdline()[1:3])} ({child.pid})"] = child.memory_info().rss
+        except psutil.Error:  # exited, or exited and not yet reaped
+            pass
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
