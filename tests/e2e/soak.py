@@ -1,6 +1,6 @@
 """Soak: drive a real `flare run` with mixed traffic for a while, then check that nothing leaked or went missing.
 
-    python -m tests.e2e.soak --core DIR [--minutes 10] [--replicas 2] [--frontends 2]
+    python -m tests.e2e.soak --core DIR [--minutes 10] [--replicas 2] [--frontends 2] [--attack]
 
 Traffic, from several client threads at once: chat and completions (streamed and not), streams the client cuts after
 a few chunks, requests cancelled by a short client timeout, long prompts (half the context), and every minute an
@@ -11,12 +11,16 @@ Checks at the end (each printed; exit status 1 if any fails):
 - no 5xx outside the bursts;
 - the engines' counters add up to what the clients saw: admissions = completions + cancellations + failures, and
   completions >= the requests clients saw finish (a cut stream may still finish in the engine before its abort lands).
+With --attack, an attacker runs beside the honest clients (tests/e2e/attacker.py) and the checks add: no 5xx to the
+attacker, and honest requests finished during every attack kind's windows; a table compares the honest clients'
+latency during each kind with the quiet windows between them.
 Not part of CI (it takes minutes); needs psutil (installed with the ignition extra's accelerate).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import sys
@@ -29,11 +33,14 @@ import httpx
 import openai
 import psutil
 
+from common.supervisor import replica_address
+from tests.e2e.attacker import BODY_LIMIT, BODY_TIMEOUT, Attacker, report
 from tests.support.servers import Server
 
 WARMUP_SECONDS = 60.0
 BURST_EVERY = 60.0
 BURST_SIZE = 96
+API_KEY = "soak-key"
 
 
 class Tally:
@@ -41,14 +48,21 @@ class Tally:
         self.lock = threading.Lock()
         self.counts: Counter[str] = Counter()
         self.in_burst = threading.Event()
+        self.timings: list[tuple[float, float, str]] = []  # start, end, outcome of every honest request
+        self.bursts: list[tuple[float, float]] = []
 
     def add(self, key: str) -> None:
         with self.lock:
             self.counts[key] += 1
 
 
-def scrape(base_url: str) -> dict[str, float]:
+def scrape(base_url: str, replicas: int) -> dict[str, float]:
+    """The /metrics totals, once every replica's telemetry has reached the frontend (a replica not heard from yet
+    would be missing from the sums)."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    while replicas > 1 and text.count("flare_engine_free_pages{") < replicas:
+        time.sleep(0.5)
+        text = httpx.get(f"{base_url}/metrics", timeout=10).text
     totals: Counter[str] = Counter()
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -58,7 +72,15 @@ def scrape(base_url: str) -> dict[str, float]:
 
 
 def one_request(client: openai.OpenAI, model: str, kind: str, tally: Tally, long_prompt: str) -> None:
-    """One client request of the given kind; its outcome goes to the tally."""
+    """One client request of the given kind; its outcome and timing go to the tally."""
+    start = time.monotonic()
+    outcome = attempt(client, model, kind, tally, long_prompt)
+    tally.add(outcome)
+    with tally.lock:
+        tally.timings.append((start, time.monotonic(), outcome))
+
+
+def attempt(client: openai.OpenAI, model: str, kind: str, tally: Tally, long_prompt: str) -> str:
     try:
         if kind == "chat":
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell me a fact."}],
@@ -72,25 +94,23 @@ def one_request(client: openai.OpenAI, model: str, kind: str, tally: Tally, long
             for i, _ in enumerate(stream):
                 if i == 3:
                     stream.close()
-                    tally.add("cut by the client")
-                    return
+                    return "cut by the client"
         elif kind == "cancelled":
             client.with_options(timeout=0.3).completions.create(model=model, prompt="Write an essay.",
                                                                 max_tokens=300)
         elif kind == "long":
             client.completions.create(model=model, prompt=long_prompt, max_tokens=4)
-        tally.add(f"{kind}: finished")
+        return f"{kind}: finished"
     except openai.APITimeoutError:
-        tally.add(f"{kind}: timed out")
+        return f"{kind}: timed out"
     except openai.APIStatusError as exc:
-        burst = tally.in_burst.is_set()
-        tally.add(f"{exc.status_code}{' in burst' if burst else ''}")
+        return f"{exc.status_code}{' in burst' if tally.in_burst.is_set() else ''}"
     except openai.APIConnectionError:
-        tally.add("connection error")
+        return "connection error"
 
 
 def client_loop(base_url: str, model: str, until: float, tally: Tally, long_prompt: str, seed: int) -> None:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
     rng = random.Random(seed)
     kinds = ["chat"] * 4 + ["completion-stream"] * 3 + ["cut-stream", "cancelled", "long"]
     while time.monotonic() < until:
@@ -98,10 +118,11 @@ def client_loop(base_url: str, model: str, until: float, tally: Tally, long_prom
 
 
 def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
-    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=300)
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     while time.monotonic() + BURST_EVERY < until:
         time.sleep(BURST_EVERY)
         tally.in_burst.set()
+        start = time.monotonic()
         threads = [threading.Thread(target=one_request, args=(client, model, "chat", tally, ""))
                    for _ in range(BURST_SIZE)]
         for thread in threads:
@@ -110,11 +131,18 @@ def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
             thread.join()
         time.sleep(2.0)  # responses of the burst still draining count as the burst's
         tally.in_burst.clear()
+        tally.bursts.append((start, time.monotonic()))
 
 
-def rss(server: Server) -> dict[int, int]:
-    parent = psutil.Process(server.process.pid)
-    return {child.pid: child.memory_info().rss for child in parent.children(recursive=True)}
+def rss(server: Server) -> dict[str, int]:
+    """RSS by process, each named by its command line's module and pid (workers replaced meanwhile are left out)."""
+    sizes = {}
+    for child in psutil.Process(server.process.pid).children(recursive=True):
+        try:
+            sizes[f"{' '.join(child.cmdline()[1:3])} ({child.pid})"] = child.memory_info().rss
+        except psutil.Error:  # exited, or exited and not yet reaped
+            pass
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--frontends", type=int, default=2)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--attack", action="store_true", help="run the attacker beside the clients")
     args = parser.parse_args(argv)
-    server = Server(args.core, "--replicas", str(args.replicas), "--frontends", str(args.frontends))
+    attack_flags = ["--body-limit", str(BODY_LIMIT), "--body-timeout", str(BODY_TIMEOUT)] if args.attack else []
+    server = Server(args.core, "--replicas", str(args.replicas), "--frontends", str(args.frontends), *attack_flags,
+                    env={**os.environ, "FLARE_API_KEY": API_KEY})
+    attacker = None
     try:
-        model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
-        time.sleep(1.0)
-        start = scrape(server.base_url)
+        model = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}
+                          ).json()["data"][0]["id"]
+        start = scrape(server.base_url, args.replicas)
         total_pages = start["flare_engine_free_pages"] + start["flare_engine_cached_pages"]
         long_prompt = "lorem ipsum " * 700
         tally = Tally()
@@ -138,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         threads = [threading.Thread(target=client_loop, args=(server.base_url, model, until, tally, long_prompt, i))
                    for i in range(args.clients)]
         threads.append(threading.Thread(target=burst_loop, args=(server.base_url, model, until, tally)))
+        if args.attack:
+            addresses = [replica_address(server.engine_address, r, args.replicas) for r in range(args.replicas)]
+            attacker = Attacker(server.base_url, addresses, args.core, API_KEY, model, tally.in_burst)
+            threads.append(threading.Thread(target=attacker.run, args=(until,)))
         for thread in threads:
             thread.start()
         time.sleep(min(WARMUP_SECONDS, args.minutes * 30))
@@ -145,10 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         for thread in threads:
             thread.join()
         time.sleep(3.0)  # aborts and retiring pages settle; the next telemetry snapshot lands
-        end, final = scrape(server.base_url), rss(server)
+        end, final = scrape(server.base_url, args.replicas), rss(server)
     finally:
         server.stop()
-    growth = {pid: final[pid] / warm[pid] - 1 for pid in warm if pid in final}
+    growth = {name: final[name] / warm[name] - 1 for name in warm if name in final}
+    largest = max(growth, key=growth.get)
     server_errors = {k: v for k, v in tally.counts.items() if k.startswith("5") and "burst" not in k}
     settled = sum(end[f"flare_engine_{name}"] for name in ("live_requests", "pending_requests", "retiring_pages"))
     admitted = end["flare_engine_admissions_total"] - start["flare_engine_admissions_total"]
@@ -157,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     completed = end["flare_engine_completions_total"] - start["flare_engine_completions_total"]
     finished = sum(v for k, v in tally.counts.items() if k.endswith(": finished"))
     checks = {
-        f"RSS growth after warm-up < 5% (max {max(growth.values()):.1%} over {len(growth)} processes)":
+        f"RSS growth after warm-up < 5% (max {growth[largest]:.1%}, {largest} "
+        f"{warm[largest] >> 20} -> {final[largest] >> 20} MiB, over {len(growth)} processes)":
             max(growth.values()) < 0.05,
         f"slots and pages back (live+pending+retiring {settled:.0f}; pages "
         f"{end['flare_engine_free_pages'] + end['flare_engine_cached_pages']:.0f} of {total_pages:.0f})":
@@ -166,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         f"admissions {admitted:.0f} = completions + cancellations + failures {ended:.0f}": admitted == ended,
         f"completions {completed:.0f} >= requests finished at clients {finished}": completed >= finished,
     }
+    if attacker is not None:
+        table, attack_checks = report(attacker, tally.timings, tally.bursts)
+        checks |= attack_checks
+        print(table)
     print(f"client outcomes: {dict(sorted(tally.counts.items()))}")
     for text, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {text}")

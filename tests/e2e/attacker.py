@@ -1,0 +1,218 @@
+"""An attacker beside the soak (`python -m tests.e2e.soak --attack`; docs/design.md, Trust boundaries): it cycles
+through attack kinds, each for a window of ATTACK_SECONDS followed by QUIET_SECONDS of quiet, and records per kind
+what it sent, what came back, and the windows, so that the soak can tell how honest clients fared during each.
+
+The kinds: malformed ZeroMQ frames on the engine's own socket (two frames, one frame of the wrong message type,
+undecodable bytes, a frame over the link's bound), a body over --body-limit, a prompt of many MiB, bodies trickled a
+byte at a time, grammars past their bounds (chained rules, counted repetition, a 5,000-branch anyOf), a flood of stop
+strings, an Authorization header that is not UTF-8, and cross-origin text/plain POSTs a web page could send.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import zmq
+
+from common import protocol as wire
+from common.links import frame_limit
+from common.manifest import load_manifest
+
+ATTACK_SECONDS = 5.0
+QUIET_SECONDS = 3.0
+BODY_LIMIT = 8 << 20  # the soak's server runs with this --body-limit under --attack
+BODY_TIMEOUT = 5.0  # and this --body-timeout
+TRICKLERS = 4
+HELLO = [{"role": "user", "content": "Hi"}]
+
+
+def chained_rules(count: int) -> str:
+    return "\n".join(["start: r0", *(f'r{i}: "a" r{i + 1}' for i in range(count)), f'r{count}: "b"'])
+
+
+class Attacker:
+    def __init__(self, base_url: str, engine_addresses: list[str], core: Path, api_key: str, model: str,
+                 paused: threading.Event) -> None:
+        self.base_url, self.engine_addresses, self.api_key, self.model = base_url, engine_addresses, api_key, model
+        self.paused = paused  # set during the soak's overload bursts: attack windows stay out of them
+        self.port = urlsplit(base_url).port
+        self.context = zmq.Context()
+        manifest = load_manifest(core)
+        self.frame_limit = frame_limit(manifest.context_limit, manifest.vision)
+        self.http = httpx.Client(base_url=base_url, timeout=120, headers={"Authorization": f"Bearer {api_key}"})
+        chat = {"model": model, "messages": HELLO, "max_tokens": 4}
+        posts = {
+            "body over --body-limit (8 MiB + 1)": b"{" + b" " * BODY_LIMIT + b"}",
+            "prompt of 6 MiB of characters": json.dumps({**chat, "messages": [{"role": "user",
+                                                                               "content": "a " * (3 << 20)}]}),
+            "grammar of 3,000 chained rules": json.dumps({**chat, "structured_outputs": {
+                "grammar": chained_rules(3000)}}),
+            "regex (a{1000}){1000}": json.dumps({**chat, "structured_outputs": {"regex": "(a{1000}){1000}"}}),
+            "JSON schema, anyOf of 5,000 branches": json.dumps({**chat, "structured_outputs": {
+                "json": {"anyOf": [{"const": i} for i in range(5000)]}}}),
+            "500,000 stop strings": json.dumps({**chat, "stop": [f"s{i}" for i in range(500_000)]}),
+        }
+        self.kinds: dict[str, Callable[[], str]] = {
+            **{kind: (lambda body=body: self.post(body)) for kind, body in posts.items()},
+            "trickled bodies (4 at once)": self.trickle,
+            "non-UTF-8 Authorization": self.bad_authorization,
+            "cross-origin text/plain POST": lambda: self.post(json.dumps(chat), {
+                "Origin": "http://attacker.example", "Content-Type": "text/plain"}),
+            "zmq: two frames": lambda: self.zmq_junk([b"first", wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "x"))]),
+            "zmq: one frame, wrong message type": lambda: self.zmq_junk([wire.encode(
+                wire.Welcome("engine-x", wire.ModelCard(["m"], "c", "a", 1, [0]), 1, 1, 1.0))]),
+            "zmq: undecodable bytes": lambda: self.zmq_junk([b"\xc1 this is not MessagePack"]),
+            "zmq: frame over the link's bound": self.zmq_oversized,
+        }
+        self.sent: Counter[str] = Counter()
+        self.responses: dict[str, Counter[str]] = {kind: Counter() for kind in self.kinds}
+        self.windows: list[tuple[str, float, float]] = []
+        self.lock = threading.Lock()
+
+    def run(self, until: float) -> None:
+        while time.monotonic() + ATTACK_SECONDS < until:
+            for kind, attack in self.kinds.items():
+                if time.monotonic() + ATTACK_SECONDS >= until:
+                    break
+                while self.paused.is_set():
+                    time.sleep(0.2)
+                start = time.monotonic()
+                while time.monotonic() < start + ATTACK_SECONDS:
+                    try:
+                        response = attack()
+                    except (httpx.HTTPError, OSError) as exc:
+                        response = f"client error {type(exc).__name__}"
+                    with self.lock:
+                        self.sent[kind] += 1 if kind != "trickled bodies (4 at once)" else TRICKLERS
+                        self.responses[kind][response] += 1
+                self.windows.append((kind, start, time.monotonic()))
+                time.sleep(QUIET_SECONDS)
+        self.context.destroy(linger=0)
+        self.http.close()
+
+    def peer(self, address: str) -> zmq.Socket:
+        peer = self.context.socket(zmq.DEALER)
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(address)
+        return peer
+
+    def zmq_junk(self, frames: list[bytes]) -> str:
+        """Send frames to every engine as a raw DEALER peer: each should drop them without a word, then welcome the
+        same peer's Hello (which proves the junk reached a live engine)."""
+        answers = []
+        for address in self.engine_addresses:
+            peer = self.peer(address)
+            peer.send_multipart(frames)
+            answered = peer.poll(300)
+            name = f"attacker-{uuid.uuid4().hex[:8]}"
+            peer.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, name)))
+            welcomed = peer.poll(10_000) and isinstance(wire.decode_engine_message(peer.recv()), wire.Welcome)
+            peer.send(wire.encode(wire.Goodbye(name)))
+            peer.close()
+            answers.append(f"{'answered' if answered else 'dropped'}, {'Welcome' if welcomed else 'NO Welcome'} "
+                           "to the next Hello")
+        return ",".join(sorted(set(answers)))
+
+    def zmq_oversized(self) -> str:
+        answers = []
+        for address in self.engine_addresses:
+            peer = self.peer(address)
+            monitor = peer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            peer.send(bytes(self.frame_limit + 1))
+            answers.append("peer cut off" if monitor.poll(10_000) else "peer kept")
+            peer.disable_monitor()
+            monitor.close()
+            peer.close()
+        return ",".join(sorted(set(answers)))
+
+    def post(self, body: str | bytes, headers: dict[str, str] | None = None) -> str:
+        response = self.http.post("/v1/chat/completions", content=body,
+                                  headers=headers or {"Content-Type": "application/json"})
+        return str(response.status_code)
+
+    def raw(self, sock: socket.socket) -> str:
+        return sock.recv(65536).split(b" ", 2)[1].decode() or "closed"
+
+    def trickle(self) -> str:
+        """Bodies announced at 1 MiB that arrive a byte every half second: each should end in a 408."""
+        socks = [socket.create_connection(("127.0.0.1", self.port), timeout=60) for _ in range(TRICKLERS)]
+        for sock in socks:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nAuthorization: Bearer " + self.api_key.encode() + b"\r\nContent-Length: 1048576"
+                         b"\r\n\r\n{")
+            sock.setblocking(False)
+        deadline = time.monotonic() + BODY_TIMEOUT * 3
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                for sock in socks:
+                    sock.send(b" ")
+            except OSError:  # the server answered and closed
+                break
+        answers = []
+        for sock in socks:
+            sock.setblocking(True)
+            answers.append(self.raw(sock))
+            sock.close()
+        return ",".join(sorted(set(answers)))
+
+    def bad_authorization(self) -> str:
+        body = json.dumps({"model": self.model, "messages": HELLO, "max_tokens": 2}).encode()
+        with socket.create_connection(("127.0.0.1", self.port), timeout=60) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nAuthorization: Bearer \xff\xfe" + self.api_key.encode() + b"\r\nConnection: close"
+                         b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            return self.raw(sock)
+
+
+def overlaps(start: float, end: float, windows: list[tuple[float, float]]) -> bool:
+    return any(start < w_end and w_start < end for w_start, w_end in windows)
+
+
+def latency(timings: list[tuple[float, float, str]]) -> str:
+    """Median / p99 in ms of the honest requests that finished, and how many."""
+    times = sorted(1000 * (end - start) for start, end, outcome in timings if outcome.endswith(": finished"))
+    if not times:
+        return "no finished requests"
+    p99 = times[min(len(times) - 1, int(0.99 * len(times)))]
+    return f"{statistics.median(times):.0f} / {p99:.0f} (n={len(times)})"
+
+
+def report(attacker: Attacker, timings: list[tuple[float, float, str]],
+           bursts: list[tuple[float, float]]) -> tuple[str, dict[str, bool]]:
+    """The Markdown table of the attack kinds against the honest requests, and the checks: no 5xx to the attacker,
+    honest requests finished during every kind, none failed with a 5xx outside the bursts or a dropped connection.
+    Latencies count the honest requests sent once the server finished its first (the first ones wait for the
+    engine's first steps), outside the overload bursts."""
+    first = min(end for _, end, _ in timings)
+    honest = [t for t in timings if t[0] >= first and not overlaps(t[0], t[1], bursts)]
+    attacked = [(start, end) for _, start, end in attacker.windows]
+    baseline = latency([t for t in honest if not overlaps(t[0], t[1], attacked)])
+    rows = ["| attack | sent: responses | server still serving (honest finished / failed) | honest latency during it, "
+            "median / p99 ms | baseline (quiet windows), median / p99 ms |", "|---|---|---|---|---|"]
+    server_errors, starved = {}, []
+    for kind, counts in attacker.responses.items():
+        windows = [(start, end) for k, start, end in attacker.windows if k == kind]
+        during = [t for t in timings if overlaps(t[0], t[1], windows)]
+        finished = sum(outcome.endswith(": finished") for _, _, outcome in during)
+        failed = sum(outcome.startswith("5") and "burst" not in outcome or outcome == "connection error"
+                     for _, _, outcome in during)
+        server_errors |= {f"{kind}: {r}": n for r, n in counts.items() if r.startswith("5") or r.startswith("client")}
+        if windows and (finished == 0 or failed):
+            starved.append(kind)
+        responses = ", ".join(f"{r} ×{n}" for r, n in counts.most_common())
+        serving = f"{'yes' if finished and not failed else 'NO'} ({finished} / {failed})" if windows else "not run"
+        rows.append(f"| {kind} | {attacker.sent[kind]}: {responses} | {serving} | {latency([t for t in honest if t in during])} | {baseline} |")
+    checks = {f"no 5xx or dropped connection for the attacker ({server_errors or 'none'})": not server_errors,
+              f"honest requests finished and none failed during every attack kind ({starved or 'all'})": not starved}
+    return "\n".join(rows), checks
