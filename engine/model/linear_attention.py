@@ -27,24 +27,18 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata
 from engine.model.config import DecoderConfig
+from engine.model.norms import RMSNorm
 from engine.parallel import layers as parallel
 from engine.parallel.group import TensorParallel
 
 CHUNK = 64
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(RMSNorm):
     """RMSNorm of each value head's output (weight w, not 1 + w), times SiLU of the gate, in float32."""
 
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normalised = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normalised * F.silu(gate.float())).to(x.dtype)
+        return (self.weight * self.normalise(x).to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
