@@ -178,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             thread.start()
         time.sleep(min(WARMUP_SECONDS, args.minutes * 30))
         warm = rss(server)
+        trace = [warm]  # a sample a minute: whether growth levels off, not only how much there was
         for thread in threads:
-            thread.join()
+            while thread.is_alive():
+                thread.join(timeout=60.0)
+                trace.append(rss(server))
         time.sleep(3.0)  # aborts and retiring pages settle; the next telemetry snapshot lands
         end, final = scrape(server.base_url, args.replicas), rss(server)
     finally:
@@ -209,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         checks |= attack_checks
         print(table)
     print(f"client outcomes: {dict(sorted(tally.counts.items()))}")
+    for name in sorted(warm, key=lambda n: -growth.get(n, 0))[:3]:
+        print(f"RSS MiB of {name}, a sample a minute from the warm-up's end: "
+              f"{' '.join(str(sample[name] >> 20) for sample in trace if name in sample)}")
     for text, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {text}")
     return 0 if all(checks.values()) else 1
