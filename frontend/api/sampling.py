@@ -15,10 +15,12 @@ from frontend.model import ServedModel
 
 
 def sampling_params(model: ServedModel, body: dict, prompt_len: int, max_tokens: int | None, *,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """`max_tokens` None means up to the context limit. The core's generation defaults fill what is absent."""
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    context: int | None = None) -> SamplingParams:
+    """`max_tokens` None means up to the context limit: the core's, or a smaller window the request asked for
+    (`context`, Ollama's num_ctx). The core's generation defaults fill what is absent."""
     defaults = model.manifest.generation
-    context = model.manifest.context_limit
+    context = context or model.manifest.context_limit
     vocab = model.tokenizer.get_vocab_size()
     top_k = get_int(body, "top_k", defaults.top_k, -1, TOP_K[1])
     params = SamplingParams(
