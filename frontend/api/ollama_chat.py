@@ -174,6 +174,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if get_str(body, "template"):
         raise InvalidRequest("'template' (a Go template) is not supported: the core's own chat template applies",
                              param="template")
+    if body.get("context"):
+        raise InvalidRequest("'context' (deprecated by Ollama) is not supported: send the conversation to /api/chat",
+                             param="context")
     if not (prompt or system or suffix or images):
         return reply.loaded(unload)
     constraint = await frontend.on_pool(output_format, body)

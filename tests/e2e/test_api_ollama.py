@@ -145,6 +145,7 @@ def test_greedy_chat_equals_openai_chat(fp32_server, fp32_core_dir) -> None:
     ("chat", {"messages": QUESTION, "keep_alive": "soon"}, 400, "keep_alive"),
     ("generate", {"prompt": "def f():", "suffix": "    return x"}, 400, "does not support insert"),
     ("generate", {"prompt": "Hi", "template": "{{ .Prompt }}"}, 400, "template"),
+    ("generate", {"prompt": "Hi", "context": [1, 2, 3]}, 400, "/api/chat"),
     ("generate", {"prompt": "Hi", "images": ["aGVsbG8gd29ybGQgaGVsbG8="]}, 400, "not a PNG, JPEG or WebP"),
     ("generate", {"prompt": "Hi", "images": ["not base64!"]}, 400, "base64"),
 ])
