@@ -68,7 +68,7 @@ class Reply:
     start: int = field(default_factory=time.perf_counter_ns)
     first: int | None = None  # when the first token came: prompt evaluation ends there
 
-    def piece(self, text: str, reasoning: str = "", calls: list[ToolCall] = ()) -> dict:
+    def piece(self, text: str, reasoning: str = "", calls: list[ToolCall] | None = None) -> dict:
         reasoning = reasoning if self.show_thinking else ""
         if self.chat:
             body = {"message": {"role": "assistant", "content": text}}
