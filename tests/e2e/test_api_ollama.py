@@ -136,7 +136,7 @@ def test_greedy_chat_equals_openai_chat(fp32_server, fp32_core_dir) -> None:
 @pytest.mark.parametrize("route, fields, status, phrase", [
     ("chat", {"model": "no-such-model", "messages": QUESTION}, 404, "no-such-model"),
     ("chat", {"messages": QUESTION, "options": {"num_ctx": 1 << 20}}, 400, "num_ctx"),
-    ("chat", {"messages": QUESTION, "options": {"num_ctx": 8}}, 400, "maximum context length is 8 tokens"),
+    ("chat", {"messages": QUESTION, "options": {"num_ctx": 8}}, 400, "requested context window is 8 tokens"),
     ("chat", {"messages": QUESTION, "options": {"temperature": "hot"}}, 400, "temperature"),
     ("chat", {"messages": QUESTION, "think": True}, 400, "does not support thinking"),
     ("chat", {"messages": QUESTION, "format": "yaml"}, 400, "format"),
