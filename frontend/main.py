@@ -16,8 +16,8 @@ from common.api_keys import ApiKeyError, add_api_key_flags, api_key
 from common.errors import CoreError
 from common.links import LinkKeyError, LinkKeys, add_link_flags, frame_limit, load_keys
 from frontend import chat_page
-from frontend.api import (anthropic_messages, decisions, models, ollama, openai_chat, openai_completions,
-                          openai_responses)
+from frontend.api import (anthropic_messages, decisions, models, ollama_chat, ollama_models, openai_chat,
+                          openai_completions, openai_responses, tokenize)
 from frontend.chat.grammar_check import VALIDATOR
 from frontend.decisions.prompts import Decider
 from frontend.images.decode import ImageLimits
@@ -72,7 +72,8 @@ def create_app(frontend: Frontend, body_limit: int) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", serve_metrics)
     chat_page.add_routes(app)
-    for dialect in (models, openai_chat, openai_completions, openai_responses, anthropic_messages, ollama, decisions):
+    for dialect in (models, openai_chat, openai_completions, openai_responses, anthropic_messages, ollama_models,
+                    ollama_chat, tokenize, decisions):
         dialect.add_routes(app)
     return app
 

@@ -89,9 +89,9 @@ class ServedModel:
         opens = self.reasons and reasoning.opens_reasoning(text[ends[-1]:] if ends else text)
         return EncodedChat(tokens.ids, [bisect_right(tokens.ends, offset) for offset in ends], opens)
 
-    def encode_text(self, text: str) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_prompt_chars(len(text), self.manifest.context_limit, "prompt")
-        return self.prefix_tokens.ids(text, add_special_tokens=True)
+        return self.prefix_tokens.ids(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

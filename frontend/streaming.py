@@ -54,8 +54,9 @@ class EventStream:
         return self.response
 
 
-async def open_stream(request: web.Request) -> EventStream:
-    response = _HeldHeadersResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+async def open_stream(request: web.Request, content_type: str = "text/event-stream") -> EventStream:
+    """Server-sent events, or another framing of one event after another (Ollama's newline-delimited JSON)."""
+    response = _HeldHeadersResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache",
                                              "X-Accel-Buffering": "no"})
     await response.prepare(request)
     return EventStream(response)

@@ -11,6 +11,7 @@ from common.errors import NotFound
 from frontend.api.errors import dialect_of
 from frontend.api.json_body import json_response
 from frontend.api.params import get_str
+from frontend.chat.fill_in_middle import fim_tokens
 from frontend.model import ServedModel
 from frontend.server import frontend_of
 
@@ -28,7 +29,8 @@ def requested_model(model: ServedModel, body: dict) -> str:
 
 def capabilities(model: ServedModel) -> list[str]:
     return ["completion", "tools"] + (["chat"] if model.template is not None else []) + \
-        (["thinking"] if model.reasons else []) + (["vision"] if model.manifest.vision is not None else [])
+        (["thinking"] if model.reasons else []) + (["vision"] if model.manifest.vision is not None else []) + \
+        (["insert"] if fim_tokens(model.tokenizer) else [])
 
 
 def openai_card(model: ServedModel) -> dict:

@@ -15,10 +15,13 @@ from frontend.model import ServedModel
 
 
 def sampling_params(model: ServedModel, body: dict, prompt_len: int, max_tokens: int | None, *,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-    """`max_tokens` None means up to the context limit. The core's generation defaults fill what is absent."""
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    context: int | None = None) -> SamplingParams:
+    """`max_tokens` None means up to the context limit: the core's, or a smaller window the request asked for
+    (`context`, Ollama's num_ctx). The core's generation defaults fill what is absent."""
     defaults = model.manifest.generation
-    context = model.manifest.context_limit
+    window = "This model's maximum context length" if context is None else "The requested context window"
+    context = context or model.manifest.context_limit
     vocab = model.tokenizer.get_vocab_size()
     top_k = get_int(body, "top_k", defaults.top_k, -1, TOP_K[1])
     params = SamplingParams(
@@ -42,7 +45,7 @@ def sampling_params(model: ServedModel, body: dict, prompt_len: int, max_tokens:
                              f"({params.max_tokens})", param="min_tokens")
     if prompt_len + params.max_tokens > context:
         raise InvalidRequest(
-            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{window} is {context} tokens. However, you requested "
             f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the messages, {params.max_tokens} in the "
             f"completion). Please reduce the length of the messages or completion.",
             "context_hint: shorten the prompt or lower the maximum output tokens", param="max_tokens")

@@ -44,6 +44,22 @@ def data_url_bytes(url: str, limits: ImageLimits, where: str) -> bytes:
         raise _refuse(where, "the data: URL is not valid base64") from None
 
 
+def base64_data_url(payload: str, where: str) -> str:
+    """A bare base64 image (Ollama's `images`) as a data: URL of the type its first bytes show; its size and the
+    rest of its base64 are checked with the URL (data_url_bytes)."""
+    try:
+        head = base64.b64decode(payload[:16], validate=True)
+    except (binascii.Error, ValueError):
+        raise _refuse(where, "the image is not valid base64") from None
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return f"data:image/png;base64,{payload}"
+    if head.startswith(b"\xff\xd8\xff"):
+        return f"data:image/jpeg;base64,{payload}"
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return f"data:image/webp;base64,{payload}"
+    raise _refuse(where, "the image is not a PNG, JPEG or WebP image")
+
+
 def domain_allowed(host: str, allowed: tuple[str, ...]) -> bool:
     host = host.lower().rstrip(".")
     return any(host == domain or host.endswith("." + domain) for domain in allowed)

@@ -1,13 +1,15 @@
 """Qwen3-VL end to end: a tiny random checkpoint built with transformers' classes and saved with its image processor,
 exported by ignition and served by `flare run`; chats with one to three images (PNG, JPEG with an EXIF rotation,
 WebP, grayscale, RGBA) give transformers' greedy tokens (processor + generate, fp32) through the real openai and
-anthropic clients; a second turn about the same image reuses the cached prefix, a different image does not."""
+anthropic clients, and their greedy text through the real ollama client (bare base64 images); a second turn about the
+same image reuses the cached prefix, a different image does not."""
 
 from __future__ import annotations
 
 import io
 
 import anthropic
+import ollama
 import openai
 import pytest
 import torch
@@ -87,6 +89,18 @@ def test_anthropic_client_gets_transformers_greedy_text(checkpoint, server: Serv
     expected_text = tokenizer.decode([t for t in expected if t not in tokenizer.all_special_ids],
                                      skip_special_tokens=True)
     assert "".join(block.text for block in message.content) == expected_text
+
+
+@pytest.mark.parametrize("chat", sorted(CHATS))
+def test_ollama_client_gets_transformers_greedy_text(checkpoint, server: Server, chat: str) -> None:
+    names, text = CHATS[chat]
+    _, expected = reference(checkpoint, names, text)
+    client = ollama.Client(host=server.base_url)
+    reply = client.chat(model="hf", options={"temperature": 0, "num_predict": MAX_TOKENS}, messages=[
+        {"role": "user", "content": text, "images": [samples()[name][0] for name in names]}])
+    tokenizer = checkpoint[1]
+    assert reply.message.content == tokenizer.decode([t for t in expected if t not in tokenizer.all_special_ids],
+                                                     skip_special_tokens=True)
 
 
 def test_a_second_turn_about_the_same_image_reuses_its_prefix_and_another_image_does_not(checkpoint,

@@ -1,6 +1,6 @@
 """Property-based fuzzing of request bodies against a running frontend (in front of the scripted engine, so valid
 requests finish in milliseconds): whatever arrives, the answer is never a 5xx, an error is the dialect's JSON,
-a stream ends the dialect's way, and the process stays up."""
+a stream ends the dialect's way (Ollama's newline-delimited JSON included), and the process stays up."""
 
 from __future__ import annotations
 
@@ -66,6 +66,15 @@ FIELDS = {
     "messages": either(st.lists(MESSAGE, max_size=3)), "input": either(TEXT, st.lists(MESSAGE, max_size=3)),
     "prompt": either(TEXT, st.lists(TEXT, max_size=2), st.lists(st.integers(-3, 60000), max_size=4)),
     "suffix": either(TEXT), "best_of": either(SMALL), "previous_response_id": either(st.none(), TEXT),
+    "options": either(st.fixed_dictionaries({}, optional={
+        "temperature": either(st.floats(0, 2)), "num_predict": either(st.integers(-3, 48)),
+        "num_ctx": either(st.integers(0, 10 ** 6)), "stop": either(st.lists(TEXT, max_size=2)),
+        "repeat_penalty": either(st.floats(0.5, 2)), "top_k": either(SMALL)})),
+    "format": either(st.sampled_from(["", "json", "yaml"]), st.just({"type": "object"})),
+    "think": either(st.booleans(), st.sampled_from(["low", "high"])), "raw": either(st.booleans()),
+    "images": either(st.lists(st.sampled_from(["", "aGk=", "iVBORw0KGgoAAAAN"]), max_size=2)),
+    "keep_alive": either(st.sampled_from([0, -1, "5m", "0s", "soon"])), "tokens": either(st.lists(SMALL, max_size=4)),
+    "add_special_tokens": either(st.booleans()), "return_token_strs": either(st.booleans()),
 }
 HELLO = [{"role": "user", "content": "hi"}]
 VALID = {"/v1/chat/completions": {"model": MODEL, "messages": HELLO},
@@ -73,7 +82,11 @@ VALID = {"/v1/chat/completions": {"model": MODEL, "messages": HELLO},
          "/v1/responses": {"model": MODEL, "input": "hi"},
          "/v1/messages": {"model": MODEL, "max_tokens": 16, "messages": HELLO},
          "/v1/messages/count_tokens": {"model": MODEL, "messages": HELLO},
-         "/api/show": {"model": MODEL}}
+         "/api/show": {"model": MODEL},
+         "/api/chat": {"model": MODEL, "messages": HELLO},
+         "/api/generate": {"model": MODEL, "prompt": "hi"},
+         "/tokenize": {"prompt": "hi"},
+         "/detokenize": {"tokens": [1, 2]}}
 ROUTES = list(VALID)
 OVERRIDES = st.lists(st.sampled_from(sorted(FIELDS)).flatmap(lambda key: FIELDS[key].map(lambda v: (key, v))),
                      max_size=5).map(dict)
@@ -136,6 +149,11 @@ def test_no_body_gets_a_5xx(http: httpx.Client, request: tuple[str, bytes]) -> N
         check_error(route, json.loads(text))
     elif response.headers["Content-Type"].startswith("text/event-stream"):
         check_stream(route, text)
+    elif response.headers["Content-Type"].startswith("application/x-ndjson"):
+        # Ollama's stream: JSON lines, the last one done or an error.
+        lines = [json.loads(line) for line in text.splitlines()]
+        assert lines[-1].get("done") is True or isinstance(lines[-1].get("error"), str), lines[-1]
+        assert all(line.get("done") is False for line in lines[:-1]), lines
     else:
         json.loads(text)
 

@@ -14,7 +14,8 @@ from common.manifest import load_manifest, sha256_file, write_manifest
 from ignition.template_marks import annotate
 from tests.frontend.test_templates import CORPUS
 
-QWEN_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+QWEN_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_suffix|>",
+               "<|fim_middle|>")
 MISTRAL_SPECIAL = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[INST]", "[/INST]")
 

@@ -1,5 +1,6 @@
-"""The Ollama dialect's model routes: GET /api/tags and POST /api/show, so Ollama clients and UIs can list and
-inspect the served core. Errors are {"error": message} (frontend/api/errors.py)."""
+"""The Ollama dialect's model routes: GET /api/tags, POST /api/show, GET /api/ps and GET /api/version, so Ollama
+clients and UIs can list, inspect and check the served core. Errors are {"error": message} (frontend/api/errors.py);
+generation is frontend/api/ollama_chat.py."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ from functools import cache
 
 from aiohttp import web
 
-from common.errors import InvalidRequest
 from common.manifest import MANIFEST_NAME
 from frontend.api.json_body import json_response
-from frontend.api.models import capabilities, resolve
-from frontend.api.params import get_str
+from frontend.api.models import capabilities
+from frontend.api.ollama_requests import model_name
 from frontend.model import ServedModel
 from frontend.server import frontend_of, read_json
 
 OLLAMA_CAPABILITIES = {"completion", "tools", "insert", "vision", "embedding", "thinking"}
+# The Ollama release whose API this dialect follows: clients read it to decide which fields they may send.
+OLLAMA_VERSION = "0.12.0"
+# The core stays loaded for as long as Flare runs: /api/ps says so with the latest time a client will parse.
+NEVER = "9999-12-31T23:59:59Z"
 QUANTIZATION = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 # Ollama's model_info keys (GGUF metadata names) for the config fields they come from.
 CONFIG_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
@@ -96,10 +100,9 @@ async def tags(request: web.Request) -> web.Response:
 async def show(request: web.Request) -> web.Response:
     model = frontend_of(request).model
     body = await read_json(request)
-    name = get_str(body, "model") or get_str(body, "name")  # "name" is Ollama's deprecated spelling
-    if not name:
-        raise InvalidRequest("'model' is required", param="model")
-    resolve(model, name)
+    if body.get("model") is None and body.get("name") is not None:  # Ollama's deprecated spelling
+        body = {**body, "model": body["name"]}
+    model_name(model, body)
     # ignition's message-end annotation is not part of the model's template
     template = re.sub(r"\{\{-? mark\(\) \}\}", "", model.template_source)
     settings = parameters(model)
@@ -111,6 +114,19 @@ async def show(request: web.Request) -> web.Response:
         "capabilities": [c for c in capabilities(model) if c in OLLAMA_CAPABILITIES]})
 
 
+async def ps(request: web.Request) -> web.Response:
+    model = frontend_of(request).model
+    entry = summary(model)
+    return json_response({"models": [{**entry, "expires_at": NEVER, "size_vram": 0,
+                                      "context_length": model.manifest.context_limit}]})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": OLLAMA_VERSION})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/api/tags", tags)
     app.router.add_post("/api/show", show)
+    app.router.add_get("/api/ps", ps)
+    app.router.add_get("/api/version", version)
