@@ -228,10 +228,12 @@ def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text", "qwen3_5", "qwen3_next"])
 def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> None:
     """q/k/v biases split by heads; experts split by columns (w13 rows of gate and up, w2 columns); Gemma's norms
-    and sliding-window layers."""
+    and sliding-window layers; the hybrids' linear attention by key heads with their value heads (each rank's
+    recurrent state its heads' rows, carried from chunk to chunk), gated attention's q rows with their gates, and
+    Qwen3-Next's shared expert by its columns."""
     core = write_tiny_core(tmp_path, family)
     expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
     address = f"ipc://{tmp_path}/engine.sock"
@@ -277,6 +279,19 @@ def test_experts_split_by_columns_keep_each_experts_gate_and_up_rows_together() 
     gate = torch.cat([p[:, :16] for p in parts], dim=1)
     up = torch.cat([p[:, 16:] for p in parts], dim=1)
     assert torch.equal(gate, w13[:, :48]) and torch.equal(up, w13[:, 48:])
+
+
+def test_linear_attention_splits_by_key_heads_each_with_its_value_heads() -> None:
+    config = DecoderConfig.from_hf("qwen3_5", {**TINY, **FAMILY_CONFIGS["qwen3_5"]})  # 2 key heads, 4 value heads
+    qkv = torch.arange(config.linear.conv_dim)  # q [0, 32), k [32, 64), v [64, 128): 16 rows a head
+    parts = [Shard.of(config, rank, 2).read(qkv, 0, "linear_qkv") for rank in range(2)]
+    assert parts[0].tolist() == [*range(0, 16), *range(32, 48), *range(64, 96)]
+    assert parts[1].tolist() == [*range(16, 32), *range(48, 64), *range(96, 128)]
+    local = Shard.of(config, 1, 2).local_config(config)
+    assert (local.linear.num_key_heads, local.linear.num_value_heads, local.linear.conv_dim) == (1, 2, 64)
+    with pytest.raises(CoreError) as caught:  # 3 ranks fit the attention heads, not the 2 key heads
+        Shard.of(config, 0, 3)
+    assert "2 linear-attention key heads and 4 value heads; supported world sizes: 1, 2" in str(caught.value)
 
 
 # --- SmolLM2 through `flare run --tp R` ------------------------------------------------------------------------
