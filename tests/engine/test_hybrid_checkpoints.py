@@ -80,3 +80,19 @@ def test_snapshot_rows_are_bounded_and_the_oldest_evicted() -> None:
     fresh = Harness(model, snapshots=0)
     assert again[0] >= 40 + 3 - 1 and again[1] == generate(fresh, prompt(40, 3) + outputs[3][1] + [7, 8], 3)[1]
     fresh.close()
+
+
+def test_endpoints_on_a_page_boundary_get_snapshots_on_their_blocks() -> None:
+    """A message end and a terminal endpoint that fall on a page boundary (of 16): the block ending there takes the
+    snapshot, and a later prompt that extends it continues from there with the tokens of a full computation."""
+    model = tiny_model(family="qwen3_5")
+    first = prompt(176)
+    harness = Harness(model)
+    generate(harness, first, 1, [160])  # message end 160; terminal endpoint 176, the whole prompt
+    branch = first[:160] + prompt(20, seed=2)  # the message end's prefix, then other text
+    after = first + [9, 10, 11]  # the whole first prompt, then more
+    got = [generate(harness, branch, 4), generate(harness, after, 4)]
+    harness.close()
+    fresh = Harness(model, snapshots=0)
+    assert got == [(160, generate(fresh, branch, 4)[1]), (176, generate(fresh, after, 4)[1])]
+    fresh.close()
