@@ -2,19 +2,24 @@
 gated attention in the fourth) against transformers, end to end as tests/e2e/test_families.py tests the others: a
 tiny random checkpoint built with transformers' own class, exported with `ignition export`, served with `flare run`;
 greedy tokens over HTTP equal transformers' `generate` (fp32, CPU), with prompts of several prefill chunks, so that
-the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row; a second
-turn restores the first turn's exact checkpoint; structured output holds.
+the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row (with
+`--speculative ngram` asked for: drafting stays off, and the log says why); a second turn restores the first turn's
+exact checkpoint, and a request restored then cancelled leaves it for the next; structured output holds; decisions
+equal transformers' DecisionPipeline, the questions after the first restoring the state's snapshot.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
+import httpx
 import openai
 import pytest
 
-from tests.e2e.test_families import (NEW_TOKENS, chat, check_conversations_at_once, hf_generate, ids_of,
-                                     served_checkpoint, text)
+from tests.e2e.test_decisions import assert_same_answers
+from tests.e2e.test_families import (CAPACITIES, NEW_TOKENS, chat, check_conversations_at_once, hf_generate,
+                                     ids_of, served_checkpoint, text)
 from tests.e2e.test_metrics import wait_for
 from tests.support.servers import Server
 
@@ -100,3 +105,30 @@ def test_structured_output_holds_to_its_schema(hybrid) -> None:
         temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "unit", "schema": schema}})
     assert response.choices[0].finish_reason == "stop", name
     assert json.loads(response.choices[0].message.content)["unit"] in ("celsius", "fahrenheit")
+
+
+def test_decisions_equal_the_decision_pipelines_on_transformers_model(hybrid) -> None:
+    """Scored prefills carry the recurrent state as any prefill (from chunk to chunk, and restored from the state's
+    snapshot for the questions after the first): the answers are transformers' DecisionPipeline's."""
+    from transformers import AutoTokenizer
+    from transformers.decision import DecisionConfig
+    from transformers.pipelines import DecisionPipeline
+
+    name, server, reference = hybrid
+    pipeline = DecisionPipeline(model=reference, tokenizer=AutoTokenizer.from_pretrained(reference.name_or_path),
+                                decision_config=DecisionConfig())
+    state = text(60, 3)
+    questions = {"tone": {"type": "choice", "instructions": "Pick one.", "criteria": {"calm": None, "angry": None,
+                                                                                     "sad": "Low spirits"}},
+                 "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["Later", "Today", "Now"]}}
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    response = httpx.post(f"{server.base_url}/v1/systemone", timeout=300,
+                          json={"model": model, "state": state, "questions": questions})
+    assert response.status_code == 200, response.text
+    assert_same_answers(response.json()["answers"], pipeline({"state": state, "questions": questions}))
+    prompts = [inputs["input_ids"][0].tolist() for inputs, _ in
+               pipeline.decision_config.prepare_inputs({"state": state, "questions": questions}, pipeline.tokenizer)]
+    shared = len(os.path.commonprefix(prompts))
+    assert shared > 2 * CAPACITIES.prefill_chunk_size  # the state spans several chunks
+    # The second question continues from the snapshot at the end of the shared prefix.
+    assert response.json()["usage"]["input_tokens_details"]["cached_tokens"] == shared, name

@@ -251,10 +251,11 @@ def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> N
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text", "qwen3_next"])
 def test_ranks_on_two_gpus_run_graphs_with_one_ranks_tokens(family: str, tmp_path: Path) -> None:
     """Each rank's GraphExecutor holds the all-reduces in its captured graphs (NCCL); fp32, so greedy tokens equal
-    one rank's on the CPU, and the ranks' eager executors (`--eager`) give the same."""
+    one rank's on the CPU, and the ranks' eager executors (`--eager`) give the same; Qwen3-Next's split linear
+    attention and shared expert on the GPU backend too."""
     core = write_tiny_core(tmp_path, family)
     expected = [(t, "length", None) for t in single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)]
     for extra in ([], ["--eager"]):
