@@ -86,9 +86,13 @@ def test_a_request_restored_then_cancelled_leaves_the_snapshot_for_the_next(hybr
     base = ids_of(chat(server, [{"role": "system", "content": text(25, 4)}, {"role": "user", "content": "Hi"}],
                        max_tokens=1))[0]
     prompt = base + base[-9:]
+    before = wait_for(server.base_url, lambda m: "flare_engine_snapshot_restores_total" in m)
     stream = complete(server, prompt, max_tokens=400, stream=True)
     next(iter(stream))  # restored, decoding: then gone
     stream.close()
+    counts = ("flare_engine_cancellations_total", "flare_engine_snapshot_restores_total")
+    after = wait_for(server.base_url, lambda m: all(m[c] > before[c] for c in counts))
+    assert all(after[c] == before[c] + 1 for c in counts), (before, after)  # it restored, then was cancelled
     response = complete(server, prompt)
     assert response.usage.prompt_tokens_details.cached_tokens >= len(base) - 1
     assert response.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
