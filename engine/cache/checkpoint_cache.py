@@ -126,6 +126,10 @@ class PrefixCheckpointCache:
         """The lengths of the checkpoints with a snapshot under `parent` (None: the root), deepest first."""
         return sorted(set(self._exact_ends.get(parent.id if parent is not None else 0, {}).values()), reverse=True)
 
+    def pending_snapshots(self) -> list[Checkpoint]:
+        """The checkpoints with a snapshot that are not visible yet (the step that makes them has not completed)."""
+        return [c for c in self._pending if c.snapshot is not None]
+
     @property
     def snapshots(self) -> int:
         return sum(map(len, self._exact_ends.values()))

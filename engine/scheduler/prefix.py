@@ -197,6 +197,21 @@ class PrefixReuse:
         if not request.started:
             request.cached_tokens = exact.length
 
+    def awaits_snapshot(self, request: Request) -> bool:
+        """Whether a hybrid request had better wait before it takes a slot: an exact checkpoint that its prompt
+        extends turns ready once a step in flight, or the copies planned next, complete. The next turn of a
+        conversation that has just ended meets its terminal checkpoint so; taking a slot now would restore a
+        shallower one (or none) and compute the rest again."""
+        if not (self.hybrid and self.enabled) or request.sampling.prompt_logprobs is not None:
+            return False
+        pending = self.cache.pending_snapshots()
+        if not pending:
+            return False
+        history, limit = self._history(request), request.first_computed
+        made = [copy.made for copy in self.pending_copies]
+        return any(c.length <= limit and (c.ready_fence is not None or any(c is m for m in made))
+                   and history.key_at(c.length) == c.key for c in pending)
+
     def stop_at(self, request: Request, start: int, length: int) -> int:
         """A hybrid model's prefill row from `start` stops at the next message end, where a snapshot is taken."""
         if not (self.hybrid and self.enabled):

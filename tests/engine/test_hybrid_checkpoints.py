@@ -1,6 +1,7 @@
 """A hybrid model's exact checkpoints through the real scheduler and eager executor (tests/support/engine_harness.py):
 a request that restores a snapshot continues exactly as one that computed its whole prompt; a restored request that
-is cancelled leaves the snapshot for the next; snapshot rows are bounded, the oldest evicted. (Over HTTP against
+is cancelled leaves the snapshot for the next; snapshot rows are bounded, the oldest evicted; endpoints on a page
+boundary get snapshots too; a next turn sent as the last one ends waits for its terminal snapshot. (Over HTTP against
 transformers: tests/e2e/test_hybrid_families.py.)"""
 
 from __future__ import annotations
@@ -95,4 +96,21 @@ def test_endpoints_on_a_page_boundary_get_snapshots_on_their_blocks() -> None:
     harness.close()
     fresh = Harness(model, snapshots=0)
     assert got == [(160, generate(fresh, branch, 4)[1]), (176, generate(fresh, after, 4)[1])]
+    fresh.close()
+
+
+def test_the_next_turn_sent_as_the_last_ends_waits_for_its_terminal_snapshot() -> None:
+    """The next turn arrives before the step that copies the ended request's terminal snapshot has run: it waits
+    that step for its slot, then restores the terminal snapshot rather than the prompt end's."""
+    model = tiny_model(family="qwen3_5")
+    first = prompt(100)
+    harness = Harness(model)
+    ended = harness.add(first, max_tokens=4, temperature=0, ignore_eos=True)
+    while ended.phase is not Phase.FINISHED:
+        harness.step()
+    turn = ended.tokens + [7, 8]
+    cached, tokens = generate(harness, turn, 4)
+    harness.close()
+    fresh = Harness(model, snapshots=0)
+    assert (cached, tokens) == (len(first) + 3, generate(fresh, turn, 4)[1])  # all but the last output token
     fresh.close()

@@ -24,7 +24,7 @@ from common.errors import CoreError
 from common.links import LinkKeys, write_keys
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
 from common.ranks import GROUP_FAILED, engine_commands
-from engine.model.config import DecoderConfig
+from engine.model.config import HYBRIDS, DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.loader import load_model
 from engine.model.sharding import Shard, supported_world_sizes
@@ -149,13 +149,16 @@ class WireClient:
             self.socket.send(wire.encode(wire.Submit(f"r{i}", prompt, params)))
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         ends: dict[str, tuple[str, str | None]] = {}
+        self.cached = dict.fromkeys(tokens, 0)  # each request's prompt tokens read from the prefix cache
         while len(ends) < len(prompts):
             assert self.socket.poll(60_000), "rank 0 went quiet"
             message = wire.decode_engine_message(self.socket.recv())
             if isinstance(message, wire.Outputs):
-                for rid, new, reason, error in zip(message.request_ids, message.token_ids, message.finish_reasons,
-                                                   message.errors):
+                for rid, new, reason, error, cached in zip(message.request_ids, message.token_ids,
+                                                           message.finish_reasons, message.errors,
+                                                           message.cached_tokens):
                     tokens[rid] += new
+                    self.cached[rid] = max(self.cached[rid], cached)
                     if reason:
                         ends[rid] = (reason, error)
         return {rid: (tokens[rid], *ends[rid]) for rid in tokens}
@@ -236,13 +239,19 @@ def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> N
     Qwen3-Next's shared expert by its columns."""
     core = write_tiny_core(tmp_path, family)
     expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
+    # A hybrid's next turns restore the snapshots the first ones left, into each rank's own state rows.
+    turns = [p + t + [7, 8] for p, t in zip(PROMPTS, expected)] if family in HYBRIDS else []
+    expected_turns = single_rank_tokens(core, turns, page_size=16, chunk=48) if turns else []
     address = f"ipc://{tmp_path}/engine.sock"
     ranks = start_ranks(core, 2, address, tmp_path)
     try:
         client = WireClient(address)
         got = client.generate(PROMPTS)
-        client.close()
         assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]
+        got = client.generate(turns)
+        client.close()
+        assert [got[f"r{i}"] for i in range(len(turns))] == [(t, "length", None) for t in expected_turns]
+        assert [client.cached[f"r{i}"] for i in range(len(turns))] == [len(t) - 3 for t in turns], client.cached
     finally:
         for rank in ranks:
             rank.kill()
