@@ -8,8 +8,8 @@ makes them reusable only once that fence has completed.
 
 A hybrid model's exact checkpoint also owns a snapshot row of recurrent state (`snapshot`: docs/design.md, Scheduler
 and prefix checkpoints), and so does a block checkpoint whose end was an endpoint: only such a checkpoint is a place
-to continue from, so the cache indexes them by parent
-(`exact_ends`) for a lookup that tries every endpoint a prompt may extend, and retires their rows with their pages.
+to continue from, so the cache indexes them by parent (`exact_ends`) for a lookup that tries every endpoint a prompt
+may extend, and retires their rows with their pages.
 """
 
 from __future__ import annotations

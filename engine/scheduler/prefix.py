@@ -10,7 +10,8 @@ exactly its length (docs/design.md, Scheduler and prefix checkpoints): a step th
 end or its prompt end has the next step copy the slot's state row to a snapshot row (StateCopy) before its forward,
 and so does the request's end, at the position its submitted steps consumed (the terminal endpoint); the exact
 checkpoint is published with that snapshot and a private copy of its partial page (at a block boundary, the block's
-own checkpoint takes the snapshot: its page is complete). A later request restores the deepest snapshot whose prefix its prompt extends into its own slot row and continues from exactly there.
+own checkpoint takes the snapshot: its page is complete). A later request restores the deepest snapshot whose prefix
+its prompt extends into its own slot row and continues from exactly there.
 """
 
 from __future__ import annotations
