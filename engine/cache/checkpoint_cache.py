@@ -7,8 +7,9 @@ device. Pages come back through `RetiredResources`, which carry the fence of the
 makes them reusable only once that fence has completed.
 
 A hybrid model's exact checkpoint also owns a snapshot row of recurrent state (`snapshot`: docs/design.md, Scheduler
-and prefix checkpoints): only such a checkpoint is a place to continue from, so the cache indexes them by parent
-(`exact_ends`) for a lookup that tries every endpoint a prompt may extend, and retires their rows with their pages.
+and prefix checkpoints), and so does a block checkpoint whose end was an endpoint: only such a checkpoint is a place
+to continue from, so the cache indexes them by parent (`exact_ends`) for a lookup that tries every endpoint a prompt
+may extend, and retires their rows with their pages.
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ class PrefixCheckpointCache:
     def exact_ends(self, parent: Checkpoint | None) -> list[int]:
         """The lengths of the checkpoints with a snapshot under `parent` (None: the root), deepest first."""
         return sorted(set(self._exact_ends.get(parent.id if parent is not None else 0, {}).values()), reverse=True)
+
+    def pending_snapshots(self) -> list[Checkpoint]:
+        """The checkpoints with a snapshot that are not visible yet (the step that makes them has not completed)."""
+        return [c for c in self._pending if c.snapshot is not None]
 
     @property
     def snapshots(self) -> int:

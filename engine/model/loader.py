@@ -41,9 +41,6 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     if shard:
         config = shard.local_config(config)
     dtype = dtype or DTYPES[manifest.dtype]
-    if config.hybrid and tp and tp.world_size > 1:
-        raise CoreError(f"{core}: tensor parallelism does not split linear-attention layers yet; serve "
-                        f"{manifest.architecture} on one rank")
     if manifest.vision is not None and tp:
         raise CoreError(f"{core}: tensor parallelism is not supported for vision models")
     with torch.device("meta"):

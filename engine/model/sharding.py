@@ -12,6 +12,14 @@ Heads are split by KV group, so that every query head sits on the rank of its KV
   a multiple of the KV heads and to divide the query heads.
 MLP columns and vocabulary rows split into balanced contiguous runs for any R.
 
+Gated attention (Qwen3.5, Qwen3-Next) holds each head's q rows, then its gate rows, in q_proj: q_proj splits by heads
+in units of twice the head dim. The Gated DeltaNet layers of those hybrids split by key heads, each with its group of
+value heads (a rank holds num_key_heads / R key heads and num_value_heads / R value heads, so R must divide both):
+in_proj_qkv and the conv's channels take the rank's q rows, k rows and v rows (in that order, as the layer reads
+them), in_proj_z its value heads' rows, in_proj_b, in_proj_a, dt_bias and A_log its value heads, out_proj the same
+columns (row-parallel, like o_proj); the gated norm, per value head with one weight, is replicated. Each rank's
+recurrent state then holds only its value heads' rows. A shared expert splits by its own MLP columns.
+
 Mixture-of-experts layers split every expert by its MLP columns, like the dense MLP: rank r holds rows of each
 expert's w13 (its run of gate rows and the same run of up rows) and the matching columns of w2; the router is
 replicated. Every rank then does the same share of the work whatever the routing picks, and the layer ends in the
@@ -31,7 +39,7 @@ from safetensors import safe_open
 from common.errors import CoreError
 
 if TYPE_CHECKING:
-    from engine.model.config import DecoderConfig
+    from engine.model.config import DecoderConfig, LinearAttention
 
 
 def balanced(n: int, parts: int, index: int) -> range:
@@ -41,19 +49,28 @@ def balanced(n: int, parts: int, index: int) -> range:
     return range(start, start + base + (index < extra))
 
 
-def supported_world_sizes(num_heads: int, num_kv_heads: int) -> list[int]:
+def supported_world_sizes(num_heads: int, num_kv_heads: int, linear: LinearAttention | None = None) -> list[int]:
+    """`linear`: a hybrid's linear-attention shape, whose key and value heads each rank takes an equal share of."""
     return [r for r in range(1, num_heads + 1)
-            if r <= num_kv_heads or (r % num_kv_heads == 0 and num_heads % r == 0)]
+            if (r <= num_kv_heads or (r % num_kv_heads == 0 and num_heads % r == 0))
+            and (linear is None or linear.num_key_heads % r == linear.num_value_heads % r == 0)]
 
 
 # Weight name suffix -> (the dimension split, what it is split by). Names absent here are replicated.
 SPLITS = {
-    "q_proj.weight": (0, "heads"), "q_proj.bias": (0, "heads"),
+    "q_proj.weight": (0, "query_rows"), "q_proj.bias": (0, "query_rows"),
     "k_proj.weight": (0, "kv_heads"), "k_proj.bias": (0, "kv_heads"),
     "v_proj.weight": (0, "kv_heads"), "v_proj.bias": (0, "kv_heads"),
     "o_proj.weight": (1, "heads"),
+    # A shared expert's names end as the dense MLP's: its entries come first, as the first match is taken.
+    "shared_expert.gate_proj.weight": (0, "shared_columns"), "shared_expert.up_proj.weight": (0, "shared_columns"),
+    "shared_expert.down_proj.weight": (1, "shared_columns"),
     "gate_proj.weight": (0, "intermediate"), "up_proj.weight": (0, "intermediate"),
     "down_proj.weight": (1, "intermediate"),
+    "linear_attn.in_proj_qkv.weight": (0, "linear_qkv"), "linear_attn.conv1d.weight": (0, "linear_qkv"),
+    "linear_attn.in_proj_z.weight": (0, "value_rows"), "linear_attn.out_proj.weight": (1, "value_rows"),
+    "linear_attn.in_proj_b.weight": (0, "value_heads"), "linear_attn.in_proj_a.weight": (0, "value_heads"),
+    "linear_attn.dt_bias": (0, "value_heads"), "linear_attn.A_log": (0, "value_heads"),
     "mlp.w13": (1, "expert_columns"), "mlp.w2": (2, "expert_columns"),
     "embed_tokens.weight": (0, "vocab"), "lm_head.weight": (0, "vocab"),
 }
@@ -70,30 +87,45 @@ class Shard:
     head_dim: int
     expert_columns: range = range(0)  # each expert's MLP columns (mixture-of-experts layers)
     expert_size: int = 0  # an expert's MLP columns in all
+    query_width: int = 0  # a query head's q_proj rows: the head dim, twice that with an output gate
+    shared_columns: range = range(0)  # the shared expert's MLP columns
+    key_heads: range = range(0)  # linear attention's
+    value_heads: range = range(0)
+    linear: LinearAttention | None = None  # the whole linear-attention shape
 
     @classmethod
     def of(cls, config: DecoderConfig, rank: int, world_size: int) -> Shard:
-        heads, kv = config.num_heads, config.num_kv_heads
+        heads, kv, linear = config.num_heads, config.num_kv_heads, config.linear
         group = heads // kv
+        sizes = supported_world_sizes(heads, kv, linear)
+        if world_size not in sizes:
+            linear_heads = f", {linear.num_key_heads} linear-attention key heads and {linear.num_value_heads} " \
+                           f"value heads" if linear else ""
+            raise CoreError(f"tensor parallelism over {world_size} ranks does not fit this model's {heads} attention "
+                            f"heads{',' if linear else ' and'} {kv} KV heads{linear_heads}; supported world sizes: "
+                            f"{', '.join(map(str, sizes))}")
         if world_size <= kv:
             kv_heads = balanced(kv, world_size, rank)
             own = range(kv_heads.start * group, kv_heads.stop * group)
-        elif world_size in supported_world_sizes(heads, kv):
+        else:
             own = balanced(heads, world_size, rank)
             kv_heads = range(own.start // group, own.start // group + 1)
-        else:
-            sizes = ", ".join(map(str, supported_world_sizes(heads, kv)))
-            raise CoreError(f"tensor parallelism over {world_size} ranks does not fit this model's {heads} attention "
-                            f"heads and {kv} KV heads; supported world sizes: {sizes}")
+        key_heads = balanced(linear.num_key_heads, world_size, rank) if linear else range(0)
+        value_heads = balanced(linear.num_value_heads, world_size, rank) if linear else range(0)
         return cls(rank, world_size, own, kv_heads, balanced(config.intermediate_size, world_size, rank),
                    balanced(config.vocab_size, world_size, rank), config.head_dim,
-                   balanced(config.moe_intermediate_size, world_size, rank), config.moe_intermediate_size)
+                   balanced(config.moe_intermediate_size, world_size, rank), config.moe_intermediate_size,
+                   config.head_dim * (2 if config.attn_output_gate else 1),
+                   balanced(config.shared_expert_intermediate_size, world_size, rank), key_heads, value_heads, linear)
 
     def local_config(self, config: DecoderConfig) -> DecoderConfig:
-        """The config of this rank's part: its heads, KV heads and MLP columns; the vocabulary stays whole, since
-        logits are gathered before sampling."""
+        """The config of this rank's part: its heads, KV heads, MLP columns and linear-attention heads; the
+        vocabulary stays whole, since logits are gathered before sampling."""
+        linear = self.linear and replace(self.linear, num_key_heads=len(self.key_heads),
+                                         num_value_heads=len(self.value_heads))
         return replace(config, num_heads=len(self.heads), num_kv_heads=len(self.kv_heads),
-                       intermediate_size=len(self.intermediate), moe_intermediate_size=len(self.expert_columns))
+                       intermediate_size=len(self.intermediate), moe_intermediate_size=len(self.expert_columns),
+                       shared_expert_intermediate_size=len(self.shared_columns), linear=linear)
 
     def read(self, part, dim: int, by: str) -> torch.Tensor:  # noqa: ANN001 (safetensors' slice has no public type)
         """This rank's slice of one weight: `part` is safetensors' lazy slice, read from disk only where indexed."""
@@ -101,13 +133,24 @@ class Shard:
             own = self.span(by)
             up = slice(own.start + self.expert_size, own.stop + self.expert_size)
             return torch.cat([part[:, own], part[:, up]], dim=1)
+        if by == "linear_qkv":  # q, k and v rows side by side: the rank's key heads' q and k, its value heads' v
+            assert self.linear is not None and dim == 0
+            keys, key_dim = self.span("key_rows"), self.linear.key_dim
+            values = self.span("value_rows")
+            return torch.cat([part[keys], part[keys.start + key_dim:keys.stop + key_dim],
+                              part[values.start + 2 * key_dim:values.stop + 2 * key_dim]])
         index = (slice(None),) * dim + (self.span(by),)
         return part[index]
 
     def span(self, by: str) -> slice:
-        """The rows (or columns) of a weight split `by` heads, KV heads, MLP columns or vocabulary."""
-        part: range = getattr(self, by)
-        unit = self.head_dim if by in ("heads", "kv_heads") else 1
+        """The rows (or columns) of a weight split `by` heads, KV heads, MLP columns, vocabulary or linear-attention
+        heads."""
+        part, unit = {
+            "heads": (self.heads, self.head_dim), "kv_heads": (self.kv_heads, self.head_dim),
+            "query_rows": (self.heads, self.query_width),
+            "key_rows": (self.key_heads, self.linear and self.linear.key_head_dim),
+            "value_rows": (self.value_heads, self.linear and self.linear.value_head_dim),
+        }.get(by) or (getattr(self, by), 1)
         return slice(part.start * unit, part.stop * unit)
 
 

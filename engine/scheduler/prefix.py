@@ -9,8 +9,9 @@ A hybrid model (`snapshots` given) reuses exact checkpoints only, each holding a
 exactly its length (docs/design.md, Scheduler and prefix checkpoints): a step that ends a request's row at a message
 end or its prompt end has the next step copy the slot's state row to a snapshot row (StateCopy) before its forward,
 and so does the request's end, at the position its submitted steps consumed (the terminal endpoint); the exact
-checkpoint is published with that snapshot and a private copy of its partial page. A later request restores the
-deepest snapshot whose prefix its prompt extends into its own slot row and continues from exactly there.
+checkpoint is published with that snapshot and a private copy of its partial page (at a block boundary, the block's
+own checkpoint takes the snapshot: its page is complete). A later request restores the deepest snapshot whose prefix
+its prompt extends into its own slot row and continues from exactly there.
 """
 
 from __future__ import annotations
@@ -175,11 +176,13 @@ class PrefixReuse:
                     break
             if exact is not None:
                 break
-        page = allocate(1) if exact is not None else None
+        aligned = exact is not None and exact.length % size == 0  # a block's own checkpoint: no partial page
+        page = [] if aligned else allocate(1) if exact is not None else None
         if page is None:
             self.counters["prefix_misses"] += 1
             return
-        self._copy(PageCopy(exact.page, page[0], None, request, exact))
+        if not aligned:
+            self._copy(PageCopy(exact.page, page[0], None, request, exact))
         self.cache.pin(exact)  # for the state copy, until it is sent
         self.pending_state.append(StateCopy(self.slot_rows + exact.snapshot, request.slot, exact.snapshot, request,
                                             exact))
@@ -195,6 +198,21 @@ class PrefixReuse:
         if not request.started:
             request.cached_tokens = exact.length
 
+    def awaits_snapshot(self, request: Request) -> bool:
+        """Whether a hybrid request had better wait before it takes a slot: an exact checkpoint that its prompt
+        extends turns ready once a step in flight, or the copies planned next, complete. The next turn of a
+        conversation that has just ended meets its terminal checkpoint so; taking a slot now would restore a
+        shallower one (or none) and compute the rest again."""
+        if not (self.hybrid and self.enabled) or request.sampling.prompt_logprobs is not None:
+            return False
+        pending = self.cache.pending_snapshots()
+        if not pending:
+            return False
+        history, limit = self._history(request), request.first_computed
+        made = [copy.made for copy in self.pending_copies]
+        return any(c.length <= limit and (c.ready_fence is not None or any(c is m for m in made))
+                   and history.key_at(c.length) == c.key for c in pending)
+
     def stop_at(self, request: Request, start: int, length: int) -> int:
         """A hybrid model's prefill row from `start` stops at the next message end, where a snapshot is taken."""
         if not (self.hybrid and self.enabled):
@@ -204,9 +222,8 @@ class PrefixReuse:
     def snapshot_at(self, request: Request, end: int) -> None:
         """The request's slot row holds its state at exactly `end` once the step just committed completes: the next
         step copies it to a snapshot row, published with an exact checkpoint as steps complete (publish)."""
-        if not (self.hybrid and self.enabled) or end % self.page_size == 0 or end <= request.published_ends or \
-                end in request.snapshots:
-            return  # (a block boundary has no partial page: no exact checkpoint there)
+        if not (self.hybrid and self.enabled) or end <= request.published_ends or end in request.snapshots:
+            return
         snapshot = self._allocate_snapshot()
         if snapshot is None:
             return
@@ -278,6 +295,9 @@ class PrefixReuse:
     def _publish_exact(self, request: Request, end: int, allocate: Callable[[int], list[int] | None],
                        snapshot: int | None = None) -> None:
         """With a snapshot (a hybrid model's), the checkpoint owns it; a snapshot not published is dropped."""
+        if snapshot is not None and end % self.page_size == 0:  # the block's checkpoint is exact there
+            self._attach_to_block(request.block_chain[end // self.page_size - 1], snapshot)
+            return
         key = self._history(request).key_at(end)
         parent = request.block_chain[end // self.page_size - 1] if end >= self.page_size else None
         page = None
@@ -300,6 +320,16 @@ class PrefixReuse:
             self.pages.release(page, 0)
             if snapshot is not None:
                 self._drop_snapshot(snapshot)
+
+    def _attach_to_block(self, block: Checkpoint, snapshot: int) -> None:
+        """A snapshot at a block's end: the block's checkpoint owns it, unless it holds one already (another
+        request's, of the same state) or was evicted meanwhile. The block may turn ready before the step that copies
+        the snapshot runs: a restore found through it is planned after that copy, so it runs after it too."""
+        if block.snapshot is not None or block.evicted:
+            self._drop_snapshot(snapshot)
+            return
+        self.cache.attach_snapshot(block, snapshot)
+        self.counters["snapshot_publications"] += 1
 
     def _copy(self, copy: PageCopy) -> None:
         if copy.source_checkpoint is not None:

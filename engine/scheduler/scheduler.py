@@ -363,7 +363,7 @@ class RequestScheduler:
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL] if self._prefilling else []
         running.sort(key=lambda r: r.arrival)
-        while self.waiting and None in self.slots:
+        while self.waiting and None in self.slots and not self.prefix.awaits_snapshot(self.waiting[0]):
             request = self.waiting.popleft()
             self._place(request)
             running.append(request)

@@ -3,13 +3,16 @@ state), and `/v1/decisions`, Flare's batch of it (a list of states, one answer s
 
 Each prompt is a scored prefill in the engine: no token is generated, the logits of its labels come back. The
 prompts about one state start with the state, so the first one is sent alone and the others once it has been
-computed: they find the state's pages in the prefix cache and compute only their own question.
+computed: they find the state's pages in the prefix cache and compute only their own question. Where the prompts
+part is sent as a message end of each, so that the engine keeps an exact checkpoint there: a hybrid model's
+prompts continue only from those (docs/design.md, Scheduler and prefix checkpoints).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import uuid
 from collections.abc import Awaitable
@@ -39,12 +42,14 @@ class Scored:
     cached_tokens: int
 
 
-async def score(client: Replicas, decider: Decider, prompt: Prompt) -> Scored:
-    """One scored prefill; leaving early (a failure elsewhere, a gone client) aborts it in the engine."""
+async def score(client: Replicas, decider: Decider, prompt: Prompt, shared: int = 0) -> Scored:
+    """One scored prefill; leaving early (a failure elsewhere, a gone client) aborts it in the engine. `shared`: the
+    length of the prefix it shares with the other prompts about its state, sent as a message end, so the engine
+    keeps an exact checkpoint there (the only place a hybrid model's next prompt can continue from)."""
     queries = [LabelQuery(position, decider.label_ids(tuple(q.labels)))
                for position, q in zip(prompt.positions, prompt.questions)]
-    submit = Submit(uuid.uuid4().hex, prompt.ids, SamplingParams(temperature=0.0, max_tokens=1), arrival=time.time(),
-                    label_queries=queries)
+    submit = Submit(uuid.uuid4().hex, prompt.ids, SamplingParams(temperature=0.0, max_tokens=1),
+                    [shared] if 0 < shared < len(prompt.ids) else [], arrival=time.time(), label_queries=queries)
     async with contextlib.aclosing(client.updates(submit)) as updates:
         async for update in updates:
             if update.finish_reason is not None:
@@ -69,10 +74,11 @@ async def decide(frontend: Frontend, decider: Decider, state: Any, questions: li
                  limit: asyncio.Semaphore) -> tuple[dict[str, Any], int, int]:
     """The answers about one state, with its prompt and cached token counts."""
     prompts = await frontend.on_pool(decider.prompts, state, questions)
+    shared = len(os.path.commonprefix([p.ids for p in prompts])) if len(prompts) > 1 else 0
 
     async def bounded(prompt: Prompt) -> Scored:
         async with limit:
-            return await score(frontend.client, decider, prompt)
+            return await score(frontend.client, decider, prompt, shared)
 
     scored = [await bounded(prompts[0])]  # the state first: the other prompts reuse its pages
     scored += await all_or_nothing([bounded(p) for p in prompts[1:]])

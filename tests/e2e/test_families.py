@@ -83,9 +83,10 @@ def build_checkpoint(family: str, root: Path, families: dict = FAMILIES) -> Path
     return hf_dir
 
 
-def served_checkpoint(family: str, root: Path, families: dict = FAMILIES) -> tuple[Server, torch.nn.Module]:
-    """A server of the family's tiny checkpoint as `ignition export` makes its core, and transformers' model of the
-    same checkpoint."""
+def served_checkpoint(family: str, root: Path, families: dict = FAMILIES,
+                      server_args: tuple[str, ...] = ()) -> tuple[Server, torch.nn.Module]:
+    """A server (`flare run` with `server_args`) of the family's tiny checkpoint as `ignition export` makes its core,
+    and transformers' model of the same checkpoint."""
     hf_dir = build_checkpoint(family, root, families)
     core = root / "core"
     assert ignition(["export", str(hf_dir), str(core)]) == 0
@@ -94,7 +95,7 @@ def served_checkpoint(family: str, root: Path, families: dict = FAMILIES) -> tup
     write_manifest(core, msgspec.structs.replace(manifest, capacities=CAPACITIES))
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     reference.generation_config.eos_token_id = None  # like ignore_eos: always NEW_TOKENS tokens
-    return Server(core), reference
+    return Server(core, *server_args), reference
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -124,8 +125,9 @@ def ids_of(response) -> tuple[list[int], list[int]]:  # noqa: ANN001 (the openai
     return response.model_extra["prompt_token_ids"], response.choices[0].model_extra["token_ids"]
 
 
-def test_greedy_tokens_equal_transformers_generate_under_concurrency(family) -> None:
-    name, server, reference = family
+def check_conversations_at_once(name: str, server: Server, reference: torch.nn.Module) -> None:
+    """CONVERSATIONS all in flight at once: each one's greedy tokens equal transformers' for its prompt ids, and the
+    longest prompt spans more than two prefill chunks and two of Gemma's windows."""
     with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
         results = [ids_of(r) for r in pool.map(lambda m: chat(server, m), CONVERSATIONS)]
     assert len({token for _, tokens in results for token in tokens}) > 10, "degenerate outputs would test little"
@@ -133,6 +135,10 @@ def test_greedy_tokens_equal_transformers_generate_under_concurrency(family) -> 
     assert max(lengths) > 2 * CAPACITIES.prefill_chunk_size and max(lengths) > 2 * WINDOW
     for (prompt, tokens), messages in zip(results, CONVERSATIONS):
         assert tokens == hf_generate(reference, prompt), (name, messages)
+
+
+def test_greedy_tokens_equal_transformers_generate_under_concurrency(family) -> None:
+    check_conversations_at_once(*family)
 
 
 def test_a_second_turn_reuses_the_prefix_cache_and_keeps_the_tokens(family) -> None:

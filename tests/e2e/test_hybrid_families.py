@@ -2,20 +2,24 @@
 gated attention in the fourth) against transformers, end to end as tests/e2e/test_families.py tests the others: a
 tiny random checkpoint built with transformers' own class, exported with `ignition export`, served with `flare run`;
 greedy tokens over HTTP equal transformers' `generate` (fp32, CPU), with prompts of several prefill chunks, so that
-the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row; a second
-turn restores the first turn's exact checkpoint; structured output holds.
+the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row (with
+`--speculative ngram` asked for: drafting stays off, and the log says why); a second turn restores the first turn's
+exact checkpoint, and a request restored then cancelled leaves it for the next; structured output holds; decisions
+equal transformers' DecisionPipeline, the questions after the first restoring the state's snapshot.
 """
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+import os
 
+import httpx
 import openai
 import pytest
 
-from tests.e2e.test_families import (CAPACITIES, CONVERSATIONS, NEW_TOKENS, chat, hf_generate, ids_of,
-                                     served_checkpoint, text)
+from tests.e2e.test_decisions import assert_same_answers
+from tests.e2e.test_families import (CAPACITIES, NEW_TOKENS, chat, check_conversations_at_once, hf_generate,
+                                     ids_of, served_checkpoint, text)
 from tests.e2e.test_metrics import wait_for
 from tests.support.servers import Server
 
@@ -35,21 +39,17 @@ HYBRIDS = {
 @pytest.fixture(scope="module", params=list(HYBRIDS))
 def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """(family, a server of the exported core, transformers' model of the same checkpoint)."""
-    server, reference = served_checkpoint(request.param, tmp_path_factory.mktemp(request.param), HYBRIDS)
+    server, reference = served_checkpoint(request.param, tmp_path_factory.mktemp(request.param), HYBRIDS,
+                                          ("--speculative", "ngram"))
     yield request.param, server, reference
     server.stop()
-    # Speculative decoding (ngram by default on the CPU) stays off, and `flare run`'s log says why.
+    # Speculative decoding, though asked for, stays off, and `flare run`'s log says why.
     assert "speculative decoding off: " + request.param in server.process.stdout.read()
 
 
 def test_greedy_tokens_equal_transformers_generate_under_concurrency(hybrid) -> None:
-    name, server, reference = hybrid
-    with ThreadPoolExecutor(len(CONVERSATIONS)) as pool:
-        results = [ids_of(r) for r in pool.map(lambda m: chat(server, m), CONVERSATIONS)]
-    assert len({token for _, tokens in results for token in tokens}) > 10, "degenerate outputs would test little"
-    assert max(len(prompt) for prompt, _ in results) > 2 * CAPACITIES.prefill_chunk_size
-    for (prompt, tokens), messages in zip(results, CONVERSATIONS):
-        assert tokens == hf_generate(reference, prompt), (name, messages)
+    """With `--speculative ngram` asked for: drafting stays off, and every token is the target's."""
+    check_conversations_at_once(*hybrid)
 
 
 def complete(server: Server, prompt: list[int], max_tokens: int = NEW_TOKENS, stream: bool = False):
@@ -86,9 +86,13 @@ def test_a_request_restored_then_cancelled_leaves_the_snapshot_for_the_next(hybr
     base = ids_of(chat(server, [{"role": "system", "content": text(25, 4)}, {"role": "user", "content": "Hi"}],
                        max_tokens=1))[0]
     prompt = base + base[-9:]
+    before = wait_for(server.base_url, lambda m: "flare_engine_snapshot_restores_total" in m)
     stream = complete(server, prompt, max_tokens=400, stream=True)
     next(iter(stream))  # restored, decoding: then gone
     stream.close()
+    counts = ("flare_engine_cancellations_total", "flare_engine_snapshot_restores_total")
+    after = wait_for(server.base_url, lambda m: all(m[c] > before[c] for c in counts))
+    assert all(after[c] == before[c] + 1 for c in counts), (before, after)  # it restored, then was cancelled
     response = complete(server, prompt)
     assert response.usage.prompt_tokens_details.cached_tokens >= len(base) - 1
     assert response.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt), name
@@ -105,3 +109,30 @@ def test_structured_output_holds_to_its_schema(hybrid) -> None:
         temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "unit", "schema": schema}})
     assert response.choices[0].finish_reason == "stop", name
     assert json.loads(response.choices[0].message.content)["unit"] in ("celsius", "fahrenheit")
+
+
+def test_decisions_equal_the_decision_pipelines_on_transformers_model(hybrid) -> None:
+    """Scored prefills carry the recurrent state as any prefill (from chunk to chunk, and restored from the state's
+    snapshot for the questions after the first): the answers are transformers' DecisionPipeline's."""
+    from transformers import AutoTokenizer
+    from transformers.decision import DecisionConfig
+    from transformers.pipelines import DecisionPipeline
+
+    name, server, reference = hybrid
+    pipeline = DecisionPipeline(model=reference, tokenizer=AutoTokenizer.from_pretrained(reference.name_or_path),
+                                decision_config=DecisionConfig())
+    state = text(60, 3)
+    questions = {"tone": {"type": "choice", "instructions": "Pick one.", "criteria": {"calm": None, "angry": None,
+                                                                                     "sad": "Low spirits"}},
+                 "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["Later", "Today", "Now"]}}
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    response = httpx.post(f"{server.base_url}/v1/systemone", timeout=300,
+                          json={"model": model, "state": state, "questions": questions})
+    assert response.status_code == 200, response.text
+    assert_same_answers(response.json()["answers"], pipeline({"state": state, "questions": questions}))
+    prompts = [inputs["input_ids"][0].tolist() for inputs, _ in
+               pipeline.decision_config.prepare_inputs({"state": state, "questions": questions}, pipeline.tokenizer)]
+    shared = len(os.path.commonprefix(prompts))
+    assert shared > 2 * CAPACITIES.prefill_chunk_size  # the state spans several chunks
+    # The second question continues from the snapshot at the end of the shared prefix.
+    assert response.json()["usage"]["input_tokens_details"]["cached_tokens"] == shared, name

@@ -1,6 +1,7 @@
 """A hybrid model's exact checkpoints through the real scheduler and eager executor (tests/support/engine_harness.py):
 a request that restores a snapshot continues exactly as one that computed its whole prompt; a restored request that
-is cancelled leaves the snapshot for the next; snapshot rows are bounded, the oldest evicted. (Over HTTP against
+is cancelled leaves the snapshot for the next; snapshot rows are bounded, the oldest evicted; endpoints on a page
+boundary get snapshots too; a next turn sent as the last one ends waits for its terminal snapshot. (Over HTTP against
 transformers: tests/e2e/test_hybrid_families.py.)"""
 
 from __future__ import annotations
@@ -79,4 +80,37 @@ def test_snapshot_rows_are_bounded_and_the_oldest_evicted() -> None:
     harness.close()
     fresh = Harness(model, snapshots=0)
     assert again[0] >= 40 + 3 - 1 and again[1] == generate(fresh, prompt(40, 3) + outputs[3][1] + [7, 8], 3)[1]
+    fresh.close()
+
+
+def test_endpoints_on_a_page_boundary_get_snapshots_on_their_blocks() -> None:
+    """A message end and a terminal endpoint that fall on a page boundary (of 16): the block ending there takes the
+    snapshot, and a later prompt that extends it continues from there with the tokens of a full computation."""
+    model = tiny_model(family="qwen3_5")
+    first = prompt(176)
+    harness = Harness(model)
+    generate(harness, first, 1, [160])  # message end 160; terminal endpoint 176, the whole prompt
+    branch = first[:160] + prompt(20, seed=2)  # the message end's prefix, then other text
+    after = first + [9, 10, 11]  # the whole first prompt, then more
+    got = [generate(harness, branch, 4), generate(harness, after, 4)]
+    harness.close()
+    fresh = Harness(model, snapshots=0)
+    assert got == [(160, generate(fresh, branch, 4)[1]), (176, generate(fresh, after, 4)[1])]
+    fresh.close()
+
+
+def test_the_next_turn_sent_as_the_last_ends_waits_for_its_terminal_snapshot() -> None:
+    """The next turn arrives before the step that copies the ended request's terminal snapshot has run: it waits
+    that step for its slot, then restores the terminal snapshot rather than the prompt end's."""
+    model = tiny_model(family="qwen3_5")
+    first = prompt(100)
+    harness = Harness(model)
+    ended = harness.add(first, max_tokens=4, temperature=0, ignore_eos=True)
+    while ended.phase is not Phase.FINISHED:
+        harness.step()
+    turn = ended.tokens + [7, 8]
+    cached, tokens = generate(harness, turn, 4)
+    harness.close()
+    fresh = Harness(model, snapshots=0)
+    assert (cached, tokens) == (len(first) + 3, generate(fresh, turn, 4)[1])  # all but the last output token
     fresh.close()

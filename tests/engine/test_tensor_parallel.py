@@ -24,7 +24,7 @@ from common.errors import CoreError
 from common.links import LinkKeys, write_keys
 from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
 from common.ranks import GROUP_FAILED, engine_commands
-from engine.model.config import DecoderConfig
+from engine.model.config import HYBRIDS, DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.loader import load_model
 from engine.model.sharding import Shard, supported_world_sizes
@@ -149,13 +149,16 @@ class WireClient:
             self.socket.send(wire.encode(wire.Submit(f"r{i}", prompt, params)))
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
         ends: dict[str, tuple[str, str | None]] = {}
+        self.cached = dict.fromkeys(tokens, 0)  # each request's prompt tokens read from the prefix cache
         while len(ends) < len(prompts):
             assert self.socket.poll(60_000), "rank 0 went quiet"
             message = wire.decode_engine_message(self.socket.recv())
             if isinstance(message, wire.Outputs):
-                for rid, new, reason, error in zip(message.request_ids, message.token_ids, message.finish_reasons,
-                                                   message.errors):
+                for rid, new, reason, error, cached in zip(message.request_ids, message.token_ids,
+                                                           message.finish_reasons, message.errors,
+                                                           message.cached_tokens):
                     tokens[rid] += new
+                    self.cached[rid] = max(self.cached[rid], cached)
                     if reason:
                         ends[rid] = (reason, error)
         return {rid: (tokens[rid], *ends[rid]) for rid in tokens}
@@ -228,19 +231,27 @@ def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text", "qwen3_5", "qwen3_next"])
 def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> None:
     """q/k/v biases split by heads; experts split by columns (w13 rows of gate and up, w2 columns); Gemma's norms
-    and sliding-window layers."""
+    and sliding-window layers; the hybrids' linear attention by key heads with their value heads (each rank's
+    recurrent state its heads' rows, carried from chunk to chunk), gated attention's q rows with their gates, and
+    Qwen3-Next's shared expert by its columns."""
     core = write_tiny_core(tmp_path, family)
     expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
+    # A hybrid's next turns restore the snapshots the first ones left, into each rank's own state rows.
+    turns = [p + t + [7, 8] for p, t in zip(PROMPTS, expected)] if family in HYBRIDS else []
+    expected_turns = single_rank_tokens(core, turns, page_size=16, chunk=48) if turns else []
     address = f"ipc://{tmp_path}/engine.sock"
     ranks = start_ranks(core, 2, address, tmp_path)
     try:
         client = WireClient(address)
         got = client.generate(PROMPTS)
-        client.close()
         assert [got[f"r{i}"] for i in range(len(PROMPTS))] == [(t, "length", None) for t in expected]
+        got = client.generate(turns)
+        client.close()
+        assert [got[f"r{i}"] for i in range(len(turns))] == [(t, "length", None) for t in expected_turns]
+        assert [client.cached[f"r{i}"] for i in range(len(turns))] == [len(t) - 3 for t in turns], client.cached
     finally:
         for rank in ranks:
             rank.kill()
@@ -249,10 +260,11 @@ def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> N
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text", "qwen3_next"])
 def test_ranks_on_two_gpus_run_graphs_with_one_ranks_tokens(family: str, tmp_path: Path) -> None:
     """Each rank's GraphExecutor holds the all-reduces in its captured graphs (NCCL); fp32, so greedy tokens equal
-    one rank's on the CPU, and the ranks' eager executors (`--eager`) give the same."""
+    one rank's on the CPU, and the ranks' eager executors (`--eager`) give the same; Qwen3-Next's split linear
+    attention and shared expert on the GPU backend too."""
     core = write_tiny_core(tmp_path, family)
     expected = [(t, "length", None) for t in single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)]
     for extra in ([], ["--eager"]):
@@ -277,6 +289,19 @@ def test_experts_split_by_columns_keep_each_experts_gate_and_up_rows_together() 
     gate = torch.cat([p[:, :16] for p in parts], dim=1)
     up = torch.cat([p[:, 16:] for p in parts], dim=1)
     assert torch.equal(gate, w13[:, :48]) and torch.equal(up, w13[:, 48:])
+
+
+def test_linear_attention_splits_by_key_heads_each_with_its_value_heads() -> None:
+    config = DecoderConfig.from_hf("qwen3_5", {**TINY, **FAMILY_CONFIGS["qwen3_5"]})  # 2 key heads, 4 value heads
+    qkv = torch.arange(config.linear.conv_dim)  # q [0, 32), k [32, 64), v [64, 128): 16 rows a head
+    parts = [Shard.of(config, rank, 2).read(qkv, 0, "linear_qkv") for rank in range(2)]
+    assert parts[0].tolist() == [*range(0, 16), *range(32, 48), *range(64, 96)]
+    assert parts[1].tolist() == [*range(16, 32), *range(48, 64), *range(96, 128)]
+    local = Shard.of(config, 1, 2).local_config(config)
+    assert (local.linear.num_key_heads, local.linear.num_value_heads, local.linear.conv_dim) == (1, 2, 64)
+    with pytest.raises(CoreError) as caught:  # 3 ranks fit the attention heads, not the 2 key heads
+        Shard.of(config, 0, 3)
+    assert "2 linear-attention key heads and 4 value heads; supported world sizes: 1, 2" in str(caught.value)
 
 
 # --- SmolLM2 through `flare run --tp R` ------------------------------------------------------------------------
