@@ -18,10 +18,10 @@ from the host (frames.verify_rows), so a batch of B rows of width W runs in the 
 the sampling graph, a few eager ops on the model stream accept the drafts and write each slot's next input token
 (graph_step.accept_drafts), and the verdicts come back with the tokens. Steps that ask for
 label logits anywhere but at a row's last token, more logprobs or bans than the graphs hold, penalties, logprobs or
-bans in a verify plan (the planner never drafts for such requests), and plans no graph holds, run eagerly on the
-model stream through EagerExecutor's step (the reference semantics), synchronously: these are the exceptions, not
-the hot path. So do a vision model's steps holding image tokens, but their vision tower replays its
-own graphs, captured here at patch capacities (engine/executor/vision_graphs.py).
+bans in a verify plan (the planner never drafts for such requests), embeddings' pooling rows, and plans no graph
+holds, run eagerly on the model stream through EagerExecutor's step (the reference semantics), synchronously: these
+are the exceptions, not the hot path. So do a vision model's steps holding image tokens, but their vision tower
+replays its own graphs, captured here at patch capacities (engine/executor/vision_graphs.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from engine.sampling.graph_extras import (PROMPT_ROWS, ExtrasBuffers, StepExtras
                                           read_logprobs, read_prompt_logprobs, step_extras)
 from engine.sampling.label_scores import Query, assemble, graph_index
 from engine.sampling.penalty_state import apply_known_tokens
-from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan, fields
+from engine.scheduler.plan import (GENERATION, POOL, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan,
+                                  fields)
 
 log = logging.getLogger("flare.engine")
 
@@ -336,6 +337,8 @@ class GraphExecutor:
                 return None
             i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
+        if any(fields(rows, POOL)):  # embeddings run eagerly (docs/design.md, Embeddings)
+            return None
         if any(fields(rows, SCORES)):
             index = graph_index(plan, self._vocab)
             if index is None or len(index[1]) > self._max_labels:
