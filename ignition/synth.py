@@ -120,6 +120,7 @@ class SynthSource:
         preset_config = PRESETS[preset]
         vision = "vision_config" in preset_config
         self.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
+        self.pooling = None
         self.specials = (VISION_SPECIALS if vision else ()) + SPECIALS
         self.preprocessor = SYNTH_PREPROCESSOR if vision else {}
         self.preprocessor_file = self.path
