@@ -73,7 +73,8 @@ VALID = {"/v1/chat/completions": {"model": MODEL, "messages": HELLO},
          "/v1/responses": {"model": MODEL, "input": "hi"},
          "/v1/messages": {"model": MODEL, "max_tokens": 16, "messages": HELLO},
          "/v1/messages/count_tokens": {"model": MODEL, "messages": HELLO},
-         "/api/show": {"model": MODEL}}
+         "/api/show": {"model": MODEL}, "/v1/embeddings": {"model": MODEL, "input": "hi"},
+         "/api/embed": {"model": MODEL, "input": "hi"}}
 ROUTES = list(VALID)
 OVERRIDES = st.lists(st.sampled_from(sorted(FIELDS)).flatmap(lambda key: FIELDS[key].map(lambda v: (key, v))),
                      max_size=5).map(dict)
