@@ -24,17 +24,21 @@ def pool_index(plan: Plan) -> tuple[tuple[Row, ...], np.ndarray]:
     """The plan's pooling rows, and int64 [2, n]: each pooled token's row in the step, and which pooling row (its
     index among them) it adds into."""
     rows: list[Row] = []
-    tokens: list[int] = []
-    into: list[int] = []
+    firsts: list[int] = []  # each pooling row's first pooled token in the step
+    counts: list[int] = []
     first = 0
     for row in plan.rows:
         if row.pool:
-            span = range(first if row.pool == "mean" else first + row.length - 1, first + row.length)
-            tokens.extend(span)
-            into.extend([len(rows)] * len(span))
             rows.append(row)
+            firsts.append(first if row.pool == "mean" else first + row.length - 1)
+            counts.append(row.length if row.pool == "mean" else 1)
         first += row.length
-    return tuple(rows), np.array([tokens, into], dtype=np.int64).reshape(2, len(tokens))
+    counts_array = np.array(counts, dtype=np.int64)
+    into = np.repeat(np.arange(len(rows), dtype=np.int64), counts_array)
+    # (token i of pooling row r lies at firsts[r] + i: an arange over them all, moved by each row's offset)
+    offsets = np.array(firsts, dtype=np.int64) - (np.cumsum(counts_array) - counts_array)
+    tokens = np.arange(int(counts_array.sum()), dtype=np.int64) + np.repeat(offsets, counts_array)
+    return tuple(rows), np.stack([tokens, into])
 
 
 def pool_rows(hidden: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
