@@ -13,6 +13,7 @@ from pathlib import Path
 from common.api_keys import add_api_key_flags
 from common.chat_terminal import add_parser, chat
 from common.links import LinkKeyError, add_link_flags, load_keys, write_keys
+from common.manifest import POOLING_MODES
 from common.supervisor import run
 
 
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     run_parser.add_argument("--max-image-bytes", type=int, help="encoded bytes per image (frontend default 16 MiB)")
     run_parser.add_argument("--max-image-pixels", type=int, help="decoded pixels per image (frontend default 32M)")
     run_parser.add_argument("--media-timeout", type=float, help="seconds to fetch a remote image (default 10)")
+    run_parser.add_argument("--pooling", choices=POOLING_MODES,
+                            help="serve /v1/embeddings from any decoder core: its final hidden states pooled by the "
+                                 "last token or the mean, L2-normalised (an embedding core needs none: its manifest "
+                                 "says how)")
     engine_group = run_parser.add_argument_group("engine capacities (default: sized from the device's memory on a "
                                                  "GPU, the core's recipe on the CPU)")
     engine_group.add_argument("--max-active", type=int, help="live request slots per engine")

@@ -35,6 +35,22 @@ class GenerationDefaults(msgspec.Struct, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
 
 
+POOLING_MODES = ("last", "mean")
+
+
+class Pooling(msgspec.Struct, forbid_unknown_fields=True):
+    """An embedding core's pooling (docs/design.md, Embeddings), from its sentence-transformers layout or
+    `ignition export --pooling`."""
+
+    mode: str  # "last": the last token's final hidden state; "mean": the mean over the prompt's
+    normalize: bool = False  # the vector is L2-normalised (sentence-transformers' Normalize module)
+    matryoshka: bool = False  # trained for truncated vectors: a request may ask for fewer dimensions
+
+    def __post_init__(self) -> None:
+        if self.mode not in POOLING_MODES:
+            raise ValueError(f"pooling mode {self.mode!r} is not one of {POOLING_MODES}")
+
+
 class Manifest(msgspec.Struct, forbid_unknown_fields=True):
     format_version: int
     architecture: str  # model family, e.g. "llama"
@@ -51,6 +67,7 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True):
     created: int = 0  # unix time of export
     vision: ImageProcessing | None = None  # a vision core's image settings; None: text only
     quantization: str | None = None  # "q4", "q8" or "q4,q8": weights kept in groups of 32 (engine/model/quant.py)
+    pooling: Pooling | None = None  # an embedding core's; None: a generation core
 
     def __post_init__(self) -> None:
         if self.format_version != FORMAT_VERSION:

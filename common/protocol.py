@@ -77,6 +77,9 @@ class Submit(_Wire, tag="submit"):
     constraint: Constraint | None = None  # structured output; None: free text
     images: list[ImageInput] = []  # in prompt order
     cache_salt: str = ""  # requests of different salts never share cached prefixes (common/prefix_history.py)
+    # An embedding (docs/design.md, Embeddings): "last" or "mean" pooling of the prompt's final hidden states; like a
+    # scored prefill, no token is sampled and the request ends once its prompt is computed. "": not an embedding.
+    pooling: str = ""
 
 
 class Abort(_Wire, tag="abort"):
@@ -130,6 +133,7 @@ class Outputs(_Wire, tag="outputs"):
     logprobs: list[Logprobs | None] = []  # per request, for its new tokens, when asked for
     prompt_logprobs: list[Logprobs | None] = []  # per request, once, with its first tokens, when asked for
     label_logits: list[list[list[float]]] = []  # per request: per label query, its labels' logits (else [])
+    embeddings: list[bytes] = []  # per request: an embedding's pooled vector, little-endian float32, with its finish
 
 
 class Rejected(_Wire, tag="rejected"):

@@ -189,7 +189,7 @@ def serve(args: argparse.Namespace, manifest: Manifest, gpus: list[str | None], 
     for replica in replicas:
         frontend_args += ["--engine", replica.address]
     for flag in ("capacity", "body_limit", "body_timeout", "workers", "max_images", "max_image_bytes",
-                 "max_image_pixels", "media_timeout", "allowed_origins"):
+                 "max_image_pixels", "media_timeout", "allowed_origins", "pooling"):
         if getattr(args, flag) is not None:
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.allowed_media_domains:

@@ -33,6 +33,7 @@ HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 FAREWELL = 0.5  # seconds a failed engine keeps its socket open after failing its requests
 MAX_LABELS = 256  # label token ids one query of a scored prefill reads
+POOLINGS = ("", "last", "mean")  # Submit.pooling: not an embedding, or how one pools
 SHORT_PROMPT = 128  # ids: below this, min() and max() beat packing for numpy (which costs 40 µs cold, 2 hot)
 # With a step in flight and no prompt waiting, the next step is planned this long before the one in flight is
 # expected to end: the host's plan and submit take under a millisecond at 256 live requests, and the loop's sleep
@@ -250,11 +251,11 @@ class Engine:
             request_id=submit.request_id, owner=identity, prompt_len=len(submit.prompt),
             tokens=submit.prompt, sampling=params,  # the Submit was decoded for this request alone: no copy
             seed=params.seed if params.seed is not None else self._seed.getrandbits(63),
-            stop_ids=stop_ids, max_outputs=0 if submit.label_queries else
+            stop_ids=stop_ids, max_outputs=0 if submit.label_queries or submit.pooling else
             min(params.max_tokens, self.card.context_limit - len(submit.prompt)),
             arrival=time.monotonic(), message_ends=list(submit.message_ends),
             label_queries=[(q.position, tuple(q.token_ids)) for q in submit.label_queries],
-            grammar=grammar, images=tuple(submit.images), cache_salt=submit.cache_salt,
+            grammar=grammar, images=tuple(submit.images), cache_salt=submit.cache_salt, pooling=submit.pooling,
             image_spans=tuple((i.offset, i.offset + self.vision.tokens(i.grid),
                                mrope_delta([(i.offset, i.grid)], self.vision.merge_size)) for i in submit.images))
         request.last_commit = request.arrival
@@ -285,7 +286,12 @@ class Engine:
                 any(not 0 <= end <= len(submit.prompt) for end in submit.message_ends):
             return reject(400, f"message ends must be at most {len(submit.prompt) + 1} prompt positions in "
                                f"[0, {len(submit.prompt)}]")
-        total = len(submit.prompt) + submit.sampling.max_tokens
+        if submit.pooling not in POOLINGS:
+            return reject(400, f"pooling must be one of {', '.join(POOLINGS[1:])}, got {submit.pooling!r}")
+        if submit.pooling and (submit.label_queries or submit.constraint is not None):
+            return reject(400, "an embedding reads no labels and generates nothing to constrain")
+        # A prefill-only request (scored or embedding) holds its prompt and nothing after it.
+        total = len(submit.prompt) + (0 if submit.label_queries or submit.pooling else submit.sampling.max_tokens)
         if total > self.card.context_limit:
             return reject(400, f"This model's maximum context length is {self.card.context_limit} tokens; the "
                                f"request has {len(submit.prompt)} prompt tokens and asks for "
@@ -413,6 +419,7 @@ class Engine:
             nothing = [None] * len(requests)
             ends = [finished.get(r) for r in requests] if finished else nothing
             labels = [label_logits(r, end) for r, end in zip(requests, ends)] if finished else []
+            embeddings = [embedding(r, end) for r, end in zip(requests, ends)] if finished else []
             self._send(owner, wire.Outputs(
                 request_ids=columns.request_ids, token_ids=token_ids,
                 finish_reasons=[f.reason if f else None for f in ends] if finished else nothing,
@@ -421,7 +428,7 @@ class Engine:
                 logprobs=[join_logprobs(logprobs.get(r, [])) for r in requests] if logprobs else nothing,
                 prompt_logprobs=[join_logprobs(take(r.prompt_logprobs)) if tokens and r.prompt_logprobs else None
                                  for r, tokens in zip(requests, token_ids)] if columns.prompt_logprobs else nothing,
-                label_logits=labels if any(labels) else []))
+                label_logits=labels if any(labels) else [], embeddings=embeddings if any(embeddings) else []))
         for request, end in finished.items():
             self._owned[request.owner].discard(request.request_id)
             self.counters[FINISH_COUNTERS[end.reason]] += 1
@@ -497,6 +504,13 @@ def label_logits(request: Request, end: Finished | None) -> list[list[float]]:
     if end is None or end.reason != "stop" or not request.scored:
         return []
     return [list(request.label_logits[position]) for position, _ in request.label_queries]
+
+
+def embedding(request: Request, end: Finished | None) -> bytes:
+    """An embedding's vector as the wire carries it, once it ended well; nothing for any other request or news."""
+    if end is None or end.reason != "stop" or not request.pooling:
+        return b""
+    return request.embedding().astype("<f4").tobytes()
 
 
 def take(pieces: list[wire.Logprobs]) -> list[wire.Logprobs]:

@@ -33,6 +33,7 @@ class Update:
     logprobs: wire.Logprobs | None = None
     prompt_logprobs: wire.Logprobs | None = None
     label_logits: list[list[float]] | None = None  # a scored prefill's, with its finish
+    embedding: bytes | None = None  # an embedding's vector (little-endian float32), with its finish
 
 
 def failure(error: FlareError) -> Update:
@@ -189,7 +190,8 @@ class EngineClient:
                 outputs.prompt_tokens[i], outputs.cached_tokens[i],
                 outputs.logprobs[i] if i < len(outputs.logprobs) else None,
                 outputs.prompt_logprobs[i] if i < len(outputs.prompt_logprobs) else None,
-                outputs.label_logits[i] if i < len(outputs.label_logits) else None))
+                outputs.label_logits[i] if i < len(outputs.label_logits) else None,
+                outputs.embeddings[i] if i < len(outputs.embeddings) else None))
 
     async def _keepalive(self) -> None:
         """Say hello every interval: the engine's liveness check of us, and how a restarted engine learns of us.

@@ -30,6 +30,9 @@ BODY_TIMEOUT = 30.0  # seconds to read a request's body (--body-timeout); slower
 
 RETRY_AFTER_SECONDS = 1  # on a 429 or 503 of the frontend's own
 
+# Inputs of one embeddings request (OpenAI's bound); each is a request in the engine.
+MAX_EMBEDDING_INPUTS = 2048
+
 # JSON bodies larger than this are parsed on the worker pool rather than on the event loop.
 OFFLOAD_JSON_BYTES = 1 << 20
 

@@ -15,9 +15,10 @@ from aiohttp import web
 from common.api_keys import ApiKeyError, add_api_key_flags, api_key
 from common.errors import CoreError
 from common.links import LinkKeyError, LinkKeys, add_link_flags, frame_limit, load_keys
+from common.manifest import POOLING_MODES
 from frontend import chat_page
-from frontend.api import (anthropic_messages, decisions, models, ollama_chat, ollama_models, openai_chat,
-                          openai_completions, openai_responses, tokenize)
+from frontend.api import (anthropic_messages, decisions, embeddings, models, ollama_chat, ollama_models,
+                          openai_chat, openai_completions, openai_responses, tokenize)
 from frontend.chat.grammar_check import VALIDATOR
 from frontend.decisions.prompts import Decider
 from frontend.images.decode import ImageLimits
@@ -61,6 +62,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="decoded pixels per image (read from the header, before decoding)")
     parser.add_argument("--media-timeout", type=float, default=limits.fetch_timeout,
                         help="seconds to fetch one remote image")
+    parser.add_argument("--pooling", choices=POOLING_MODES,
+                        help="serve embeddings of this core's final hidden states, pooled by the last token or the "
+                             "mean and L2-normalised, whatever its manifest says")
     return parser.parse_args(argv)
 
 
@@ -73,13 +77,13 @@ def create_app(frontend: Frontend, body_limit: int) -> web.Application:
     app.router.add_get("/metrics", serve_metrics)
     chat_page.add_routes(app)
     for dialect in (models, openai_chat, openai_completions, openai_responses, anthropic_messages, ollama_models,
-                    ollama_chat, tokenize, decisions):
+                    ollama_chat, tokenize, decisions, embeddings):
         dialect.add_routes(app)
     return app
 
 
 async def serve(args: argparse.Namespace, key: str | None, link_keys: LinkKeys | None) -> None:
-    model = ServedModel(args.core)
+    model = ServedModel(args.core, args.pooling)
     client = Replicas(args.engine, args.routing, link_keys,
                       frame_limit(model.manifest.context_limit, model.manifest.vision))
     welcome = await client.start()

@@ -12,7 +12,7 @@ from typing import NamedTuple
 from tokenizers import Tokenizer
 
 from common.errors import InvalidRequest
-from common.manifest import DECISION_FILES, Manifest, load_manifest
+from common.manifest import DECISION_FILES, Manifest, Pooling, load_manifest
 from common.protocol import ImageInput
 from frontend.chat import reasoning, tool_parsers
 from frontend.chat.templates import ChatTemplate, TemplateError
@@ -37,10 +37,14 @@ class EncodedChat(NamedTuple):
 
 
 class ServedModel:
-    def __init__(self, core: Path) -> None:
+    def __init__(self, core: Path, pooling: str | None = None) -> None:
+        """`pooling`: serve embeddings pooled so ("last" or "mean", L2-normalised), whatever the core says
+        (flare run --pooling)."""
         self.manifest: Manifest = load_manifest(core, verify=True, only=(TOKENIZER_FILE, TEMPLATE_FILE,
                                                                           *DECISION_FILES))
         self.core = core
+        # How an embedding is pooled; None: the core generates only (docs/design.md, Embeddings).
+        self.pooling: Pooling | None = Pooling(pooling, normalize=True) if pooling else self.manifest.pooling
         self.tokenizer = Tokenizer.from_file(str(core / TOKENIZER_FILE))
         self.prefix_tokens = PrefixTokenizer(self.tokenizer)  # long prompts sharing a beginning encode once
         self.name = self.manifest.served_names[0]

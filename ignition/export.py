@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from common.errors import CoreError
-from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, load_manifest, sha256_file
+from common.manifest import (FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, Pooling, load_manifest,
+                             sha256_file)
 from common.manifest import DECISION_FILES, write_manifest
 from engine.model.config import text_config
 from ignition import qwen3_vl
@@ -44,6 +45,7 @@ class Source(Protocol):
     chat_template: str
     generation: GenerationDefaults
     generation_eos_ids: list[int]
+    pooling: Pooling | None  # an embedding checkpoint's (ignition/sentence_transformers.py)
 
     def config(self) -> dict[str, object]: ...
     def write_tokenizer(self, target: Path) -> list[int]: ...
@@ -59,6 +61,8 @@ class ExportOptions:
     context_limit: int | None = None  # caps max_position_embeddings
     force: bool = False  # replace an existing OUT
     quant: str | None = None  # "q4", "q8" or "none"; None: each weight as the source holds it
+    pooling: str | None = None  # "last" or "mean": an embedding core (normalised) whatever the source says
+    matryoshka: bool = False  # the model was trained for truncated vectors
 
 
 def open_source(path: Path) -> Source:
@@ -99,8 +103,10 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
         shutil.rmtree(staging, ignore_errors=True)  # left by a killed run that had our pid
         staging.mkdir()
         try:
-            eos_ids, kinds = _write_files(source, family, config, DTYPES[dtype], options.quant, staging, bar)
-            manifest = _manifest(source, options, raw, family, config, dtype, eos_ids, staging, kinds)
+            pooling = _pooling(source, options)
+            eos_ids, kinds = _write_files(source, family, config, DTYPES[dtype], options.quant, staging, bar,
+                                          pooling is not None)
+            manifest = _manifest(source, options, raw, family, config, dtype, eos_ids, staging, kinds, pooling)
             write_manifest(staging, manifest)
             load_manifest(staging)  # what every process will read must decode and validate
             _replace(staging, out)
@@ -111,7 +117,8 @@ def export_source(source: Source, out: Path, options: ExportOptions = ExportOpti
 
 
 def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], family: str,
-              config: dict[str, object], dtype: str, eos_ids: list[int], staging: Path, kinds: set[str]) -> Manifest:
+              config: dict[str, object], dtype: str, eos_ids: list[int], staging: Path, kinds: set[str],
+              pooling: Pooling | None) -> Manifest:
     try:
         return Manifest(
             format_version=FORMAT_VERSION,
@@ -131,22 +138,37 @@ def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], fa
             vision=qwen3_vl.image_processing(source.preprocessor, config, source.preprocessor_file)
             if family == qwen3_vl.MODEL_TYPE else None,
             quantization=",".join(sorted(kinds)) or None,
+            pooling=pooling,
         )
     except ValueError as exc:  # the Manifest's own checks
         raise CoreError(f"{source.path}: cannot make a valid manifest: {exc}") from None
 
 
+def _pooling(source: Source, options: ExportOptions) -> Pooling | None:
+    if options.pooling is not None:
+        return Pooling(options.pooling, normalize=True, matryoshka=options.matryoshka)
+    if source.pooling is not None and options.matryoshka:
+        return Pooling(source.pooling.mode, source.pooling.normalize, matryoshka=True)
+    if options.matryoshka:
+        raise CoreError(f"{source.path}: --matryoshka is for an embedding model (a sentence-transformers layout "
+                        "or --pooling)")
+    return source.pooling
+
+
 def _write_files(source: Source, family: str, config: dict[str, object], dtype: torch.dtype, quant: str | None,
-                 staging: Path, bar: tqdm) -> tuple[list[int], set[str]]:
-    """Write tokenizer, annotated template and weights into `staging`; return the tokenizer's EOS ids and the
-    quantized kinds written ("q4", "q8")."""
+                 staging: Path, bar: tqdm, embeds: bool) -> tuple[list[int], set[str]]:
+    """Write tokenizer, annotated template (when the source has one) and weights into `staging`; return the
+    tokenizer's EOS ids and the quantized kinds written ("q4", "q8"). An embedding checkpoint without a head
+    (a base model, as sentence-transformers saves it) gets its head tied to the embeddings in `config`: the engine
+    computes logits with every step, though an embedding reads none."""
     shapes = expected_shapes(family, config)
     weights: dict[str, torch.Tensor] = {}
     written: set[str] = set()
     kinds: set[str] = set()
     bar.set_postfix_str("tokenizer")
     eos_ids = source.write_tokenizer(staging / TOKENIZER_NAME)
-    (staging / TEMPLATE_NAME).write_text(annotate(source.chat_template), encoding="utf-8")
+    if source.chat_template:
+        (staging / TEMPLATE_NAME).write_text(annotate(source.chat_template), encoding="utf-8")
     for name in DECISION_FILES:
         if source.path.is_dir() and (source.path / name).is_file():
             shutil.copyfile(source.path / name, staging / name)
@@ -171,13 +193,16 @@ def _write_files(source: Source, family: str, config: dict[str, object], dtype: 
         else:
             weights[name] = tensor.to(dtype).contiguous()
         written.add(name)
+    if embeds and "lm_head.weight" in shapes.keys() - written:
+        config["tie_word_embeddings"] = True
+        written.add("lm_head.weight")
     missing = sorted(shapes.keys() - written)
     if missing:
         raise CoreError(f"{source.path}: missing tensor {missing[0]} ({len(missing)} missing in all)")
     bar.set_postfix_str(WEIGHTS_NAME)
     save_file(weights, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
     # safetensors writes its file owner-only; a core is read by other users' server processes too.
-    (staging / WEIGHTS_NAME).chmod((staging / TEMPLATE_NAME).stat().st_mode)
+    (staging / WEIGHTS_NAME).chmod((staging / TOKENIZER_NAME).stat().st_mode)
     bar.update()
     return eos_ids, kinds
 

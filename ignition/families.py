@@ -32,6 +32,8 @@ FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.", "mtp.")
+# A base model's tensors (Qwen3Model, as a sentence-transformers checkpoint saves it) lack the causal LM's "model.".
+_BASE_MODEL = ("embed_tokens.", "layers.", "norm.")
 # Config flags that change the function computed and that Flare does not implement: (key, the value that is fine).
 _UNSUPPORTED = (("attn_logit_softcapping", None), ("final_logit_softcapping", None), ("mlp_bias", False),
                 ("use_bidirectional_attention", False), ("partial_rotary_factor", 1.0))
@@ -198,6 +200,8 @@ def core_tensors(family: str, config: dict[str, object],
         prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
         if prefix:
             name = _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
+        elif name.startswith(_BASE_MODEL):
+            name = "model." + name
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
         if name.endswith((".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight")):
             yield from _split_interleaved(c, name, tensor)

@@ -74,6 +74,7 @@ class GgufSource:
         if not isinstance(template, str) or not template.strip():
             raise CoreError(f"{path}: no chat template in the GGUF metadata (tokenizer.chat_template)")
         self.chat_template: str = template
+        self.pooling = None  # a GGUF file is served as a generation core (flare run --pooling makes it embed)
         self.default_dtype = "float32"  # GGUF weights are quantized; dequantized values are exact in fp32
         self.checkpoint = path.name
         sampling = {name: self._field(key) for key, name in _SAMPLING_KEYS.items() if self._field(key) is not None}

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
 from ignition.families import family_of
+from ignition.sentence_transformers import read_pooling
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -30,6 +31,7 @@ class HfSource:
         self._raw = _read_json(self.config_file)
         family_of(self._raw, self.config_file)  # an unsupported architecture fails before any work
         self._tokenizer_config = _read_json(path / "tokenizer_config.json", required=False)
+        self.pooling = read_pooling(path, self._raw)  # a sentence-transformers layout: an embedding checkpoint
         self.chat_template = self._find_chat_template()
         self.default_dtype = str(self._raw.get("dtype") or self._raw.get("torch_dtype") or "float32")
         name_or_path = str(self._raw.get("_name_or_path") or "")
@@ -98,6 +100,8 @@ class HfSource:
         jinja = self.path / "chat_template.jinja"
         if jinja.is_file():
             return jinja.read_text(encoding="utf-8")
+        if self.pooling is not None:
+            return ""  # an embedding model needs none: its inputs are texts
         raise CoreError(f"{self.path}: no chat template (neither tokenizer_config.json's chat_template "
                         "nor chat_template.jinja)")
 

@@ -68,6 +68,13 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
                          metavar="NAME", help="model names clients may ask for (default: derived from SOURCE)")
     command.add_argument("--context-limit", type=_positive, metavar="N",
                          help="cap the context below max_position_embeddings")
+    command.add_argument("--pooling", choices=("last", "mean"),
+                         help="make an embedding core that pools the final hidden states of the last token or their "
+                              "mean, L2-normalised (default: a sentence-transformers layout's own pooling, else a "
+                              "generation core)")
+    command.add_argument("--matryoshka", action="store_true",
+                         help="the embedding model was trained for truncated vectors (Qwen3-Embedding): requests may "
+                              "ask for fewer dimensions")
     command.add_argument("--force", action="store_true", help="replace OUT if it exists")
     command.set_defaults(handler=_export, subject="source")
 
@@ -78,10 +85,13 @@ def _export(args: argparse.Namespace) -> None:
     started = time.monotonic()
     quant = args.quant or ("none" if args.dtype else None)
     options = ExportOptions(dtype=args.dtype, served_names=tuple(args.served_names),
-                            context_limit=args.context_limit, force=args.force, quant=quant)
+                            context_limit=args.context_limit, force=args.force, quant=quant, pooling=args.pooling,
+                            matryoshka=args.matryoshka)
     manifest = export(args.source, args.out, options)
     size = sum(file.stat().st_size for file in args.out.iterdir())
     precision = f"{manifest.dtype}, {manifest.quantization}" if manifest.quantization else manifest.dtype
+    if manifest.pooling is not None:
+        precision += f"; embeddings, {manifest.pooling.mode} pooling"
     print(f"ignition: wrote {args.out} ({', '.join(manifest.served_names)}; {precision}; "
           f"{size / 2**20:.0f} MiB) in {time.monotonic() - started:.1f} s")
 

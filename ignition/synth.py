@@ -50,6 +50,11 @@ PRESETS: dict[str, dict[str, object]] = {
                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
                    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
                    "tie_word_embeddings": False},
+    # Qwen3-Embedding-0.6B's architecture (Qwen3-0.6B's): what an embedding benchmark serves with --pooling last.
+    "qwen3-0.6b": {"model_type": "qwen3", "vocab_size": 151669, "hidden_size": 1024, "intermediate_size": 3072,
+                   "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                   "tie_word_embeddings": True},
     "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
@@ -120,6 +125,7 @@ class SynthSource:
         preset_config = PRESETS[preset]
         vision = "vision_config" in preset_config
         self.chat_template = VISION_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
+        self.pooling = None
         self.specials = (VISION_SPECIALS if vision else ()) + SPECIALS
         self.preprocessor = SYNTH_PREPROCESSOR if vision else {}
         self.preprocessor_file = self.path

@@ -18,6 +18,7 @@ from common.protocol import Logprobs
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
+from engine.executor.pooling import eager_pooled
 from engine.model.decoder import CausalLM
 from engine.model.image_features import Tower
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -157,7 +158,8 @@ class EagerExecutor:
                           tuple(tokens.tolist()), time.perf_counter() - started,
                           logprobs=self._logprobs(sampled, logits, tokens),
                           prompt_logprobs=self._prompt_logprobs(plan, hidden),
-                          scores=eager_scores(plan, hidden, self.model.logits), accepted=accepted)
+                          scores=eager_scores(plan, hidden, self.model.logits), accepted=accepted,
+                          pooled=eager_pooled(plan, hidden))
 
     def _verify(self, sampled: list[Row], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                            tuple[int, ...]]:

@@ -20,8 +20,10 @@ the sampling graph, a few eager ops on the model stream accept the drafts and wr
 label logits anywhere but at a row's last token, more logprobs or bans than the graphs hold, penalties, logprobs or
 bans in a verify plan (the planner never drafts for such requests), and plans no graph holds, run eagerly on the
 model stream through EagerExecutor's step (the reference semantics), synchronously: these are the exceptions, not
-the hot path. So do a vision model's steps holding image tokens, but their vision tower replays its
-own graphs, captured here at patch capacities (engine/executor/vision_graphs.py).
+the hot path. So do a vision model's steps holding image tokens, but their vision tower replays its own graphs,
+captured here at patch capacities (engine/executor/vision_graphs.py). Embeddings (docs/design.md, Embeddings) run in
+the extend graphs, which keep every token's final hidden state: after the model graph, an index uploaded with the
+step pools the embedding rows' states into frame k's buffer (engine/executor/pooling.py), copied back with the tokens.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from engine.executor.eager import EagerExecutor, kv_cache_shape
 from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
                                     verify_rows, verify_spans)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
+from engine.executor.pooling import assemble as assemble_pooled
+from engine.executor.pooling import pool_index, pool_rows, pools
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.backends.triton import KernelTower
 from engine.model.decoder import CausalLM
@@ -53,7 +57,7 @@ from engine.sampling.graph_extras import (PROMPT_ROWS, ExtrasBuffers, StepExtras
                                           read_logprobs, read_prompt_logprobs, step_extras)
 from engine.sampling.label_scores import Query, assemble, graph_index
 from engine.sampling.penalty_state import apply_known_tokens
-from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan, fields
+from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan, Row, fields
 
 log = logging.getLogger("flare.engine")
 
@@ -108,6 +112,7 @@ class _Launched:
     seqs: int = 0  # sequence rows the step sampled (a verify row counts one per position)
     verified: int = 0  # verify rows whose verdicts the step copied back
     extras: StepExtras | None = None  # penalties, bans, logprobs, prompt logprobs (engine/sampling/graph_extras.py)
+    pooled: tuple[Row, ...] = ()  # the embedding rows whose pooled states the step copied back
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,13 @@ class GraphExecutor:
                               for _ in range(MAX_IN_FLIGHT)]
         self._verdicts_host = [torch.zeros(2 * max_active, dtype=torch.int64).pin_memory()
                                for _ in range(MAX_IN_FLIGHT)]
+        # Embeddings: each pooled token's (step row, pooling row) in, a float32 vector per pooling row out, per frame.
+        hidden = model.config.hidden_size
+        self._pool_index_host = [torch.zeros(2 * self._extend_caps[-1], dtype=torch.int64).pin_memory()
+                                 for _ in range(MAX_IN_FLIGHT)]
+        self._pool_index = torch.zeros(2 * self._extend_caps[-1], dtype=torch.int64, device=device)
+        self._pool_dev = [torch.zeros(max_seqs, hidden, device=device) for _ in range(MAX_IN_FLIGHT)]
+        self._pool_host = [torch.zeros(max_seqs, hidden).pin_memory() for _ in range(MAX_IN_FLIGHT)]
         mask_shape = tuple(self._buffers.masks.shape)
         self._masks_host = [torch.zeros(mask_shape, dtype=torch.int32).pin_memory() for _ in range(MAX_IN_FLIGHT)]
         self._model_stream = torch.cuda.Stream(device)
@@ -315,7 +327,8 @@ class GraphExecutor:
             self._vision.close()
         self._exec.clear()
         del self.kv_cache, self._buffers, self._out_dev, self._label_index, self._label_dev, self._spans, \
-            self._verdicts_dev, self._extras, self._logprobs_dev, self._known, self._prompt_in, self._prompt_dev
+            self._verdicts_dev, self._extras, self._logprobs_dev, self._known, self._prompt_in, self._prompt_dev, \
+            self._pool_index, self._pool_dev
         torch.cuda.empty_cache()
         os.close(self.wake_fd)
         os.close(self._wake_write)
@@ -332,7 +345,7 @@ class GraphExecutor:
             return None
         if plan.kind == "verify":  # one-token rows in a decode graph, when nothing else needs a span
             if plan.masks or step_extras(rows, self._vocab) is not None or \
-                    any(row.scores or (row.length > 1 and not row.draft) for row in rows):
+                    any(row.scores or row.pool or (row.length > 1 and not row.draft) for row in rows):
                 return None
             i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
@@ -369,6 +382,7 @@ class GraphExecutor:
         mode = "extras" if extras is not None and extras.sample else "masked" if plan.masks else "plain"
         rt.graphLaunch(self._exec[(seqs, greedy, mode)], model)
         labels = self._gather_labels(plan, k) if any(fields(plan.rows, SCORES)) else ()
+        pooled = self._pool(plan, k) if pools(plan) else ()
         verified = self._accept(plan, k, layout) if verify else 0
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)
@@ -382,6 +396,9 @@ class GraphExecutor:
         if labels:
             count = sum(len(query.token_ids) for query in labels)
             rt.memcpyAsync(self._label_host[k].data_ptr(), self._label_dev[k].data_ptr(), count * 4, D2H, copy)
+        if pooled:
+            rt.memcpyAsync(self._pool_host[k].data_ptr(), self._pool_dev[k].data_ptr(),
+                           self._pool_dev[k][:len(pooled)].nbytes, D2H, copy)
         if verified:
             rt.memcpyAsync(self._verdicts_host[k].data_ptr(), self._verdicts_dev[k].data_ptr(), verified * 16, D2H,
                            copy)
@@ -392,7 +409,8 @@ class GraphExecutor:
             rt.memcpyAsync(self._prompt_out_host[k].data_ptr(), self._prompt_dev[k].data_ptr(),
                            self._prompt_dev[k][:extras.prompt.shape[1]].nbytes, D2H, copy)
         rt.eventRecord(self._done[k], copy)
-        self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified, extras))
+        self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified, extras,
+                                       pooled))
         self._watch.put((fence, self._done[k]))
 
     def _upload_extras(self, plan: Plan, extras: StepExtras, k: int, seqs: int) -> None:
@@ -458,6 +476,18 @@ class GraphExecutor:
                                out=self._label_dev[k][:count])
         return tuple(found)
 
+    def _pool(self, plan: Plan, k: int) -> tuple[Row, ...]:
+        """On the model stream, after the model graph: the embedding rows' pooled states (from the extend graph's
+        kept hidden states) into frame k's pooling buffer; the rows, in plan order."""
+        rows, index = pool_index(plan)
+        count = index.shape[1]
+        self._pool_index_host[k].numpy()[:2 * count] = index.reshape(-1)
+        self._rt.memcpyAsync(self._pool_index.data_ptr(), self._pool_index_host[k].data_ptr(), 2 * count * 8, H2D,
+                             self._model_stream.cuda_stream)
+        with torch.cuda.stream(self._model_stream):
+            pool_rows(self._extras.hidden, self._pool_index[:2 * count].view(2, count), self._pool_dev[k][:len(rows)])
+        return rows
+
     def _collected(self, step: _Launched) -> Completion:
         """The step's completion; reading it calls the device too (its events' times), which a fault since the step
         ended makes fail."""
@@ -486,6 +516,9 @@ class GraphExecutor:
         self.spans.append((start, end, len(step.plan.rows), step.kind))
         count = sum(len(query.token_ids) for query in step.labels)
         scores = assemble(list(step.labels), self._label_host[k].numpy()[:count].tolist()) if count else ()
+        # (a copy: the frame's buffer takes a later step's vectors)
+        pooled = assemble_pooled(step.pooled, self._pool_host[k].numpy()[:len(step.pooled)].copy()) \
+            if step.pooled else ()
         logprobs, prompt, extras = (), (), step.extras
         if extras is not None and extras.logprobs:
             logprobs = read_logprobs(rows, tokens, self._logprobs_host[k].numpy(), self._extras.top)
@@ -495,7 +528,7 @@ class GraphExecutor:
         return Completion(step.fence, tuple(compress(fields(rows, SLOT), sample)),
                           tuple(compress(fields(rows, GENERATION), sample)),
                           tuple(tokens), (end - start) / 1000, scores=scores, accepted=tuple(accepted),
-                          logprobs=logprobs, prompt_logprobs=prompt)
+                          logprobs=logprobs, prompt_logprobs=prompt, pooled=pooled)
 
     def _run_eager(self, fence: int, plan: Plan) -> Completion:
         """The eager executor's step (page copies included) on the model stream; its tokens reaching the host end

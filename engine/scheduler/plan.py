@@ -52,14 +52,17 @@ class Row(NamedTuple):
     # samples (output_index + i at position i) and the executor accepts the drafts the samples agree with.
     draft: tuple[int, ...] = ()
     proposer: str = ""
+    # An embedding's row (docs/design.md, Embeddings): "mean", the sum of the row's final hidden states comes back;
+    # "last", the final hidden state of the row's last token (the prompt's last). Such a row never samples.
+    pool: str = ""
 
 
 # Getters of Row fields, for passes over a step's rows at C speed (map(SLOT, rows), or `fields`): at 256 rows a Python
 # loop per field costs several times more.
 _GETTER_NAMES = ("slot", "generation", "start", "length", "tokens", "page_table", "sample", "output_index", "sampling",
-                 "seed", "prompt_targets", "banned", "scores", "rope_shift", "draft")
+                 "seed", "prompt_targets", "banned", "scores", "rope_shift", "draft", "pool")
 (SLOT, GENERATION, START, LENGTH, TOKENS, PAGE_TABLE, SAMPLE, OUTPUT_INDEX, SAMPLING, SEED, PROMPT_TARGETS, BANNED,
- SCORES, ROPE_SHIFT, DRAFT) = _GETTERS = tuple(itemgetter(Row._fields.index(name)) for name in _GETTER_NAMES)
+ SCORES, ROPE_SHIFT, DRAFT, POOL) = _GETTERS = tuple(itemgetter(Row._fields.index(name)) for name in _GETTER_NAMES)
 _FIELD_INDEX = {getter: Row._fields.index(name) for getter, name in zip(_GETTERS, _GETTER_NAMES)}
 
 
@@ -160,3 +163,5 @@ class Completion:
     # Per sampled row, when the plan verified drafts: how many of the row's drafts were accepted; `tokens` then
     # holds the target's token after them (the correction, or the bonus when all were accepted).
     accepted: tuple[int, ...] = ()
+    # (slot, generation, row start, float32 vector) per pooling row of the plan (Row.pool), in plan order.
+    pooled: tuple[tuple[int, int, int, np.ndarray], ...] = ()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from common.prefix_history import PrefixHistory
 from common.protocol import ImageInput, Logprobs, SamplingParams
 from engine.cache.checkpoint_cache import Checkpoint
@@ -77,6 +79,10 @@ class Request:
     # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.
     label_queries: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     label_logits: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # An embedding (docs/design.md, Embeddings): "last" or "mean", and what its rows pooled so far (float32: the
+    # last token's hidden state, or the sum of the hidden states computed since the prompt's first position).
+    pooling: str = ""
+    pooled: np.ndarray | None = None
     # Structured output: the request's llguidance matcher (engine/sampling/grammar.py), advanced on every committed token.
     # A constrained request's next sampled row needs its last token, so it is never the second step in flight.
     grammar: object | None = None
@@ -93,12 +99,20 @@ class Request:
 
     @property
     def scored(self) -> bool:
-        return bool(self.label_queries)
+        """A prefill-only request (a scored prefill or an embedding): it samples nothing and ends with its prompt."""
+        return bool(self.label_queries) or bool(self.pooling)
 
     @property
     def first_computed(self) -> int:
-        """The first position whose hidden state the request reads: prefix reuse must stop before it."""
-        return min(p for p, _ in self.label_queries) if self.scored else self.prefill_target - 1
+        """The first position whose hidden state the request reads: prefix reuse must stop before it (a mean
+        reads every position, so it reuses nothing)."""
+        if self.label_queries:
+            return min(p for p, _ in self.label_queries)
+        return 0 if self.pooling == "mean" else self.prefill_target - 1
+
+    def embedding(self) -> np.ndarray:
+        """The pooled vector of an embedding whose prompt is computed."""
+        return self.pooled / self.prompt_len if self.pooling == "mean" else self.pooled
 
     def atomic_length(self, start: int, length: int) -> int:
         """`length` tokens from `start`, moved off the inside of an image span: a chunk stops before the span, or,

@@ -468,7 +468,8 @@ class RequestScheduler:
             prompt_targets=targets, epoch=request.epoch, images=request.images,
             rope_shift=request.rope_shift(start, end),
             banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else (),
-            scores=tuple((p, ids) for p, ids in request.label_queries if start <= p < end))
+            scores=tuple((p, ids) for p, ids in request.label_queries if start <= p < end),
+            pool=request.pooling if request.pooling == "mean" or end == request.prefill_target and prefill else "")
 
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
@@ -643,14 +644,20 @@ class RequestScheduler:
         del request.pages[keep:]
 
     def _complete_scores(self, completion: Completion, plan: Plan, result: StepResult) -> None:
-        """A scored prefill keeps the label logits it read and ends with the step that computed its prompt: it
-        never holds a slot for decoding. Logits are kept by position, so a recomputed chunk reads them again."""
+        """A scored prefill keeps the label logits it read, an embedding what its rows pooled, and either ends with
+        the step that computed its prompt: it never holds a slot for decoding. Logits are kept by position, so a
+        recomputed chunk reads them again."""
         if plan.kind == "decode":
             return  # no prompt rows, so no label queries
         for slot, generation, position, logits in completion.scores:
             request = self.slots[slot]
             if request is not None and request.generation == generation:
                 request.label_logits[position] = logits
+        for slot, generation, start, vector in completion.pooled:
+            request = self.slots[slot]
+            if request is not None and request.generation == generation:
+                # A mean's sum starts over with a row at position 0 (a recompute after a preemption starts there).
+                request.pooled = vector if start == 0 or request.pooling == "last" else request.pooled + vector
         for row in plan.rows:
             if row.tokens is None:
                 continue  # a decode row: a scored request ends before any (docs/design.md, Beyond plain decoding)

@@ -30,7 +30,8 @@ def requested_model(model: ServedModel, body: dict) -> str:
 def capabilities(model: ServedModel) -> list[str]:
     return ["completion", "tools"] + (["chat"] if model.template is not None else []) + \
         (["thinking"] if model.reasons else []) + (["vision"] if model.manifest.vision is not None else []) + \
-        (["insert"] if fim_tokens(model.tokenizer) else [])
+        (["insert"] if fim_tokens(model.tokenizer) else []) + \
+        (["embedding"] if model.pooling is not None else [])
 
 
 def openai_card(model: ServedModel) -> dict:

@@ -24,6 +24,8 @@ from engine.executor.frames import (PageTableMirror, host_views, make_layout, pa
                                     verify_spans)
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
+from engine.executor.pooling import assemble as assemble_pooled  # noqa: E402
+from engine.executor.pooling import pool_index, pool_rows  # noqa: E402
 from engine.model.backends.select import use_backend  # noqa: E402
 from engine.sampling.graph_extras import (TOP_LOGPROBS, ExtrasBuffers, extras_words, graph_holds_extras,  # noqa: E402
                                           host_extras_views, pack_extras, prompt_logprobs_step, read_logprobs,
@@ -136,6 +138,9 @@ class FrameExecutor:
             tokens = [t for r, t in zip(plan.rows, samples) if r.sample]
         sampled = [r for r in plan.rows if r.sample]
         found, index = graph_index(plan, self.model.config.vocab_size)  # GraphExecutor's label gather
+        pooling, pooled_index = pool_index(plan)  # GraphExecutor's pooling, from the extend graph's hidden states
+        pooled = torch.empty(len(pooling), self.model.config.hidden_size)
+        pool_rows(self.extras.hidden, torch.from_numpy(pooled_index), pooled)
         scores = assemble(found, self.buffers.logits.view(-1)[torch.tensor(index, dtype=torch.int64)].tolist())
         top = self.extras.top
         logprobs = read_logprobs(plan.rows, tokens, self.extras.logprobs.numpy(), top) \
@@ -143,6 +148,7 @@ class FrameExecutor:
         self.done.append((plan, Completion(self.fence, tuple(r.slot for r in sampled),
                                            tuple(r.generation for r in sampled), tuple(tokens), 0.0,
                                            scores=scores, accepted=tuple(accepted), logprobs=logprobs,
+                                           pooled=assemble_pooled(pooling, pooled.numpy()),
                                            prompt_logprobs=() if prompt is None else
                                            read_prompt_logprobs(plan.rows, prompt, top))))
         os.write(self._write, b"x")
@@ -379,6 +385,37 @@ def test_frame_steps_read_the_eager_executors_label_logits() -> None:
     assert_same_scores(scores, eager_scores, 1e-4)
 
 
+def run_pooled(harness: Harness) -> tuple[list[list[int]], list[np.ndarray]]:
+    """Embeddings, last-token and mean, beside generation; the long ones are computed in several chunks. Their
+    vectors, and the generated tokens."""
+    generating = [harness.add(PROMPTS[1], temperature=0.0, max_tokens=2)]
+    embeddings = [harness.add(p, pooling=pooling)
+                  for p, pooling in ((PROMPTS[2], "last"), (list(range(60)), "mean"), ([9], "mean"))]
+    harness.run()
+    harness.close()
+    assert all(r.finish_reason == "stop" and r.outputs == 0 for r in embeddings)
+    return [r.tokens[r.prompt_len:] for r in generating], [r.embedding() for r in embeddings]
+
+
+def assert_same_vectors(got: list[np.ndarray], want: list[np.ndarray], tolerance: float) -> None:
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(torch.from_numpy(mine), torch.from_numpy(theirs), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_frame_steps_pool_the_eager_executors_embeddings() -> None:
+    eager_tokens, eager_vectors = run_pooled(Harness(tiny_model(), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK))
+    model = tiny_model()
+    use_backend(model, "triton", CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
+    tokens, vectors = run_pooled(harness)
+    assert tokens == eager_tokens
+    assert_same_vectors(vectors, eager_vectors, 1e-4)
+
+
 def gpu_harness(model, graphs: bool) -> Harness:
     from engine.executor.eager import EagerExecutor
     from engine.executor.graph import GraphExecutor
@@ -398,6 +435,18 @@ def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) 
     model = tiny_model().to("cuda", dtype)
     use_backend(model, "triton", CONTEXT)
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_executor_pools_the_eager_executors_embeddings(dtype: torch.dtype) -> None:
+    model = tiny_model().to("cuda", dtype)
+    use_backend(model, "triton", CONTEXT)
+    tokens, vectors = run_pooled(gpu_harness(model, graphs=True))
+    eager_tokens, eager_vectors = run_pooled(gpu_harness(model, graphs=False))
+    assert tokens == eager_tokens
+    assert_same_vectors(vectors, eager_vectors, 1e-4 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.gpu

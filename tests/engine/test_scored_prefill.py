@@ -18,8 +18,9 @@ def model():
     return tiny_model()
 
 
-def reference_logits(model, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt), vocab]: the whole prompt through the model at once, no cache reused."""
+def reference_hidden(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), hidden]: the final hidden states of the whole prompt through the model at once, no cache
+    reused."""
     from engine.model.attention import AttentionMetadata, PrefillSpan
 
     n = len(prompt)
@@ -27,7 +28,13 @@ def reference_logits(model, prompt: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(torch.arange(n), torch.zeros(0, dtype=torch.long), torch.zeros(0, 0, dtype=torch.long),
                              torch.zeros(0, dtype=torch.long), (PrefillSpan(0, n, n, torch.arange(n)),), 1)
     with torch.no_grad():
-        return model.logits(model(torch.tensor(prompt), torch.arange(n), cache, meta))
+        return model(torch.tensor(prompt), torch.arange(n), cache, meta)
+
+
+def reference_logits(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab]: the whole prompt through the model at once, no cache reused."""
+    with torch.no_grad():
+        return model.logits(reference_hidden(model, prompt))
 
 
 def assert_scores(model, request, prompt: list[int]) -> None:

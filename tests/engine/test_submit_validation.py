@@ -53,3 +53,15 @@ def test_an_image_identity_that_cannot_key_the_cache_is_refused() -> None:
 
     assert image_problem(with_identity(bytes(32)), vision, "m") is None
     assert "identity" in image_problem(with_identity(bytes(31)), vision, "m")
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"pooling": "max"}, "pooling"),
+    ({"pooling": "mean", "label_queries": [wire.LabelQuery(2, [4])]}, "embedding"),
+    ({"pooling": "last", "constraint": wire.Constraint("regex", "a+")}, "embedding")])
+def test_an_embedding_that_cannot_be_computed_is_refused(fields: dict, named: str) -> None:
+    engine, _executor, dealer = make_engine()
+    dealer.send(wire.encode(wire.Submit("bad", [5, 6, 7], wire.SamplingParams(max_tokens=1), **fields)))
+    submit(engine, dealer, [5, 6, 7, 8])
+    rejected = wire.decode_engine_message(dealer.recv())
+    assert isinstance(rejected, wire.Rejected) and rejected.status == 400 and named in rejected.message

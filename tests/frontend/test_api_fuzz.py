@@ -86,7 +86,9 @@ VALID = {"/v1/chat/completions": {"model": MODEL, "messages": HELLO},
          "/api/chat": {"model": MODEL, "messages": HELLO},
          "/api/generate": {"model": MODEL, "prompt": "hi"},
          "/tokenize": {"prompt": "hi"},
-         "/detokenize": {"tokens": [1, 2]}}
+         "/detokenize": {"tokens": [1, 2]},
+         "/v1/embeddings": {"model": MODEL, "input": "hi"},
+         "/api/embed": {"model": MODEL, "input": "hi"}}
 ROUTES = list(VALID)
 OVERRIDES = st.lists(st.sampled_from(sorted(FIELDS)).flatmap(lambda key: FIELDS[key].map(lambda v: (key, v))),
                      max_size=5).map(dict)

@@ -71,13 +71,14 @@ class Harness:
         self.steps = 0
 
     def add(self, prompt: list[int], message_ends: list[int] = (),
-            label_queries: list[tuple[int, tuple[int, ...]]] = (), **sampling: object) -> Request:
-        """A request as the engine admits it; with label queries, a scored prefill (it generates nothing)."""
+            label_queries: list[tuple[int, tuple[int, ...]]] = (), pooling: str = "", **sampling: object) -> Request:
+        """A request as the engine admits it; with label queries a scored prefill, with a pooling an embedding
+        (either generates nothing)."""
         params = SamplingParams(**sampling)
         request = Request(f"r{next(self._ids)}", b"test", len(prompt), list(prompt), params,
                           params.seed if params.seed is not None else 0, frozenset(params.stop_token_ids),
-                          0 if label_queries else params.max_tokens, float(next(self._ids)),
-                          message_ends=list(message_ends), label_queries=list(label_queries))
+                          0 if label_queries or pooling else params.max_tokens, float(next(self._ids)),
+                          message_ends=list(message_ends), label_queries=list(label_queries), pooling=pooling)
         self.scheduler.add(request)
         return request
 
