@@ -17,6 +17,7 @@ from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, Frontend
                             RequestTimeout, Unauthorized, UnsupportedMediaType)
 from frontend.api.errors import dialect_of, error_response
 from frontend.api.json_body import json_response
+from frontend.heap import HeapTrim
 from frontend.images.decode import ImageLimits
 from frontend.limits import BODIES_IN_FLIGHT, BODY_TIMEOUT, OFFLOAD_JSON_BYTES, RETRY_AFTER_SECONDS, SMALL_BODY_BYTES
 from frontend.model import ServedModel
@@ -48,6 +49,7 @@ class Frontend:
         self.api_key = api_key
         self.in_use = 0
         self.reading_bytes = 0  # Content-Length of the bodies being read now
+        self.heap = HeapTrim()
         self.pool_busy = 0
         self.draining = False
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="frontend-worker")
@@ -94,6 +96,8 @@ async def read_body(request: web.Request, frontend: Frontend) -> bytes:
                              "body_timeout: raise --body-timeout of flare-frontend") from None
     finally:
         frontend.reading_bytes -= size
+        if size:
+            frontend.heap.after_large_body()
 
 
 async def read_json(request: web.Request) -> dict:

@@ -78,6 +78,7 @@ class Attacker:
         self.responses: dict[str, Counter[str]] = {kind: Counter() for kind in self.kinds}
         self.windows: list[tuple[str, float, float]] = []
         self.lock = threading.Lock()
+        self.cycled = threading.Event()  # every kind has run once: the soak's warm-up includes that
 
     def run(self, until: float) -> None:
         while time.monotonic() + ATTACK_SECONDS < until:
@@ -97,6 +98,7 @@ class Attacker:
                         self.responses[kind][response] += 1
                 self.windows.append((kind, start, time.monotonic()))
                 time.sleep(QUIET_SECONDS)
+            self.cycled.set()
         self.context.destroy(linger=0)
         self.http.close()
 

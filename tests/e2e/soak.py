@@ -6,7 +6,8 @@ Traffic, from several client threads at once: chat and completions (streamed and
 a few chunks, requests cancelled by a short client timeout, long prompts (half the context), and every minute an
 overload burst of many concurrent requests (429s and 503s expected there and only there).
 Checks at the end (each printed; exit status 1 if any fails):
-- RSS of every engine and frontend process grew less than 5% between the end of the warm-up and the end;
+- RSS of every engine and frontend process grew less than 5% between the end of the warm-up (with --attack: once
+  every attack kind has run) and the end;
 - every slot and page is back: no live, pending or retiring requests or pages, and free + cached pages as at start;
 - no 5xx outside the bursts;
 - the engines' counters add up to what the clients saw: admissions = completions + cancellations + failures, and
@@ -177,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         for thread in threads:
             thread.start()
         time.sleep(min(WARMUP_SECONDS, args.minutes * 30))
+        if attacker is not None:
+            # Memory a frontend holds after its largest concurrent bodies is a high-water mark, not growth: the
+            # warm-up lasts until every attack kind has run once.
+            attacker.cycled.wait(timeout=max(0.0, until - time.monotonic()))
         warm = rss(server)
         trace = [warm]  # a sample a minute: whether growth levels off, not only how much there was
         for thread in threads:
