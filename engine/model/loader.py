@@ -9,6 +9,7 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
+from engine.model import fp8
 from engine.model.backends.select import backend_kind, use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
@@ -32,15 +33,18 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     """The model's backend is chosen here, once (engine/model/backends/select.py): on CUDA the kernel path
     (Triton, fused projections); on the CPU the torch reference, or Flare's C++ ops for a quantized fp32 core.
     A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
-    they are dequantized to `dtype` at load."""
+    they are dequantized to `dtype` at load. An FP8 core's weights are dequantized at load on every device
+    (engine/model/fp8.py), and split over ranks like dense ones."""
     manifest = load_manifest(core, verify=verify)
-    if manifest.quantization and tp and tp.world_size > 1:
+    fp8_core = fp8.is_fp8(manifest.quantization)
+    if manifest.quantization and not fp8_core and tp and tp.world_size > 1:
         raise CoreError(f"{core}: a quantized core runs on one rank; export it with --quant none for --tp")
     config = DecoderConfig.from_hf(manifest.architecture, manifest.config, str(core / "manifest.json"))
     shard = Shard.of(config, tp.rank, tp.world_size) if tp else None  # with a group, only this rank's part
     if shard:
         config = shard.local_config(config)
-    dtype = dtype or DTYPES[manifest.dtype]
+    # An FP8 core computes in fp32 on the CPU (its weights dequantized exactly), in its own dtype on a GPU.
+    dtype = dtype or (torch.float32 if fp8_core and device.type == "cpu" else DTYPES[manifest.dtype])
     if config.hybrid and tp and tp.world_size > 1:
         raise CoreError(f"{core}: tensor parallelism does not split linear-attention layers yet; serve "
                         f"{manifest.architecture} on one rank")
@@ -50,8 +54,10 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
         model = VisionLanguageLM(config, VisionConfig.from_hf(manifest.config["vision_config"])) \
             if manifest.vision is not None else CausalLM(config, tp)
     state: dict[str, torch.Tensor] = {}
+    block = fp8.scheme_block(manifest.quantization)
     for file in weight_files(core, manifest):
-        state.update(read_weights(file, device, shard))
+        state.update(read_weights(file, device, shard, block))
+    fp8.dequantize_all(state, block, dtype)  # until FP8 kernels exist, on every device
     quantized = is_quantized(state)
     if quantized and (device.type != "cpu" or dequantized):
         dequantize_all(state)
