@@ -13,16 +13,18 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import msgspec
 import openai
 import pytest
 import torch
 import zmq
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from common import protocol as wire
 from common.errors import CoreError
 from common.links import LinkKeys, write_keys
-from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
+from common.manifest import (FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, load_manifest, sha256_file,
+                             write_manifest)
 from common.ranks import GROUP_FAILED, engine_commands
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
@@ -32,6 +34,7 @@ from engine.parallel.worker import check_plan
 from engine.scheduler.plan import Plan, Row
 from tests.support.servers import Server
 from tests.support.engine_harness import FAMILY_CONFIGS, Harness
+from tests.support.fp8_checkpoints import block_quantized, channel_quantized
 
 # 6 heads over 3 KV heads: 2 ranks split the KV groups 2 + 1, 3 ranks 1 + 1 + 1; 320 vocabulary rows and 160 MLP
 # columns do not split evenly over 3 ranks.
@@ -227,12 +230,35 @@ def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path,
         exit_statuses(ranks, 0.1)
 
 
+def as_fp8(core: Path, block: tuple[int, int]) -> Path:
+    """The core with its attention projections in FP8 with per-channel scales, its MLPs and experts with block
+    scales (engine/model/fp8.py)."""
+    state = load_file(core / "model.safetensors")
+    for name in [n for n in state if n.startswith("model.layers.") and n.endswith(("_proj.weight", ".w13", ".w2"))]:
+        weight = state.pop(name)
+        if ".self_attn." in name:
+            values, scale = channel_quantized(weight)
+            state.update({name + ".fp8": values, name + ".fp8_scale": scale})
+        else:
+            values, scale = block_quantized(weight, block)
+            state.update({name + ".fp8": values, name + ".fp8_block_scale": scale})
+    save_file(state, core / "model.safetensors")
+    manifest = load_manifest(core)
+    write_manifest(core, msgspec.structs.replace(
+        manifest, quantization=f"fp8-block-{block[0]}x{block[1]},fp8-channel",
+        files={"model.safetensors": sha256_file(core / "model.safetensors")}))
+    return core
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text", "qwen3_moe-fp8"])
 def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> None:
     """q/k/v biases split by heads; experts split by columns (w13 rows of gate and up, w2 columns); Gemma's norms
-    and sliding-window layers."""
-    core = write_tiny_core(tmp_path, family)
+    and sliding-window layers; FP8 values split as their weights, per-channel scales with their rows and block
+    scales by whole blocks."""
+    core = write_tiny_core(tmp_path, family.removesuffix("-fp8"))
+    if family.endswith("-fp8"):
+        as_fp8(core, (8, 8))
     expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
     address = f"ipc://{tmp_path}/engine.sock"
     ranks = start_ranks(core, 2, address, tmp_path)
@@ -277,6 +303,17 @@ def test_experts_split_by_columns_keep_each_experts_gate_and_up_rows_together() 
     gate = torch.cat([p[:, :16] for p in parts], dim=1)
     up = torch.cat([p[:, 16:] for p in parts], dim=1)
     assert torch.equal(gate, w13[:, :48]) and torch.equal(up, w13[:, 48:])
+
+
+def test_fp8_block_scales_split_by_whole_blocks_or_refuse() -> None:
+    config = DecoderConfig.from_hf("qwen3_moe", {**TINY, **FAMILY_CONFIGS["qwen3_moe"]})
+    scales = torch.arange(8 * 12 * 2).view(8, 12, 2)  # w13's [E, 2I / 8, H / 48] with I = 48, blocks of 8 rows
+    parts = [Shard.of(config, rank, 3).read(scales, 1, "expert_columns", 8, 96) for rank in range(3)]
+    assert torch.equal(torch.cat([p[:, :2] for p in parts] + [p[:, 2:] for p in parts], dim=1), scales)
+    with pytest.raises(CoreError) as caught:  # 16 rows a rank, blocks of 32
+        Shard.of(config, 1, 3).read(torch.zeros(8, 3, 2), 1, "expert_columns", 32, 96)
+    message = str(caught.value)
+    assert "\n" not in message and "inside its blocks of 32 (rank 1 holds 16 to 32 of 96)" in message
 
 
 # --- SmolLM2 through `flare run --tp R` ------------------------------------------------------------------------

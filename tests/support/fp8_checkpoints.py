@@ -27,16 +27,19 @@ def channel_quantized(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return e4m3(weight.float(), scale), scale
 
 
-def block_expanded(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    rows, cols = shape
-    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+def block_expanded(scale: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """Block scales [..., ceil(N / bn), ceil(K / bk)] as one per element of a weight of `shape` [..., N, K]."""
+    rows, cols = shape[-2:]
+    scale = scale.repeat_interleave(block[0], -2)[..., :rows, :]
+    return scale.repeat_interleave(block[1], -1)[..., :cols]
 
 
 def block_quantized(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A scale per block of rows x columns (the last ones partial), max|w| of the block / 448."""
-    rows, cols = weight.shape
+    """A scale per block of rows x columns (the last ones partial), max|w| of the block / 448; weights [..., N, K]."""
+    rows, cols = weight.shape[-2:]
     padded = torch.nn.functional.pad(weight.float().abs(), (0, -cols % block[1], 0, -rows % block[0]))
-    scale = padded.unflatten(0, (-1, block[0])).unflatten(-1, (-1, block[1])).amax(dim=(1, 3)) / E4M3_MAX
+    blocks = padded.unflatten(-2, (-1, block[0])).unflatten(-1, (-1, block[1]))  # [..., N/bn, bn, K/bk, bk]
+    scale = blocks.amax(dim=(-3, -1)) / E4M3_MAX
     return e4m3(weight.float(), block_expanded(scale, weight.shape, block)), scale
 
 
