@@ -62,3 +62,9 @@ def dequantize_all(state: dict[str, torch.Tensor], block: tuple[int, int] | None
         weight = dequantize(values, scale, None) if scale is not None else \
             dequantize(values, state.pop(name + BLOCK_SCALE), block)
         state[name] = weight.to(dtype)
+
+
+def rows_expanded(scale: torch.Tensor, rows: int, block_rows: int) -> torch.Tensor:
+    """Block scales [..., ceil(N / bn), S] as one row of scales per weight row [..., N, S], as the FP8 kernels read
+    them (engine/kernels/triton/fp8_linear.py): fused products then concatenate their parts' scales by rows."""
+    return scale.float().repeat_interleave(block_rows, dim=-2)[..., :rows, :].contiguous()
