@@ -10,9 +10,10 @@ its scale beside it (the source pairs them into an `Fp8Weight`):
   strategy `tensor`, `channel` or `block` in `P.weight_scale`.
 
 Activation settings (static `input_scale`, dynamic per-token) and KV-cache scales are dropped: Flare computes in
-the core's dtype on the CPU, and its FP8 kernels will scale activations per token at run time. A per-tensor scale
-becomes one per output channel (the same value on every row: the same weight). Anything else (another bit width,
-e5m2, groups, asymmetric or dynamic weights, another quant_method) is a one-line error naming it.
+fp32 on the CPU, and its FP8 GEMM scales activations per token at run time (engine/kernels/triton/fp8_linear.py).
+A per-tensor scale becomes one per output channel (the same value on every row: the same weight). Anything else
+(another bit width, e5m2, groups, asymmetric or dynamic weights, another quant_method) is a one-line error naming
+it.
 
 Written: `--quant fp8` quantizes every linear of the decoder layers (not the LM head, nor the embeddings) to e4m3
 with one scale per output channel, scale = max|w| / 448, values rounded to nearest. The core's layout is

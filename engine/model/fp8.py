@@ -7,8 +7,9 @@ experts'), its values `P.weight.fp8` (float8_e4m3fn, the same shape) and one of
 - `P.weight.fp8_block_scale` [..., ceil(N / bn), ceil(K / bk)]: one per block of bn x bk, the last blocks of a row
   or column partial; the manifest's scheme names the block (`fp8-block-128x128`).
 
-The manifest's `quantization` lists the schemes a core holds (`fp8-channel`, `fp8-block-BNxBK`). Until the FP8
-kernels exist, the loader dequantizes every such weight at load: to fp32 on the CPU, to the core's dtype on a GPU.
+The manifest's `quantization` lists the schemes a core holds (`fp8-channel`, `fp8-block-BNxBK`). On the CPU the
+loader dequantizes every such weight at load, to fp32; on a GPU the linears stay FP8 (engine/model/fp8_linear.py)
+and the rest (stacked experts, row-parallel linears) is dequantized to the core's dtype.
 """
 
 from __future__ import annotations

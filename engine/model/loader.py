@@ -13,6 +13,7 @@ from engine.model import fp8
 from engine.model.backends.select import backend_kind, use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
+from engine.model.fp8_linear import fp8_linears
 from engine.model.quant import (codes_of, dequantize, dequantize_all, is_quantized, output_layer, quantize_linears,
                                 quantized_view)
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -29,12 +30,13 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
                verify: bool = True, tp: TensorParallel | None = None,
-               dequantized: bool = False) -> tuple[Manifest, CausalLM]:
+               dequantized: bool = False, fp8_kernels: bool | None = None) -> tuple[Manifest, CausalLM]:
     """The model's backend is chosen here, once (engine/model/backends/select.py): on CUDA the kernel path
     (Triton, fused projections); on the CPU the torch reference, or Flare's C++ ops for a quantized fp32 core.
     A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
-    they are dequantized to `dtype` at load. An FP8 core's weights are dequantized at load on every device
-    (engine/model/fp8.py), and split over ranks like dense ones."""
+    they are dequantized to `dtype` at load. An FP8 core's linears stay FP8 on a GPU (engine/model/fp8_linear.py:
+    `fp8_kernels`, None for a GPU unless `dequantized`), its other FP8 weights, and on the CPU all of them, are
+    dequantized at load (engine/model/fp8.py); they split over ranks like dense ones."""
     manifest = load_manifest(core, verify=verify)
     fp8_core = fp8.is_fp8(manifest.quantization)
     if manifest.quantization and not fp8_core and tp and tp.world_size > 1:
@@ -57,7 +59,9 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     block = fp8.scheme_block(manifest.quantization)
     for file in weight_files(core, manifest):
         state.update(read_weights(file, device, shard, block))
-    fp8.dequantize_all(state, block, dtype)  # until FP8 kernels exist, on every device
+    if fp8_core and (fp8_kernels if fp8_kernels is not None else device.type == "cuda" and not dequantized):
+        fp8_linears(model, state, block)
+    fp8.dequantize_all(state, block, dtype)
     quantized = is_quantized(state)
     if quantized and (device.type != "cpu" or dequantized):
         dequantize_all(state)

@@ -13,18 +13,16 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import msgspec
 import openai
 import pytest
 import torch
 import zmq
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from common import protocol as wire
 from common.errors import CoreError
 from common.links import LinkKeys, write_keys
-from common.manifest import (FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, load_manifest, sha256_file,
-                             write_manifest)
+from common.manifest import FORMAT_VERSION, Capacities, GenerationDefaults, Manifest, sha256_file, write_manifest
 from common.ranks import GROUP_FAILED, engine_commands
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
@@ -34,7 +32,7 @@ from engine.parallel.worker import check_plan
 from engine.scheduler.plan import Plan, Row
 from tests.support.servers import Server
 from tests.support.engine_harness import FAMILY_CONFIGS, Harness
-from tests.support.fp8_checkpoints import block_quantized, channel_quantized
+from tests.support.fp8_checkpoints import as_fp8
 
 # 6 heads over 3 KV heads: 2 ranks split the KV groups 2 + 1, 3 ranks 1 + 1 + 1; 320 vocabulary rows and 160 MLP
 # columns do not split evenly over 3 ranks.
@@ -230,26 +228,6 @@ def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path,
         exit_statuses(ranks, 0.1)
 
 
-def as_fp8(core: Path, block: tuple[int, int]) -> Path:
-    """The core with its attention projections in FP8 with per-channel scales, its MLPs and experts with block
-    scales (engine/model/fp8.py)."""
-    state = load_file(core / "model.safetensors")
-    for name in [n for n in state if n.startswith("model.layers.") and n.endswith(("_proj.weight", ".w13", ".w2"))]:
-        weight = state.pop(name)
-        if ".self_attn." in name:
-            values, scale = channel_quantized(weight)
-            state.update({name + ".fp8": values, name + ".fp8_scale": scale})
-        else:
-            values, scale = block_quantized(weight, block)
-            state.update({name + ".fp8": values, name + ".fp8_block_scale": scale})
-    save_file(state, core / "model.safetensors")
-    manifest = load_manifest(core)
-    write_manifest(core, msgspec.structs.replace(
-        manifest, quantization=f"fp8-block-{block[0]}x{block[1]},fp8-channel",
-        files={"model.safetensors": sha256_file(core / "model.safetensors")}))
-    return core
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text", "qwen3_moe-fp8"])
 def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> None:
@@ -258,7 +236,7 @@ def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> N
     scales by whole blocks."""
     core = write_tiny_core(tmp_path, family.removesuffix("-fp8"))
     if family.endswith("-fp8"):
-        as_fp8(core, (8, 8))
+        as_fp8(core, (8, 8))  # block scales of 8 rows and columns: every split falls between blocks
     expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
     address = f"ipc://{tmp_path}/engine.sock"
     ranks = start_ranks(core, 2, address, tmp_path)

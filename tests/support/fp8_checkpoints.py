@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors.torch import load_file, save_file
+
+from common.manifest import load_manifest, sha256_file, write_manifest
 
 E4M3_MAX = 448.0
 # Format -> its quantization_config (the block formats take their block as an argument).
@@ -94,3 +97,23 @@ def quantization_config(fmt: str, block: tuple[int, int] = (128, 128)) -> dict:
             "config_groups": {"group_0": {"weights": weights, "input_activations": activations,
                                           "output_activations": None, "targets": ["Linear"]}},
             "ignore": ["lm_head"], "kv_cache_scheme": None, "global_compression_ratio": None}
+
+
+def as_fp8(core: Path, block: tuple[int, int]) -> Path:
+    """A core (its one model.safetensors) with its attention projections in FP8 with per-channel scales and its
+    MLPs and experts with block scales, as ignition writes them (engine/model/fp8.py)."""
+    state = load_file(core / "model.safetensors")
+    for name in [n for n in state if n.startswith("model.layers.") and n.endswith(("_proj.weight", ".w13", ".w2"))]:
+        weight = state.pop(name)
+        if ".self_attn." in name:
+            values, scale = channel_quantized(weight)
+            state.update({name + ".fp8": values, name + ".fp8_scale": scale})
+        else:
+            values, scale = block_quantized(weight, block)
+            state.update({name + ".fp8": values, name + ".fp8_block_scale": scale})
+    save_file(state, core / "model.safetensors")
+    manifest = load_manifest(core)
+    write_manifest(core, msgspec.structs.replace(
+        manifest, quantization=f"fp8-block-{block[0]}x{block[1]},fp8-channel",
+        files={"model.safetensors": sha256_file(core / "model.safetensors")}))
+    return core
