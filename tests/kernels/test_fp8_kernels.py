@@ -29,7 +29,7 @@ DTYPES = [torch.bfloat16, torch.float32] if GPU else [torch.float16, torch.float
 # (N, K, block or None for one scale per channel): Llama-3.1-8B's gate/up and down on the GPU, with 128 x 128 blocks
 # and per channel; small ones on the CPU, with partial blocks (K = 80 over blocks of 32 columns).
 SHAPES = [(28672, 4096, (128, 128)), (4096, 14336, None)] if GPU else [(40, 80, (16, 32)), (24, 64, None),
-                                                                        (48, 96, (128, 128))]
+                                                                        (48, 96, (128, 128)), (24, 200, (8, 96))]
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -96,5 +96,5 @@ def test_rows_are_quantized_per_token_as_their_reference() -> None:
 
 def test_gemm_tiles_fit_inside_scale_blocks() -> None:
     assert gemm_block_k(128, 4096) == 128 and gemm_block_k(4096, 4096) == 128
-    assert gemm_block_k(48, 96) == 16 and gemm_block_k(32, 80) == 32
-    assert gemm_block_k(24, 96) is None  # no tile of 16 or more divides 24 columns: the weight-only kernel runs
+    assert gemm_block_k(96, 192) == 32 and gemm_block_k(32, 80) == 32
+    assert gemm_block_k(48, 96) is None  # no tile of 32 or more divides 48 columns: the weight-only kernel runs

@@ -118,13 +118,14 @@ def _checked(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k
 
 def gemm_block_k(scale_k: int, k_in: int) -> int | None:
     """The K tile of fp8_gemm for scale blocks of `scale_k` columns: the largest power of two up to 128 dividing them
-    (at least 16, tl.dot's smallest), or None where none does (such a product takes fp8_weight_only)."""
+    (at least 32, the smallest K of an 8-bit tl.dot), or None where none does (such a product takes
+    fp8_weight_only)."""
     if scale_k >= k_in:
         return 128
     block = 128
-    while block >= 16 and scale_k % block:
+    while block >= 32 and scale_k % block:
         block //= 2
-    return block if block >= 16 else None
+    return block if block >= 32 else None
 
 
 def fp8_weight_only(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
