@@ -66,7 +66,9 @@ class Manifest(msgspec.Struct, forbid_unknown_fields=True):
     bos_token_id: int | None = None
     created: int = 0  # unix time of export
     vision: ImageProcessing | None = None  # a vision core's image settings; None: text only
-    quantization: str | None = None  # "q4", "q8" or "q4,q8": weights kept in groups of 32 (engine/model/quant.py)
+    # The quantized layouts the weights use, comma-separated: "q4", "q8" (groups of 32, engine/model/quant.py),
+    # "fp8-channel", "fp8-block-128x128" (e4m3 with per-channel or per-block scales, engine/model/fp8.py).
+    quantization: str | None = None
     pooling: Pooling | None = None  # an embedding core's; None: a generation core
 
     def __post_init__(self) -> None:

@@ -20,8 +20,9 @@ from common.manifest import (FORMAT_VERSION, Capacities, GenerationDefaults, Man
                              sha256_file)
 from common.manifest import DECISION_FILES, write_manifest
 from engine.model.config import text_config
-from ignition import qwen3_vl
+from ignition import fp8, qwen3_vl
 from ignition.families import core_tensors, expected_shapes, normalised_config
+from ignition.fp8 import Fp8Weight
 from ignition.gguf_source import GgufSource
 from ignition.hf_source import HfSource, token_ids
 from ignition.quantize import Blocks, quantizable, quantize
@@ -50,7 +51,7 @@ class Source(Protocol):
     def config(self) -> dict[str, object]: ...
     def write_tokenizer(self, target: Path) -> list[int]: ...
     def tensor_count(self) -> int: ...
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Blocks]]: ...
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Blocks | Fp8Weight]]: ...
     def quantized_bits(self, name: str) -> int | None: ...  # the width a weight keeps by default
 
 
@@ -60,7 +61,7 @@ class ExportOptions:
     served_names: tuple[str, ...] = ()  # empty: derived from the source
     context_limit: int | None = None  # caps max_position_embeddings
     force: bool = False  # replace an existing OUT
-    quant: str | None = None  # "q4", "q8" or "none"; None: each weight as the source holds it
+    quant: str | None = None  # "q4", "q8", "fp8" or "none"; None: each weight as the source holds it
     pooling: str | None = None  # "last" or "mean": an embedding core (normalised) whatever the source says
     matryoshka: bool = False  # the model was trained for truncated vectors
 
@@ -158,9 +159,10 @@ def _pooling(source: Source, options: ExportOptions) -> Pooling | None:
 def _write_files(source: Source, family: str, config: dict[str, object], dtype: torch.dtype, quant: str | None,
                  staging: Path, bar: tqdm, embeds: bool) -> tuple[list[int], set[str]]:
     """Write tokenizer, annotated template (when the source has one) and weights into `staging`; return the
-    tokenizer's EOS ids and the quantized kinds written ("q4", "q8"). An embedding checkpoint without a head
-    (a base model, as sentence-transformers saves it) gets its head tied to the embeddings in `config`: the engine
-    computes logits with every step, though an embedding reads none."""
+    tokenizer's EOS ids and the quantized kinds written ("q4", "q8", "fp8-channel", "fp8-block-128x128":
+    engine/model/fp8.py). An embedding checkpoint without a head (a base model, as sentence-transformers saves it)
+    gets its head tied to the embeddings in `config`: the engine computes logits with every step, though an
+    embedding reads none."""
     shapes = expected_shapes(family, config)
     weights: dict[str, torch.Tensor] = {}
     written: set[str] = set()
@@ -181,7 +183,17 @@ def _write_files(source: Source, family: str, config: dict[str, object], dtype: 
         if tuple(tensor.shape) != shapes[name]:
             raise CoreError(f"{source.path}: {name} has shape {tuple(tensor.shape)}, "
                             f"the config says {shapes[name]}")
-        bits = {"q4": 4, "q8": 8, "none": None}[quant] if quant else source.quantized_bits(name)
+        if isinstance(tensor, Fp8Weight) and quant not in (None, "fp8") or \
+                isinstance(tensor, Blocks) and quant == "fp8":
+            tensor = tensor.dequantize()  # dense for --quant none, quantized again below otherwise
+        if quant == "fp8" and fp8.quantizable(name, tensor):
+            tensor = fp8.quantize(tensor)
+        if isinstance(tensor, Fp8Weight):
+            weights.update(tensor.core_tensors(name))
+            kinds.add(tensor.scheme)
+            written.add(name)
+            continue
+        bits = {"q4": 4, "q8": 8, "none": None, "fp8": None}[quant] if quant else source.quantized_bits(name)
         if isinstance(tensor, Blocks) and bits is None:
             tensor = tensor.dequantize()
         elif not isinstance(tensor, Blocks) and bits is not None and quantizable(tensor):

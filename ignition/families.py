@@ -21,7 +21,7 @@ import torch
 
 from common.errors import CoreError
 from engine.model.config import HYBRIDS, DecoderConfig
-from ignition import qwen3_vl
+from ignition import fp8, qwen3_vl
 
 # Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama; a multimodal Gemma 3 (`gemma3`)
 # exports its text model, without the vision tower.
@@ -74,6 +74,9 @@ def normalised_config(raw: dict[str, object], where: Path, dtype: str, checkpoin
     if activation != _ACTIVATION.get(family, "silu"):
         raise CoreError(f"{where}: unsupported {raw.get('model_type')} feature hidden_act={activation}")
     config.update(architectures=[_class_name(raw)], dtype=dtype, _name_or_path=checkpoint)
+    # The checkpoint's quantization (ignition/fp8.py reads it) describes its files, not the core's: the manifest's
+    # `quantization` names the core's layout.
+    config.pop("quantization_config", None)
     DecoderConfig.from_hf(family, config, str(where))  # the engine must read it: e.g. an unknown rope type fails here
     try:
         return family, json.loads(json.dumps(config))
@@ -189,7 +192,8 @@ def _attention_shapes(c: DecoderConfig, attn: str) -> dict[str, tuple[int, ...]]
 
 def core_tensors(family: str, config: dict[str, object],
                  tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors under core names; a layer's experts come out stacked once the last has been read."""
+    """The checkpoint's tensors under core names; a layer's experts come out stacked once the last has been read
+    (FP8 experts with their scales, ignition/fp8.py)."""
     c = DecoderConfig.from_hf(family, config)
     num_experts = c.num_experts
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # layer prefix -> {(expert, part): tensor}
@@ -204,6 +208,8 @@ def core_tensors(family: str, config: dict[str, object],
             name = "model." + name
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's MoE block
         if name.endswith((".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight")):
+            if isinstance(tensor, fp8.Fp8Weight):  # split by heads, which need not align with its blocks
+                tensor = tensor.dequantize()
             yield from _split_interleaved(c, name, tensor)
             continue
         if (match := _STACKED.match(name)):
@@ -213,7 +219,7 @@ def core_tensors(family: str, config: dict[str, object],
                 halves[(-1, _W13[match[2]])] = tensor
                 if len(halves) == 2:
                     del pending[layer]
-                    yield layer + "w13", torch.cat([halves[(-1, 0)], halves[(-1, 1)]], dim=1)
+                    yield layer + "w13", fp8.cat([halves[(-1, 0)], halves[(-1, 1)]], dim=1)
                 continue
             yield layer + ("w13" if match[2] == "gate_up_proj" else "w2"), tensor
             continue
@@ -230,8 +236,8 @@ def core_tensors(family: str, config: dict[str, object],
         parts[(expert, part)] = tensor
         if len(parts) == 3 * num_experts:
             del pending[layer]
-            yield layer + "w13", torch.stack([torch.cat([parts[(e, 0)], parts[(e, 1)]]) for e in range(num_experts)])
-            yield layer + "w2", torch.stack([parts[(e, 2)] for e in range(num_experts)])
+            yield layer + "w13", fp8.stack([fp8.cat([parts[(e, 0)], parts[(e, 1)]], dim=0) for e in range(num_experts)])
+            yield layer + "w2", fp8.stack([parts[(e, 2)] for e in range(num_experts)])
     # Layers whose experts are incomplete are left out: export names the missing tensor.
 
 

@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from common.errors import CoreError
 from common.manifest import GenerationDefaults
 from ignition.families import family_of
+from ignition.fp8 import Fp8Weight, checkpoint_scheme, is_scale_or_dropped, scale_name
 from ignition.sentence_transformers import read_pooling
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -30,6 +31,7 @@ class HfSource:
         self.config_file = path / "config.json"
         self._raw = _read_json(self.config_file)
         family_of(self._raw, self.config_file)  # an unsupported architecture fails before any work
+        self._fp8 = checkpoint_scheme(self._raw, self.config_file)  # likewise an unsupported quantization
         self._tokenizer_config = _read_json(path / "tokenizer_config.json", required=False)
         self.pooling = read_pooling(path, self._raw)  # a sentence-transformers layout: an embedding checkpoint
         self.chat_template = self._find_chat_template()
@@ -75,20 +77,40 @@ class HfSource:
         return None  # dense weights stay dense unless export is asked for --quant
 
     def tensor_count(self) -> int:
-        count = 0
-        for shard in self._shards:
-            with _open_shard(shard) as handle:
-                count += len(handle.keys())
-        return count
+        return sum(len(self._kept(names)) for names in self._names().values())
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | Fp8Weight]]:
+        """Each tensor; an FP8 checkpoint's weights as Fp8Weights, their scales read beside them (from any shard)."""
+        names = self._names()
+        shard_of = {name: shard for shard, held in names.items() for name in held}
+        for shard, held in names.items():
+            with _open_shard(shard) as handle:
+                for name in self._kept(held):
+                    tensor = _read(handle, shard, name)
+                    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and self._fp8 is None:
+                        raise CoreError(f"{shard}: {name} is {tensor.dtype}, but config.json names no FP8 "
+                                        "quantization_config")
+                    scale = scale_name(name, self._fp8) if self._fp8 and tensor.element_size() == 1 else None
+                    if scale is None:
+                        yield name, tensor
+                        continue
+                    if scale not in shard_of:
+                        raise CoreError(f"{shard}: FP8 weight {name} has no {scale}")
+                    with _open_shard(shard_of[scale]) as scales:
+                        yield name, Fp8Weight.of(tensor, _read(scales, shard_of[scale], scale), self._fp8,
+                                                 f"{shard}: {name}")
+
+    def _names(self) -> dict[Path, list[str]]:
+        names = {}
         for shard in self._shards:
             with _open_shard(shard) as handle:
-                for name in handle.keys():
-                    try:
-                        yield name, handle.get_tensor(name)
-                    except Exception as exc:
-                        raise CoreError(f"{shard}: cannot read tensor {name}: {exc}") from None
+                names[shard] = list(handle.keys())
+        return names
+
+    def _kept(self, names: list[str]) -> list[str]:
+        """The names a core takes: less an FP8 checkpoint's scales (read with their weights) and what a core drops
+        (ignition/fp8.py)."""
+        return [name for name in names if not (self._fp8 and is_scale_or_dropped(name, self._fp8))]
 
     def _find_chat_template(self) -> str:
         template = self._tokenizer_config.get("chat_template")
@@ -127,6 +149,13 @@ def _open_shard(shard: Path):  # noqa: ANN202 (safetensors' handle has no public
         return safe_open(str(shard), framework="pt")
     except Exception as exc:  # SafetensorError for a truncated header, OSError for an unreadable file
         raise CoreError(f"{shard}: not a readable safetensors file: {exc}") from None
+
+
+def _read(handle, shard: Path, name: str) -> torch.Tensor:  # noqa: ANN001 (safetensors' handle)
+    try:
+        return handle.get_tensor(name)
+    except Exception as exc:
+        raise CoreError(f"{shard}: cannot read tensor {name}: {exc}") from None
 
 
 def _read_json(path: Path, required: bool = True) -> dict:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from common.errors import CoreError
 
+QUANT_CHOICES = ("q4", "q8", "fp8", "none")
+
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -60,10 +62,11 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
     command.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                          help="dtype of dense weights and activations (default: float32 for GGUF, the checkpoint's "
                               "own otherwise); given without --quant, every weight is dense")
-    command.add_argument("--quant", choices=("q4", "q8", "none"),
+    command.add_argument("--quant", choices=QUANT_CHOICES,
                          help="keep linear and embedding weights in 4- or 8-bit groups of 32, run by the CPU's int4 "
-                              "kernel (default: a GGUF's own precision, Q4_0/Q4_1/Q8_0 blocks exactly; none for "
-                              "a Hugging Face checkpoint or with --dtype)")
+                              "kernel, or the decoder layers' linears as FP8 (e4m3, a scale per output channel) "
+                              "(default: the source's own precision: a GGUF's Q4_0/Q4_1/Q8_0 blocks exactly, an FP8 "
+                              "checkpoint's e4m3 weights and scales; none with --dtype)")
     command.add_argument("--served-name", dest="served_names", action="extend", nargs="+", default=[],
                          metavar="NAME", help="model names clients may ask for (default: derived from SOURCE)")
     command.add_argument("--context-limit", type=_positive, metavar="N",
@@ -108,6 +111,8 @@ def _add_synth(commands: argparse._SubParsersAction) -> None:
     command.add_argument("--layers", type=_positive, metavar="N", help="keep only N decoder layers")
     command.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"),
                          help="weight dtype (default: bfloat16)")
+    command.add_argument("--quant", choices=QUANT_CHOICES,
+                         help="quantize the weights as `ignition export --quant` does (default: none)")
     command.add_argument("--seed", type=int, default=0, help="random seed of the weights (default: 0)")
     command.add_argument("--force", action="store_true", help="replace OUT if it exists")
     command.set_defaults(handler=_synth, subject="out")
@@ -119,9 +124,10 @@ def _synth(args: argparse.Namespace) -> None:
 
     started = time.monotonic()
     source = SynthSource(args.preset, args.layers, args.dtype, args.seed)
-    manifest = export_source(source, args.out, ExportOptions(dtype=args.dtype, force=args.force))
+    manifest = export_source(source, args.out, ExportOptions(dtype=args.dtype, force=args.force, quant=args.quant))
     size = sum(file.stat().st_size for file in args.out.iterdir())
-    print(f"ignition: wrote {args.out} ({manifest.checkpoint}; {manifest.dtype}; {size / 2**20:.0f} MiB) "
+    precision = f"{manifest.dtype}, {manifest.quantization}" if manifest.quantization else manifest.dtype
+    print(f"ignition: wrote {args.out} ({manifest.checkpoint}; {precision}; {size / 2**20:.0f} MiB) "
           f"in {time.monotonic() - started:.1f} s")
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.model.attention import AttentionMetadata, KernelMetadata, PagedAttention
 from engine.model.config import DecoderConfig
+from engine.model.fp8_linear import Fp8Linear
 from engine.model.image_features import ImageFeatures, Tower
 from engine.model.linear_attention import GatedDeltaNet
 from engine.model.moe import SparseMoE
@@ -111,9 +112,11 @@ class MLP(nn.Module):
 def fuse_linears(*linears: nn.Module) -> nn.Module | None:
     """One layer computing the given layers' outputs side by side, or None where they cannot share one product.
     Dense layers: the weights concatenated along the output dimension, each layer re-pointed at its slice, so the
-    fused weight costs no extra memory. Quantized layers: QuantLinear.concat."""
+    fused weight costs no extra memory. Quantized layers: QuantLinear.concat; FP8 ones, Fp8Linear.concat."""
     if all(isinstance(linear, QuantLinear) for linear in linears):
         return QuantLinear.concat(*linears)
+    if all(isinstance(linear, Fp8Linear) for linear in linears):
+        return Fp8Linear.concat(*linears)
     if not all(type(linear) is nn.Linear for linear in linears):
         return None
     fused = torch.cat([linear.weight for linear in linears])

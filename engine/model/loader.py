@@ -9,9 +9,11 @@ import torch
 
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
+from engine.model import fp8
 from engine.model.backends.select import backend_kind, use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
+from engine.model.fp8_linear import fp8_linears
 from engine.model.quant import (codes_of, dequantize, dequantize_all, is_quantized, output_layer, quantize_linears,
                                 quantized_view)
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -28,27 +30,35 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
                verify: bool = True, tp: TensorParallel | None = None,
-               dequantized: bool = False) -> tuple[Manifest, CausalLM]:
+               dequantized: bool = False, fp8_kernels: bool | None = None) -> tuple[Manifest, CausalLM]:
     """The model's backend is chosen here, once (engine/model/backends/select.py): on CUDA the kernel path
     (Triton, fused projections); on the CPU the torch reference, or Flare's C++ ops for a quantized fp32 core.
     A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
-    they are dequantized to `dtype` at load."""
+    they are dequantized to `dtype` at load. An FP8 core's linears stay FP8 on a GPU (engine/model/fp8_linear.py:
+    `fp8_kernels`, None for a GPU unless `dequantized`), its other FP8 weights, and on the CPU all of them, are
+    dequantized at load (engine/model/fp8.py); they split over ranks like dense ones."""
     manifest = load_manifest(core, verify=verify)
-    if manifest.quantization and tp and tp.world_size > 1:
+    fp8_core = fp8.is_fp8(manifest.quantization)
+    if manifest.quantization and not fp8_core and tp and tp.world_size > 1:
         raise CoreError(f"{core}: a quantized core runs on one rank; export it with --quant none for --tp")
     config = DecoderConfig.from_hf(manifest.architecture, manifest.config, str(core / "manifest.json"))
     shard = Shard.of(config, tp.rank, tp.world_size) if tp else None  # with a group, only this rank's part
     if shard:
         config = shard.local_config(config)
-    dtype = dtype or DTYPES[manifest.dtype]
+    # An FP8 core computes in fp32 on the CPU (its weights dequantized exactly), in its own dtype on a GPU.
+    dtype = dtype or (torch.float32 if fp8_core and device.type == "cpu" else DTYPES[manifest.dtype])
     if manifest.vision is not None and tp:
         raise CoreError(f"{core}: tensor parallelism is not supported for vision models")
     with torch.device("meta"):
         model = VisionLanguageLM(config, VisionConfig.from_hf(manifest.config["vision_config"])) \
             if manifest.vision is not None else CausalLM(config, tp)
     state: dict[str, torch.Tensor] = {}
+    block = fp8.scheme_block(manifest.quantization)
     for file in weight_files(core, manifest):
-        state.update(read_weights(file, device, shard))
+        state.update(read_weights(file, device, shard, block))
+    if fp8_core and (fp8_kernels if fp8_kernels is not None else device.type == "cuda" and not dequantized):
+        fp8_linears(model, state, block)
+    fp8.dequantize_all(state, block, dtype)
     quantized = is_quantized(state)
     if quantized and (device.type != "cpu" or dequantized):
         dequantize_all(state)

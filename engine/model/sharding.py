@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 
 from common.errors import CoreError
+from engine.model import fp8
 
 if TYPE_CHECKING:
     from engine.model.config import DecoderConfig, LinearAttention
@@ -127,20 +128,32 @@ class Shard:
                        intermediate_size=len(self.intermediate), moe_intermediate_size=len(self.expert_columns),
                        shared_expert_intermediate_size=len(self.shared_columns), linear=linear)
 
-    def read(self, part, dim: int, by: str) -> torch.Tensor:  # noqa: ANN001 (safetensors' slice has no public type)
-        """This rank's slice of one weight: `part` is safetensors' lazy slice, read from disk only where indexed."""
+    def read(self, part, dim: int, by: str, block: int = 1, full: int = 0) -> torch.Tensor:  # noqa: ANN001
+        """This rank's slice of one weight: `part` is safetensors' lazy slice (no public type), read from disk only
+        where indexed. With `block` > 1, `part` is an FP8 weight's block scales, `block` elements of the weight (of
+        `full` along `dim`) to an entry: the rank reads the blocks of its slice, which must hold it exactly."""
         if by == "expert_columns" and dim == 1:  # w13: the gate rows, then the same run of up rows
             own = self.span(by)
             up = slice(own.start + self.expert_size, own.stop + self.expert_size)
-            return torch.cat([part[:, own], part[:, up]], dim=1)
+            return torch.cat([part[:, self._blocks(own, block, full)], part[:, self._blocks(up, block, full)]], dim=1)
         if by == "linear_qkv":  # q, k and v rows side by side: the rank's key heads' q and k, its value heads' v
             assert self.linear is not None and dim == 0
             keys, key_dim = self.span("key_rows"), self.linear.key_dim
             values = self.span("value_rows")
-            return torch.cat([part[keys], part[keys.start + key_dim:keys.stop + key_dim],
-                              part[values.start + 2 * key_dim:values.stop + 2 * key_dim]])
-        index = (slice(None),) * dim + (self.span(by),)
+            rows = (keys, slice(keys.start + key_dim, keys.stop + key_dim),
+                    slice(values.start + 2 * key_dim, values.stop + 2 * key_dim))
+            return torch.cat([part[self._blocks(r, block, full)] for r in rows])
+        index = (slice(None),) * dim + (self._blocks(self.span(by), block, full),)
         return part[index]
+
+    def _blocks(self, span: slice, block: int, full: int) -> slice:
+        if block == 1:
+            return span
+        if span.start % block or (span.stop % block and span.stop != full):
+            raise CoreError(f"tensor parallelism over {self.world_size} ranks would split an FP8 weight inside its "
+                            f"blocks of {block} (rank {self.rank} holds {span.start} to {span.stop} of {full}); "
+                            "serve it on fewer ranks")
+        return slice(span.start // block, -(-span.stop // block))
 
     def span(self, by: str) -> slice:
         """The rows (or columns) of a weight split `by` heads, KV heads, MLP columns, vocabulary or linear-attention
@@ -154,14 +167,26 @@ class Shard:
         return slice(part.start * unit, part.stop * unit)
 
 
-def read_weights(path: Path, device: torch.device, shard: Shard | None) -> dict[str, torch.Tensor]:
-    """The tensors of one safetensors file; with a shard, only this rank's slice of each is read from disk."""
+def read_weights(path: Path, device: torch.device, shard: Shard | None,
+                 fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file; with a shard, only this rank's slice of each is read from disk. An FP8
+    weight's values split as its weight does, their scales along with them (engine/model/fp8.py): per-channel
+    scales with the weight's rows, replicated where its columns split; block scales (of `fp8_block`) by blocks."""
     state = {}
     with safe_open(path, framework="pt", device=str(device)) as file:
         for name in file.keys():
-            split = next((s for suffix, s in SPLITS.items() if name.endswith(suffix)), None)
+            weight = next((name.removesuffix(s) for s in fp8.SUFFIXES if name.endswith(s)), name)
+            split = next((s for suffix, s in SPLITS.items() if weight.endswith(suffix)), None)
             if shard is None or split is None:
                 state[name] = file.get_tensor(name)
                 continue
-            state[name] = shard.read(file.get_slice(name), *split)
+            dim, by = split
+            shape = file.get_slice(weight + fp8.VALUES).get_shape() if weight != name else []
+            if name.endswith(fp8.CHANNEL_SCALE) and dim == len(shape) - 1:
+                state[name] = file.get_tensor(name)  # one scale per output row: the same on every rank
+            elif name.endswith(fp8.BLOCK_SCALE):
+                block = fp8_block[0] if dim == len(shape) - 2 else fp8_block[1]
+                state[name] = shard.read(file.get_slice(name), dim, by, block, shape[dim])
+            else:
+                state[name] = shard.read(file.get_slice(name), dim, by)
     return state

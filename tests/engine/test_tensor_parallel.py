@@ -32,6 +32,7 @@ from engine.parallel.worker import check_plan
 from engine.scheduler.plan import Plan, Row
 from tests.support.servers import Server
 from tests.support.engine_harness import FAMILY_CONFIGS, Harness
+from tests.support.fp8_checkpoints import as_fp8
 
 # 6 heads over 3 KV heads: 2 ranks split the KV groups 2 + 1, 3 ranks 1 + 1 + 1; 320 vocabulary rows and 160 MLP
 # columns do not split evenly over 3 ranks.
@@ -231,13 +232,16 @@ def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text", "qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "gemma3_text", "qwen3_5", "qwen3_next", "qwen3_moe-fp8"])
 def test_each_family_over_two_ranks_equals_one(family: str, tmp_path: Path) -> None:
     """q/k/v biases split by heads; experts split by columns (w13 rows of gate and up, w2 columns); Gemma's norms
     and sliding-window layers; the hybrids' linear attention by key heads with their value heads (each rank's
     recurrent state its heads' rows, carried from chunk to chunk), gated attention's q rows with their gates, and
-    Qwen3-Next's shared expert by its columns."""
-    core = write_tiny_core(tmp_path, family)
+    Qwen3-Next's shared expert by its columns; FP8 values split as their weights, per-channel scales with their rows
+    and block scales by whole blocks."""
+    core = write_tiny_core(tmp_path, family.removesuffix("-fp8"))
+    if family.endswith("-fp8"):
+        as_fp8(core, (8, 8))  # block scales of 8 rows and columns: every split falls between blocks
     expected = single_rank_tokens(core, PROMPTS, page_size=16, chunk=48)
     # A hybrid's next turns restore the snapshots the first ones left, into each rank's own state rows.
     turns = [p + t + [7, 8] for p, t in zip(PROMPTS, expected)] if family in HYBRIDS else []
@@ -302,6 +306,17 @@ def test_linear_attention_splits_by_key_heads_each_with_its_value_heads() -> Non
     with pytest.raises(CoreError) as caught:  # 3 ranks fit the attention heads, not the 2 key heads
         Shard.of(config, 0, 3)
     assert "2 linear-attention key heads and 4 value heads; supported world sizes: 1, 2" in str(caught.value)
+
+
+def test_fp8_block_scales_split_by_whole_blocks_or_refuse() -> None:
+    config = DecoderConfig.from_hf("qwen3_moe", {**TINY, **FAMILY_CONFIGS["qwen3_moe"]})
+    scales = torch.arange(8 * 12 * 2).view(8, 12, 2)  # w13's [E, 2I / 8, H / 48] with I = 48, blocks of 8 rows
+    parts = [Shard.of(config, rank, 3).read(scales, 1, "expert_columns", 8, 96) for rank in range(3)]
+    assert torch.equal(torch.cat([p[:, :2] for p in parts] + [p[:, 2:] for p in parts], dim=1), scales)
+    with pytest.raises(CoreError) as caught:  # 16 rows a rank, blocks of 32
+        Shard.of(config, 1, 3).read(torch.zeros(8, 3, 2), 1, "expert_columns", 32, 96)
+    message = str(caught.value)
+    assert "\n" not in message and "inside its blocks of 32 (rank 1 holds 16 to 32 of 96)" in message
 
 
 # --- SmolLM2 through `flare run --tp R` ------------------------------------------------------------------------

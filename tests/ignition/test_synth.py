@@ -61,3 +61,16 @@ def test_qwen3_vl_8b_preset_is_qwen3_vl_8b_with_its_processor() -> None:
     assert shapes["visual.pos_embed.weight"] == (2304, 1152)
     assert shapes["visual.merger.linear_fc2.weight"] == (4096, 4608)
     assert sum(name.startswith("visual.deepstack_merger_list.") for name in shapes) == 3 * 6
+
+
+def test_llama_3_1_70b_preset_has_llama_3_1_70bs_parameters() -> None:
+    """Shapes only: the weights (70.6 billion) are written on a GPU machine (`ignition synth --preset llama-3.1-70b
+    --quant fp8`)."""
+    import math
+
+    from ignition.synth import SynthSource
+
+    shapes = SynthSource("llama-3.1-70b", None, "bfloat16", 0)._shapes()
+    assert shapes["model.layers.79.mlp.down_proj.weight"] == (8192, 28672)
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == (1024, 8192)
+    assert round(sum(math.prod(shape) for shape in shapes.values()) / 1e9, 1) == 70.6

@@ -1,0 +1,190 @@
+"""FP8 products: e4m3 weights with fp32 scales per output channel or per block (engine/model/fp8.py holds the core's
+layout; docs/design.md, Models and kernels).
+
+The kernels read the weight scales as [N, S]: one row per output row, S = 1 per channel, or S = ceil(K / bk) for
+blocks of bk columns (a block checkpoint's [N / bn, K / bk] scales repeated over each block's bn rows at load, so that
+the parts of a fused q/k/v or gate/up product concatenate whatever their rows: 1/32 of the weight's bytes at bk = 128).
+
+- `fp8_weight_only`: the decode path. Each program reads BLOCK_N weight rows over the whole of K, dequantizes them in
+  registers (a block scale per element, a channel scale once at the end) and multiplies by the activations as they
+  are (bf16 or fp32), accumulating in fp32: a step of one token reads one byte a weight, half of bf16's.
+- `fp8_gemm`: prefill and large batches. The activations are quantized per token (`quantize_rows`: scale =
+  max|x| / 448 of the row, values rounded to nearest), then e4m3 x e4m3 products accumulate in fp32 tile by tile;
+  each K tile lies inside one scale block (BLOCK_K divides bk), so its partial product takes its block's scale, and
+  the row's activation scale multiplies the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def _weight_only(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, n_out, k_in, stride_x, stride_w, stride_s, stride_o,
+                 scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (n % n_out).to(tl.int64)  # wrapped rows: no mask on N
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, k_in, BLOCK_K):
+        cols = start + k
+        inside = cols < k_in
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=inside[None, :], other=0.0)
+        w = w.to(tl.float32)
+        if not PER_CHANNEL:
+            w = w * tl.load(s_ptr + rows[:, None] * stride_s + (cols // scale_k)[None, :], mask=inside[None, :],
+                            other=0.0)
+        a = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+    y = tl.sum(acc, 1)
+    if PER_CHANNEL:
+        y = y * tl.load(s_ptr + rows * stride_s)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=n < n_out)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y (|y| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32: the cast after it is exact. (The
+    Triton interpreter's own cast lost a binade where rounding carried into the exponent: 124.3 came out 64.)"""
+    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # e4m3's spacing at y
+    return ((y / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: the fp32 add rounds to an integer
+
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    largest = tl.zeros([BLOCK_K], tl.float32)
+    for start in range(0, k_in, BLOCK_K):
+        a = tl.load(x_ptr + row * stride_x + start + k, mask=start + k < k_in, other=0.0).to(tl.float32)
+        largest = tl.maximum(largest, tl.abs(a))
+    scale = tl.max(largest, 0) / 448.0
+    scale = tl.where(scale > 0, scale, 1.0)  # a row of zeros: any scale gives zeros
+    for start in range(0, k_in, BLOCK_K):
+        inside = start + k < k_in
+        a = tl.load(x_ptr + row * stride_x + start + k, mask=inside, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row * stride_q + start + k, _round_e4m3(a / scale).to(q_ptr.dtype.element_ty),
+                 mask=inside)
+    tl.store(s_ptr + row, scale)
+
+
+@triton.jit
+def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, stride_a, stride_w, stride_s,
+          stride_o, scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m_safe = (m % m_rows).to(tl.int64)  # wrapped rows and columns: no masks on M and N in the loop
+    n_safe = (n % n_out).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, k_in, BLOCK_K):
+        cols = start + k
+        inside = cols < k_in
+        a = tl.load(a_ptr + m_safe[:, None] * stride_a + cols[None, :], mask=inside[None, :], other=0.0)
+        b = tl.load(w_ptr + n_safe[None, :] * stride_w + cols[:, None], mask=inside[:, None], other=0.0)
+        part = tl.dot(a, b, out_dtype=tl.float32)
+        if PER_CHANNEL:
+            acc += part
+        else:
+            acc += part * tl.load(s_ptr + n_safe * stride_s + start // scale_k)[None, :]
+    if PER_CHANNEL:
+        acc = acc * tl.load(s_ptr + n_safe * stride_s)[None, :]
+    acc = acc * tl.load(sa_ptr + m_safe)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
+    out = out_ptr + m.to(tl.int64)[:, None] * stride_o + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < m_rows)[:, None] & (n < n_out)[None, :])
+
+
+def _checked(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None) -> tuple[int, int, int]:
+    """(N, K, bk) of a product, bk the columns of a scale (K for one scale per row: `scale_k` None)."""
+    n_out, k_in = values.shape
+    scale_k = scale_k or k_in
+    assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert scale.shape == (n_out, -(-k_in // scale_k)), (scale.shape, values.shape, scale_k)
+    assert x.shape[-1] == k_in and x.stride(-1) == 1 and values.stride(-1) == 1 and scale.stride(-1) == 1
+    return n_out, k_in, scale_k
+
+
+def gemm_block_k(scale_k: int, k_in: int) -> int | None:
+    """The K tile of fp8_gemm for scale blocks of `scale_k` columns: the largest power of two up to 128 dividing them
+    (at least 32, the smallest K of an 8-bit tl.dot), or None where none does (such a product takes
+    fp8_weight_only)."""
+    if scale_k >= k_in:
+        return 128
+    block = 128
+    while block >= 32 and scale_k % block:
+        block //= 2
+    return block if block >= 32 else None
+
+
+def fp8_weight_only(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
+                    bias: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256) -> torch.Tensor:
+    """x [T, K] (any float dtype) times the FP8 weight [N, K]^T (+ bias), in x's dtype; `scale` [N, S] covers
+    `scale_k` columns an entry (None: one scale per row)."""
+    n_out, k_in, scale_k = _checked(x, values, scale, scale_k)
+    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+    _weight_only[(x.shape[0], triton.cdiv(n_out, block_n))](
+        x, values, scale, bias if bias is not None else scale, out, n_out, k_in, x.stride(0), values.stride(0),
+        scale.stride(0), out.stride(0), scale_k, PER_CHANNEL=scale_k >= k_in, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def quantize_rows(x: torch.Tensor, block_k: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] as e4m3 values [T, K] and one fp32 scale per row [T]: max|x| / 448."""
+    assert x.stride(-1) == 1
+    values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    _quantize_rows[(x.shape[0],)](x, values, scales, x.shape[1], x.stride(0), values.stride(0), BLOCK_K=block_k)
+    return values, scales
+
+
+def fp8_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
+             bias: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+    """x [T, K] quantized per token, times the FP8 weight [N, K]^T (+ bias), in x's dtype; the scale blocks' columns
+    must take a K tile (gemm_block_k)."""
+    n_out, k_in, scale_k = _checked(x, values, scale, scale_k)
+    block_k = gemm_block_k(scale_k, k_in)
+    assert block_k is not None, f"scale blocks of {scale_k} columns take no K tile"
+    a, a_scale = quantize_rows(x)
+    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+    _gemm[(triton.cdiv(x.shape[0], block_m), triton.cdiv(n_out, block_n))](
+        a, a_scale, values, scale, bias if bias is not None else scale, out, x.shape[0], n_out, k_in, a.stride(0),
+        values.stride(0), scale.stride(0), out.stride(0), scale_k, PER_CHANNEL=scale_k >= k_in,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def dequantized(values: torch.Tensor, scale: torch.Tensor, scale_k: int | None) -> torch.Tensor:
+    """The fp32 weight of values [N, K] and the kernels' scales [N, S] of `scale_k` columns each."""
+    return values.float() * scale.repeat_interleave(scale_k or values.shape[1], dim=1)[:, :values.shape[1]]
+
+
+def fp8_weight_only_reference(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
+                              bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.float() @ dequantized(values, scale, scale_k).T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = x.float().abs().amax(dim=1) / E4M3_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (x.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def fp8_gemm_reference(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    a, a_scale = quantize_rows_reference(x)
+    y = (a.float() * a_scale[:, None]) @ dequantized(values, scale, scale_k).T
+    return (y if bias is None else y + bias.float()).to(x.dtype)

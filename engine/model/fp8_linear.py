@@ -1,0 +1,84 @@
+"""A linear whose weight stays FP8 on the kernel path (docs/design.md, Models and kernels): e4m3 values and fp32
+scales as the FP8 kernels read them (engine/kernels/triton/fp8_linear.py), run by the weight-only kernel for steps of
+up to WEIGHT_ONLY_ROWS tokens (decode batches) and by the FP8 GEMM with per-token activation scales above (prefill).
+The loader swaps it in for a core's FP8 linears on a GPU (engine/model/loader.py); on the CPU an FP8 core is
+dequantized instead, and this module runs only under the Triton interpreter, in tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model.fp8 import BLOCK_SCALE, CHANNEL_SCALE, VALUES, rows_expanded
+
+# Steps of up to this many tokens take the weight-only kernel: reading the weight once dominates there, and the
+# activations keep their precision; the GEMM above (to be tuned on the GPU with bench measurements).
+WEIGHT_ONLY_ROWS = 16
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
+                 bias: torch.Tensor | None = None) -> None:
+        """values e4m3 [N, K]; scale fp32 [N, S], each covering `scale_k` columns (None: one scale per row)."""
+        super().__init__()
+        self.out_features, self.in_features = values.shape
+        self.scale_k = scale_k
+        self.register_buffer("values", values.contiguous(), persistent=False)
+        self.register_buffer("scale", scale.float().contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def of(cls, values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+           bias: torch.Tensor | None = None) -> Fp8Linear:
+        """From a core's entries (engine/model/fp8.py): per-channel scales [N, 1], or block scales of `block`."""
+        if block is None:
+            return cls(values, scale, None, bias)
+        return cls(values, rows_expanded(scale, values.shape[0], block[0]), block[1], bias)
+
+    @classmethod
+    def concat(cls, *parts: Fp8Linear) -> Fp8Linear | None:
+        """One layer computing the parts' outputs side by side (fused q/k/v and gate/up), or None where they cannot
+        share one product: other inputs, biases on some only, or blocks of other widths. A per-channel part beside
+        block parts takes its scale in every block column (the same weight)."""
+        first = parts[0]
+        blocks = {p.scale_k for p in parts} - {None}
+        if any(p.in_features != first.in_features for p in parts) or len({p.bias is None for p in parts}) > 1 or \
+                len(blocks) > 1:
+            return None
+        scale_k = blocks.pop() if blocks else None
+        columns = -(-first.in_features // scale_k) if scale_k else 1
+        scales = [p.scale.expand(-1, columns) if p.scale_k is None else p.scale for p in parts]
+        return cls(torch.cat([p.values for p in parts]), torch.cat(scales), scale_k,
+                   None if first.bias is None else torch.cat([p.bias for p in parts]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.triton.fp8_linear import fp8_gemm, fp8_weight_only, gemm_block_k
+
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        weight_only = rows.shape[0] <= WEIGHT_ONLY_ROWS or \
+            gemm_block_k(self.scale_k or self.in_features, self.in_features) is None
+        if weight_only:
+            # Under the CPU's interpreter (tests) a program costs far more than its rows: fewer, larger ones.
+            out = fp8_weight_only(rows, self.values, self.scale, self.scale_k, self.bias,
+                                  block_n=8 if rows.is_cuda else 64)
+        else:
+            out = fp8_gemm(rows, self.values, self.scale, self.scale_k, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def fp8_linears(model: nn.Module, state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> None:
+    """Replace every plain nn.Linear whose weight `state` holds in FP8 by an Fp8Linear; its FP8 entries leave
+    `state`. What else is FP8 (stacked experts, a tensor-parallel row-split linear with its all-reduce) stays in
+    `state` for the loader to dequantize."""
+    for path, module in list(model.named_modules()):
+        weight = f"{path}.weight"
+        if type(module) is not nn.Linear or weight + VALUES not in state:
+            continue
+        values = state.pop(weight + VALUES)
+        scale = state.pop(weight + CHANNEL_SCALE, None)
+        layer = Fp8Linear.of(values, scale, None, state.get(f"{path}.bias")) if scale is not None else \
+            Fp8Linear.of(values, state.pop(weight + BLOCK_SCALE), block, state.get(f"{path}.bias"))
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)

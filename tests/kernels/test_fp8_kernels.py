@@ -1,0 +1,100 @@
+"""The FP8 products (engine/kernels/triton/fp8_linear.py) against their torch references: on the GPU when there is
+one, otherwise under TRITON_INTERPRET=1 on the CPU at small sizes. Stated tolerances: against the references (the same
+quantization, fp32 sums in another order), 1e-5 relative in fp32 outputs and 1e-2 in 16-bit ones; against the
+unquantized product, the FP8 rounding itself: under 5% relative for weights alone (e4m3 keeps 3 mantissa bits,
+about 2-3% relative error a value on random weights), under 8% with the activations quantized too."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
+pytest.importorskip("triton")
+
+from engine.kernels.triton.fp8_linear import (fp8_gemm, fp8_gemm_reference, fp8_weight_only,  # noqa: E402
+                                              fp8_weight_only_reference, gemm_block_k, quantize_rows,
+                                              quantize_rows_reference)
+from engine.model.fp8 import rows_expanded  # noqa: E402
+from tests.support.fp8_checkpoints import block_quantized, channel_quantized  # noqa: E402
+
+pytestmark = [pytest.mark.gpu] if GPU else []
+DEVICE = torch.device("cuda" if GPU else "cpu")
+# The interpreter has no bfloat16 dot (tests/kernels/test_triton_kernels.py): float16 stands in there.
+DTYPES = [torch.bfloat16, torch.float32] if GPU else [torch.float16, torch.float32]
+# (N, K, block or None for one scale per channel): Llama-3.1-8B's gate/up and down on the GPU, with 128 x 128 blocks
+# and per channel; small ones on the CPU, with partial blocks (K = 80 over blocks of 32 columns).
+SHAPES = [(28672, 4096, (128, 128)), (4096, 14336, None)] if GPU else [(40, 80, (16, 32)), (24, 64, None),
+                                                                        (48, 96, (128, 128)), (24, 200, (8, 96))]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any()
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
+
+
+def weight(n: int, k: int, block: tuple[int, int] | None, generator: torch.Generator
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+    """(dense weight, e4m3 values, the kernels' scales [N, S], the columns of a scale)."""
+    dense = torch.randn(n, k, generator=generator) * 0.05
+    if block is None:
+        values, scale = channel_quantized(dense)
+        return dense, values, scale, None
+    values, scale = block_quantized(dense, block)
+    return dense, values, rows_expanded(scale, n, block[0]), block[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, block", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_weight_only_product_equals_its_reference(n: int, k: int, block: tuple[int, int] | None, rows: int,
+                                                  dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(n + k + rows)
+    dense, values, scale, scale_k = weight(n, k, block, generator)
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    values, scale, x, bias = (t.to(DEVICE) for t in (values, scale, x, bias))
+    out = fp8_weight_only(x, values, scale, scale_k, bias)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    expected = fp8_weight_only_reference(x, values, scale, scale_k, bias)
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert relative_error(out, x.float() @ dense.to(DEVICE).T + bias.float()) < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, block", SHAPES)
+@pytest.mark.parametrize("rows", [5, 70])
+def test_fp8_gemm_with_per_token_activation_scales_equals_its_reference(
+        n: int, k: int, block: tuple[int, int] | None, rows: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(n * k + rows)
+    dense, values, scale, scale_k = weight(n, k, block, generator)
+    x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
+    x[1] = 0  # a row of zeros: zeros out
+    values, scale, x = (t.to(DEVICE) for t in (values, scale, x))
+    out = fp8_gemm(x, values, scale, scale_k, block_m=32, block_n=32)
+    assert out.dtype == dtype and out.shape == (rows, n) and not out[1].any()
+    assert relative_error(out, fp8_gemm_reference(x, values, scale, scale_k)) < \
+        (1e-5 if dtype == torch.float32 else 1e-2)
+    assert relative_error(out, x.float() @ dense.to(DEVICE).T) < 0.08
+
+
+def test_rows_are_quantized_per_token_as_their_reference() -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 300, generator=generator) * torch.arange(6.0)[:, None]
+    # a tie (100 between 96 and 104: to even, 96), a carry into the next binade (124.3: 128), a subnormal
+    x[2, :5] = torch.tensor([448.0, 100.0, 124.3, -250.0, 0.01])
+    x = x.to(DEVICE)
+    values, scales = quantize_rows(x, block_k=128)
+    expected_values, expected_scales = quantize_rows_reference(x)
+    assert torch.equal(scales, expected_scales)
+    assert torch.equal(values.float(), expected_values.float())  # as numbers: -0 (zeros times -1) equals 0
+
+
+def test_gemm_tiles_fit_inside_scale_blocks() -> None:
+    assert gemm_block_k(128, 4096) == 128 and gemm_block_k(4096, 4096) == 128
+    assert gemm_block_k(96, 192) == 32 and gemm_block_k(32, 80) == 32
+    assert gemm_block_k(48, 96) is None  # no tile of 32 or more divides 48 columns: the weight-only kernel runs
