@@ -1,5 +1,5 @@
-"""The Gated DeltaNet kernels (engine/kernels/triton/short_conv.py, gated_delta_rule.py, state_copy.py) against their
-torch references (the layer's own ops): on the GPU at Qwen3.5's shapes when there is one, otherwise under
+"""The hybrid models' kernels (engine/kernels/triton/short_conv.py, gated_delta_rule.py, state_copy.py, and the gated
+attention's kv_store.py) against their torch references (the layer's own ops): on the GPU at Qwen3.5's shapes when there is one, otherwise under
 TRITON_INTERPRET=1 on the CPU at small ones (float16 stands in for bfloat16).
 
 Every step mixes what a captured graph hands the kernels: prefill spans of lengths that are not multiples of the
@@ -19,6 +19,7 @@ if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
+from engine.kernels.triton.kv_store import store_kv, store_kv_reference  # noqa: E402
 from engine.kernels.triton.gated_delta_rule import gated_delta_rule, gated_delta_rule_reference  # noqa: E402
 from engine.kernels.triton.short_conv import short_conv, short_conv_reference  # noqa: E402
 from engine.kernels.triton.state_copy import copy_state_rows, copy_state_rows_reference  # noqa: E402
@@ -134,3 +135,16 @@ def test_state_copies_apply_in_order_and_skip_padding() -> None:
     copy_state_rows((conv, delta), pairs)
     assert torch.equal(conv, expected[0]) and torch.equal(delta, expected[1])
     assert torch.equal(conv[:, 4], conv[:, 9]) and not torch.equal(conv[:, 8], conv[:, 9])
+
+
+def test_store_kv_writes_live_slots_only() -> None:
+    g = torch.Generator().manual_seed(7)
+    kv_heads, head_dim, tokens, slots = 2, 24, 9, 32
+    product = torch.randn(tokens, 3, kv_heads, head_dim, generator=g).to(DEVICE)
+    k, v = product[:, 1], product[:, 2]  # strided views, as the gated attention's k and v are
+    slot_mapping = torch.tensor([3, -1, 7, 0, 31, -1, 12, 5, 9], dtype=torch.int32, device=DEVICE)
+    cache = torch.randn(2, slots, kv_heads, head_dim, generator=g).to(DEVICE)
+    expected = cache.clone()
+    store_kv_reference(k, v, slot_mapping, expected[0], expected[1])
+    store_kv(k, v, slot_mapping, cache[0], cache[1])
+    assert torch.equal(cache, expected)

@@ -1,6 +1,8 @@
 """The kernel path's layer parts (engine/model/backends/triton.py and few_rows.py run them): attention from the
-fused q/k/v product through the Triton rotary and paged-attention kernels, the MLP over the fused gate/up product,
-and the mixture of experts through the fused MoE kernel. Nothing here waits for the host, so CUDA graphs capture it.
+fused q/k/v product through the Triton rotary and paged-attention kernels (a hybrid model's gated attention, with its
+partial rotary, rotated in torch and stored by its own kernel), the MLP over the fused gate/up product, and the
+mixture of experts through the fused MoE kernel. Nothing here waits for the host, so CUDA graphs capture it. (A
+hybrid's linear-attention layers: triton_linear.py.)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from engine.kernels.triton.activation import silu_and_mul
 from engine.kernels.triton.decode_attention import decode_attention, num_splits
 from engine.kernels.triton.extend_attention import extend_attention
 from engine.kernels.triton.fused_moe import fused_moe
+from engine.kernels.triton.kv_store import store_kv
 from engine.kernels.triton.moe_routing import route_in_one_program
 from engine.kernels.triton.rotary import rope_and_store
 from engine.model.attention import KernelMetadata
@@ -70,6 +73,17 @@ def attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: t
     """The attention branch [T, E] -> [T, E]; `rope` is the table of the layer's rope, `positions` its rows."""
     out = attend(attn, attn.qkv(x), positions, rope, k_cache, v_cache, meta)
     return attn.o_proj(out.flatten(1))
+
+
+def gated_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+    """A hybrid's attention branch [T, E] -> [T, E]: q, k, v and the output gate as the torch reference makes them
+    (its per-step cos and sin: Attention.rotated), the new keys and values stored, the paged-attention kernels, the
+    gate."""
+    q, k, v, gate = attn.rotated(x, cos, sin)
+    store_kv(k, v, meta.slot_mapping, k_cache, v_cache)
+    out = kernel_attention(q.contiguous(), k_cache, v_cache, meta, attn.attn.scale, attn.attn.window)
+    return attn.o_proj(attn.gated(out.flatten(1), gate))
 
 
 def mlp(layer: MLP, x: torch.Tensor) -> torch.Tensor:
