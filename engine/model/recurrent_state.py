@@ -74,11 +74,8 @@ class RecurrentRows:
 class RecurrentBatch:
     """The kernel path's view of the state (KernelMetadata.recurrent): per sequence of the step's DecodeBatch or
     ExtendBatch (in their order), the row it continues and how many tokens precede it (none: it starts from zeros,
-    whatever the row holds; -1: a decode graph's padding row, which touches nothing); and the row copies a captured
-    step applies first (Plan.state_copies as (source, destination) pairs, negative sources padding), or None where
-    the executor made them before the step."""
+    whatever the row holds; -1: a decode graph's padding row, which touches nothing)."""
 
     state: RecurrentState
     rows: torch.Tensor  # [S] int32
     past: torch.Tensor  # [S] int32
-    copies: torch.Tensor | None = None  # [P, 2] int32

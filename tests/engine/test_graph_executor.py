@@ -20,11 +20,13 @@ pytest.importorskip("triton")
 
 from common.protocol import SamplingParams  # noqa: E402
 from engine.core import join_logprobs  # noqa: E402
+from engine.executor.eager import kv_cache_shape  # noqa: E402
 from engine.executor.frames import (PageTableMirror, host_views, make_layout, pack, verify_results, verify_rows,  # noqa: E402
                                     verify_spans)
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
 from engine.model.backends.select import use_backend  # noqa: E402
+from engine.model.recurrent_state import RecurrentState  # noqa: E402
 from engine.sampling.graph_extras import (TOP_LOGPROBS, ExtrasBuffers, extras_words, graph_holds_extras,  # noqa: E402
                                           host_extras_views, pack_extras, prompt_logprobs_step, read_logprobs,
                                           read_prompt_logprobs, step_extras)
@@ -67,12 +69,16 @@ class FrameExecutor:
     """GraphExecutor's data path on the CPU: pack a frame, copy it to the static buffers, run the step functions
     a graph would replay, read the sampled rows. Synchronous; the executor protocol for the harness."""
 
-    def __init__(self, model, num_pages: int, page_size: int, max_active: int) -> None:
-        self.kv_cache = torch.zeros(model.config.num_layers, 2, num_pages * page_size, model.config.num_kv_heads,
-                                    model.config.head_dim)
+    def __init__(self, model, num_pages: int, page_size: int, max_active: int, snapshots: int = 0) -> None:
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size))
         self.model, self.page_size, self.trash, self.num_pages = model, page_size, max_active, num_pages
-        self.decode = {b: make_layout("decode", b, b) for b in decode_capacities(max_active)}
-        self.extend = {t: make_layout("extend", t, min(t, max_active)) for t in extend_capacities(CHUNK, max_active)}
+        # A hybrid's state rows (the slots', then the snapshots'), and its row copies in the frames, as GraphExecutor
+        self.state = RecurrentState(model.config, max_active + snapshots, torch.float32, torch.device("cpu")) \
+            if model.config.hybrid else None
+        copies = 2 * max_active if self.state is not None else 0
+        self.decode = {b: make_layout("decode", b, b, copies) for b in decode_capacities(max_active)}
+        self.extend = {t: make_layout("extend", t, min(t, max_active), copies)
+                       for t in extend_capacities(CHUNK, max_active)}
         width = CONTEXT // page_size
         layouts = [*self.decode.values(), *self.extend.values()]
         words = max(layout.patches for layout in layouts) + 2 * max_active * width
@@ -98,6 +104,11 @@ class FrameExecutor:
     def submit(self, plan: Plan) -> None:
         self.fence += 1
         verify = any(r.draft for r in plan.rows)  # as GraphExecutor: one-token rows in a decode graph
+        if not plan.rows:  # only copies: GraphExecutor's eager step makes them
+            self.state.copy_rows(plan.state_copies)
+            self.done.append((plan, Completion(self.fence, (), (), (), 0.0)))
+            os.write(self._write, b"x")
+            return
         rows = verify_rows(plan.rows) if verify else plan.rows
         if all(r.tokens is None for r in plan.rows) or verify:
             layout = self.decode[min(b for b in self.decode if b >= len(rows))]
@@ -105,7 +116,7 @@ class FrameExecutor:
             layout = self.extend[min(t for t in self.extend if t >= plan.num_tokens)]
         self.layouts_used.add(("verify" if verify else layout.kind, layout.tokens))
         self.frame[:] = 12345  # stale words from earlier steps must not matter
-        words = pack(Plan(rows), layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
+        words = pack(Plan(rows, state_copies=plan.state_copies), layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
                      self.trash)
         self.buffers.frame[:words] = torch.from_numpy(self.frame[:words])
         extras = None if verify else step_extras(plan.rows, self.model.config.vocab_size)
@@ -118,7 +129,7 @@ class FrameExecutor:
                 self.extras.inputs[:] = torch.from_numpy(self.extras_frame)
                 self.buffers.masks[:layout.seqs] = -1
         model_step(self.model, self.kv_cache, self.buffers, layout, self.page_size,
-                   self.extras.hidden if layout.kind == "extend" else None)
+                   self.extras.hidden if layout.kind == "extend" else None, self.state)
         prompt = self.prompt_logprobs(extras.prompt) if extras is not None and extras.prompt.shape[1] else None
         greedy = all(r.sampling.temperature == 0 for r in plan.rows if r.sample)
         if plan.masks:  # as GraphExecutor uploads them: one row per plan row

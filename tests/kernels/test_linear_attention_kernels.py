@@ -129,10 +129,12 @@ def test_state_copies_apply_in_order_and_skip_padding() -> None:
     conv = torch.randn(3, ROWS, 40, 3, generator=g).to(DEVICE)
     delta = torch.randn(3, ROWS, 2, 16, 8, generator=g).to(DEVICE)
     # Snapshot slot 1 into row 8, restore row 9 into slot 1, then copy slot 1 on: order decides every result.
-    pairs = torch.tensor([[1, 8], [9, 1], [-1, 2], [1, 4], [-1, -1]], dtype=torch.int32, device=DEVICE)
+    # Past the count (4), a pair is not applied.
+    pairs = torch.tensor([[1, 8], [9, 1], [-1, 2], [1, 4], [3, 4]], dtype=torch.int32, device=DEVICE)
+    count = torch.tensor([4], dtype=torch.int32, device=DEVICE)
     expected = (conv.clone(), delta.clone())
-    copy_state_rows_reference(expected, pairs)
-    copy_state_rows((conv, delta), pairs)
+    copy_state_rows_reference(expected, pairs, count)
+    copy_state_rows((conv, delta), pairs, count)
     assert torch.equal(conv, expected[0]) and torch.equal(delta, expected[1])
     assert torch.equal(conv[:, 4], conv[:, 9]) and not torch.equal(conv[:, 8], conv[:, 9])
 
