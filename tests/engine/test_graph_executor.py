@@ -26,7 +26,7 @@ from engine.executor.frames import (PageTableMirror, host_views, make_layout, pa
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
 from engine.model.backends.select import use_backend  # noqa: E402
-from engine.model.recurrent_state import RecurrentState  # noqa: E402
+from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT, RecurrentState  # noqa: E402
 from engine.sampling.graph_extras import (TOP_LOGPROBS, ExtrasBuffers, extras_words, graph_holds_extras,  # noqa: E402
                                           host_extras_views, pack_extras, prompt_logprobs_step, read_logprobs,
                                           read_prompt_logprobs, step_extras)
@@ -93,6 +93,7 @@ class FrameExecutor:
         self.extras_frame = np.zeros(extras_words(max_seqs), dtype=np.int32)
         self.extras_steps = 0
         self.fence, self.done, self.layouts_used = 0, [], set()
+        self.frame_state_copies = 0  # a hybrid's row copies the frames carried
         self.wake_fd, self._write = os.pipe()
 
     def can_submit(self) -> bool:
@@ -104,6 +105,10 @@ class FrameExecutor:
     def submit(self, plan: Plan) -> None:
         self.fence += 1
         verify = any(r.draft for r in plan.rows)  # as GraphExecutor: one-token rows in a decode graph
+        for source, destination in plan.copies:  # as GraphExecutor._copy_pages
+            pages = slice(source * self.page_size, (source + 1) * self.page_size)
+            self.kv_cache[:, :, destination * self.page_size:(destination + 1) * self.page_size] = \
+                self.kv_cache[:, :, pages]
         if not plan.rows:  # only copies: GraphExecutor's eager step makes them
             self.state.copy_rows(plan.state_copies)
             self.done.append((plan, Completion(self.fence, (), (), (), 0.0)))
@@ -116,6 +121,7 @@ class FrameExecutor:
             layout = self.extend[min(t for t in self.extend if t >= plan.num_tokens)]
         self.layouts_used.add(("verify" if verify else layout.kind, layout.tokens))
         self.frame[:] = 12345  # stale words from earlier steps must not matter
+        self.frame_state_copies += len(plan.state_copies)
         words = pack(Plan(rows, state_copies=plan.state_copies), layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
                      self.trash)
         self.buffers.frame[:words] = torch.from_numpy(self.frame[:words])
@@ -390,15 +396,17 @@ def test_frame_steps_read_the_eager_executors_label_logits() -> None:
     assert_same_scores(scores, eager_scores, 1e-4)
 
 
-def gpu_harness(model, graphs: bool) -> Harness:
+def gpu_harness(model, graphs: bool, snapshots: int | None = None) -> Harness:
+    """`snapshots`: a hybrid's snapshot rows (None: the engine's default)."""
     from engine.executor.eager import EagerExecutor
     from engine.executor.graph import GraphExecutor
 
-    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, snapshots=snapshots)
     harness.executor.close()
     cuda = torch.device("cuda")
-    harness.executor = GraphExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda, CONTEXT, CHUNK) if graphs else \
-        EagerExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda)
+    rows = (SNAPSHOTS_PER_SLOT * MAX_ACTIVE if snapshots is None else snapshots) if model.config.hybrid else 0
+    harness.executor = GraphExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda, CONTEXT, CHUNK, rows) if graphs \
+        else EagerExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda, rows)
     return harness
 
 
@@ -534,3 +542,64 @@ def test_graph_executor_applies_grammar_masks_as_the_eager_executor_does() -> No
     graph = masked_run(gpu_harness(model, graphs=True), model.config.vocab_size)
     assert graph == masked_run(gpu_harness(model, graphs=False), model.config.vocab_size)
     assert graph[1][-10:] == [42] * 10
+
+
+# The hybrids (Gated DeltaNet layers beside gated attention: engine/model/backends/triton_linear.py).
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+FIRST_TURN, TURN_ENDS = 40, [29, 35]  # the first prompt's length and message ends (neither on a page boundary)
+
+
+def two_turns(harness: Harness) -> tuple[int, list[list[int]]]:
+    """A first turn, then a second that continues it (prompt, reply, more): the second's cached tokens, and both
+    replies. With snapshots, the second restores the first's exact checkpoint (its state row copied back)."""
+    from tests.engine.test_hybrid_checkpoints import generate, prompt
+
+    first = prompt(FIRST_TURN)
+    _, reply = generate(harness, first, 3, TURN_ENDS)
+    cached, second = generate(harness, first + reply + first[-7:], 3)
+    harness.close()
+    return cached, [reply, second]
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_hybrid_frame_steps_restore_snapshots_and_produce_the_torch_paths_tokens() -> None:
+    """Qwen3.5 through the frames and the captured step functions (the kernel path, the state rows by slot, the
+    row copies in the frame): a second turn restored from a snapshot equals the torch reference's cold run."""
+    cold = two_turns(Harness(tiny_model(0, "qwen3_5"), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, snapshots=0))
+    assert cold[0] == 0
+    model = tiny_model(0, "qwen3_5")
+    use_backend(model, "triton", CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, SNAPSHOTS_PER_SLOT * MAX_ACTIVE)
+    cached, replies = two_turns(harness)
+    assert cached >= FIRST_TURN and replies == cold[1]
+    assert executor.frame_state_copies > 0 and {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_graph_executor_produces_the_eager_and_reference_tokens_for_each_hybrid(family: str) -> None:
+    """fp32: the captured graphs' tokens are the eager kernel path's, and the torch reference's."""
+    reference = tiny_model(0, family).to("cuda")
+    expected = run_requests(Harness(reference, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, device="cuda"))
+    model = tiny_model(0, family).to("cuda")
+    use_backend(model, "triton", CONTEXT)
+    eager = run_requests(gpu_harness(model, graphs=False))
+    assert run_requests(gpu_harness(model, graphs=True)) == eager
+    assert eager == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_graph_executor_restores_a_hybrids_snapshot_as_its_cold_run(family: str) -> None:
+    """A second turn restored from the first turn's snapshot (the row copies in the graphs' frames) equals a cold
+    run in graphs (no snapshots)."""
+    model = tiny_model(0, family).to("cuda")
+    use_backend(model, "triton", CONTEXT)
+    cached, replies = two_turns(gpu_harness(model, graphs=True))
+    cold_cached, cold = two_turns(gpu_harness(model, graphs=True, snapshots=0))
+    assert cached >= FIRST_TURN and cold_cached == 0
+    assert replies == cold

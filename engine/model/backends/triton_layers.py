@@ -95,9 +95,10 @@ def mlp(layer: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """With a residual (one rank only), the output is added to it in place by the down kernel."""
+    """With a residual (one rank only), the output is added to it in place by the down kernel. A hybrid's shared
+    expert (Qwen3.5-MoE, Qwen3-Next) runs beside the routed ones, as the torch reference's."""
     weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob)
     if residual is not None:
         assert layer.tp is None
         return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual)
-    return layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids))
+    return layer.with_shared(x, layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids)))
