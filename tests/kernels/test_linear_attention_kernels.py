@@ -19,8 +19,8 @@ if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
-from engine.kernels.triton.kv_store import store_kv, store_kv_reference  # noqa: E402
 from engine.kernels.triton.gated_delta_rule import gated_delta_rule, gated_delta_rule_reference  # noqa: E402
+from engine.kernels.triton.kv_store import store_kv, store_kv_reference  # noqa: E402
 from engine.kernels.triton.short_conv import short_conv, short_conv_reference  # noqa: E402
 from engine.kernels.triton.state_copy import copy_state_rows, copy_state_rows_reference  # noqa: E402
 from tests.kernels.test_triton_kernels import relative_error  # noqa: E402
