@@ -1,6 +1,6 @@
 """The hybrid models' kernels (engine/kernels/triton/short_conv.py, gated_delta_rule.py, state_copy.py, and the gated
-attention's kv_store.py) against their torch references (the layer's own ops): on the GPU at Qwen3.5's shapes when there is one, otherwise under
-TRITON_INTERPRET=1 on the CPU at small ones (float16 stands in for bfloat16).
+attention's kv_store.py) against their torch references (the layer's own ops): on the GPU at Qwen3.5's shapes when
+there is one, otherwise under TRITON_INTERPRET=1 on the CPU at small ones (float16 stands in for bfloat16).
 
 Every step mixes what a captured graph hands the kernels: prefill spans of lengths that are not multiples of the
 64-token chunk, decode rows (one-token sequences), a padding sequence (length 0, pointing at a live row it must not
