@@ -546,17 +546,20 @@ def test_graph_executor_applies_grammar_masks_as_the_eager_executor_does() -> No
 
 # The hybrids (Gated DeltaNet layers beside gated attention: engine/model/backends/triton_linear.py).
 HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
-FIRST_TURN, TURN_ENDS = 40, [29, 35]  # the first prompt's length and message ends (neither on a page boundary)
+FIRST_TURN, TURN_ENDS = 24, [9, 14]  # the first prompt's length and message ends (neither on a page boundary)
 
 
 def two_turns(harness: Harness) -> tuple[int, list[list[int]]]:
-    """A first turn, then a second that continues it (prompt, reply, more): the second's cached tokens, and both
-    replies. With snapshots, the second restores the first's exact checkpoint (its state row copied back)."""
+    """A first turn, another request (which takes the slot and its state row over), then a second turn that
+    continues the first (prompt, reply, one more token, so that the restored conv inputs reach its output: the tiny
+    model's decay forgets older tokens fast): the second's cached tokens, and both replies. With snapshots, the
+    second restores the first's exact checkpoint (the snapshot row copied into the slot's)."""
     from tests.engine.test_hybrid_checkpoints import generate, prompt
 
     first = prompt(FIRST_TURN)
     _, reply = generate(harness, first, 3, TURN_ENDS)
-    cached, second = generate(harness, first + reply + first[-7:], 3)
+    generate(harness, prompt(12, seed=2), 2)
+    cached, second = generate(harness, first + reply + first[-1:], 3)
     harness.close()
     return cached, [reply, second]
 
