@@ -86,8 +86,9 @@ def test_chunked_delta_rule_matches_reference(dtype: torch.dtype) -> None:
     expected = gated_delta_rule_reference(mixed, a, b, a_log, dt_bias, expected_state, rows, starts, lengths, past,
                                           SHAPE[0])
     out = gated_delta_rule(mixed, a, b, a_log, dt_bias, state, rows, starts, lengths, past, SHAPE[0])
+    # (bf16 and fp16 activations: the chunk's products in TF32 on a GPU)
     assert relative_error(out, expected) < (1e-4 if dtype == torch.float32 else 1e-2)
-    assert relative_error(state, expected_state) < 1e-4
+    assert relative_error(state, expected_state) < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,7 +10,8 @@ Two forms, one program per (sequence, value head, block of value dimensions):
 - `recurrent`: one token per sequence (decode steps), the state read once and written once;
 - `chunked`: any lengths, 64 tokens a chunk: within a chunk the UT transform (the inverse of I + the strictly lower
   beta k k^T decay matrix, by forward substitution) gives the chunk's values and the keys the state must be read
-  for; the state carries from chunk to chunk. A sequence's tokens past its length are zero, write nothing and do
+  for; the state carries from chunk to chunk. Its products run on the tensor cores in TF32 for bf16 and fp16
+  activations (fp32 accumulation; exact fp32 products spill the registers on Hopper), exactly in fp32 for fp32 ones. A sequence's tokens past its length are zero, write nothing and do
   not decay, as the reference's padding.
 A sequence is (first step row, length, tokens before it, state row): one of length 0 (a graph's padding) or of row
 -1 touches nothing; one with no tokens before it starts from a zero state whatever its row holds. Rows of no
@@ -85,7 +86,7 @@ def _recurrent(mixed_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_p
 def _chunked(mixed_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr, row_ptr, start_ptr, length_ptr,
              past_ptr, stride_mixed, stride_ab, stride_state, stride_out, KEY_DIM: tl.constexpr, DK: tl.constexpr,
              DV: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-             BLOCK_V: tl.constexpr):
+             BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(row_ptr + s).to(tl.int64)
@@ -119,24 +120,24 @@ def _chunked(mixed_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, state_ptr, out_ptr
         decay = tl.cumsum(g, 0)  # log of the decay from the chunk's start to each token
         pair = decay[:, None] - decay[None, :]
         k_beta = k * beta[:, None]
-        system = tl.dot(k_beta, tl.trans(k), input_precision="ieee") * tl.exp(tl.where(strict, pair, float("-inf")))
+        system = tl.dot(k_beta, tl.trans(k), input_precision=PRECISION) * tl.exp(tl.where(strict, pair, float("-inf")))
         # (I + system)^-1 by forward substitution, a row at a time; rows past the length stay the identity's.
         inverse = eye
         for n in range(1, tl.minimum(length - c0, CHUNK)):
             a_n = tl.sum(tl.where(r[:, None] == n, system, 0.0), 0)
             row_n = tl.where(r == n, 1.0, 0.0) - tl.sum(a_n[:, None] * inverse, 0)
             inverse = tl.where(r[:, None] == n, row_n[None, :], inverse)
-        values = tl.dot(inverse, v * beta[:, None], input_precision="ieee")
-        keys_read = tl.dot(inverse, k_beta * tl.exp(decay)[:, None], input_precision="ieee")
-        within = tl.dot(q, tl.trans(k), input_precision="ieee") * tl.exp(tl.where(causal, pair, float("-inf")))
-        new = values - tl.dot(keys_read, state, input_precision="ieee")  # what the state does not predict
-        out = tl.dot(q * tl.exp(decay)[:, None], state, input_precision="ieee") + \
-            tl.dot(within, new, input_precision="ieee")
+        values = tl.dot(inverse, v * beta[:, None], input_precision=PRECISION)
+        keys_read = tl.dot(inverse, k_beta * tl.exp(decay)[:, None], input_precision=PRECISION)
+        within = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(tl.where(causal, pair, float("-inf")))
+        new = values - tl.dot(keys_read, state, input_precision=PRECISION)  # what the state does not predict
+        out = tl.dot(q * tl.exp(decay)[:, None], state, input_precision=PRECISION) + \
+            tl.dot(within, new, input_precision=PRECISION)
         tl.store(out_ptr + (start + t)[:, None] * stride_out + h * DV + j[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=tm[:, None] & jm[None, :])
         last = tl.sum(tl.where(r == CHUNK - 1, decay, 0.0), 0)  # padding does not decay: the last token's
         k_late = k * tl.exp(last - decay)[:, None]
-        state = state * tl.exp(last) + tl.dot(tl.trans(k_late), new, input_precision="ieee")
+        state = state * tl.exp(last) + tl.dot(tl.trans(k_late), new, input_precision=PRECISION)
     tl.store(cell, state, mask=sm)
 
 
@@ -166,7 +167,7 @@ def gated_delta_rule(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_lo
     else:
         _chunked[grid](mixed, a, b, a_log, dt_bias, state, out, rows, starts, lengths, past, *common,
                        KEY_DIM=key_dim, DK=dk, DV=dv, GROUP=heads // num_key_heads, CHUNK=CHUNK, BLOCK_K=block_k,
-                       BLOCK_V=block_v, num_warps=8)
+                       BLOCK_V=block_v, PRECISION="ieee" if mixed.dtype == torch.float32 else "tf32", num_warps=8)
     return out
 
 
