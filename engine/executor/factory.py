@@ -38,14 +38,13 @@ def gpu_step_tokens(device: torch.device, core_chunk: int) -> int:
 
 def make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
                   context_limit: int, prefill_chunk: int, graphs: bool, snapshots: int = 0) -> Executor:
-    """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere, and for a hybrid model on any
-    device (its linear-attention layers run the torch reference, which no graph captures yet)."""
-    if device.type == "cuda" and graphs and model.config.hybrid:
-        log.info("eager steps on the GPU: a hybrid model's linear-attention layers have no captured kernels yet")
-    if device.type != "cuda" or not graphs or model.config.hybrid:
+    """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere. `snapshots`: a hybrid model's
+    state rows beyond the slots'."""
+    if device.type != "cuda" or not graphs:
         return EagerExecutor(model, num_pages, page_size, max_active, device, snapshots)
     from engine.executor.graph import GraphExecutor
 
-    executor = GraphExecutor(model, num_pages, page_size, max_active, device, context_limit, prefill_chunk)
+    executor = GraphExecutor(model, num_pages, page_size, max_active, device, context_limit, prefill_chunk,
+                             snapshots)
     log.info("captured %d CUDA graphs in %.1fs", executor.graph_count, executor.capture_seconds)
     return executor

@@ -1,7 +1,9 @@
 """Step input frames: a plan packed into int32 words laid out for one captured graph (docs/design.md, Executors and CUDA graphs).
 
 A frame is what the host uploads per step, in one copy: a header, per-sequence fields, per-token fields, the
-attention blocks of an extend step, and last the page-table entries that changed since the previous frame. The
+attention blocks of an extend step, a hybrid model's recurrent-state row copies (Plan.state_copies as (source,
+destination) pairs after their count: engine/kernels/triton/state_copy.py), and last the page-table entries that
+changed since the previous frame. A hybrid's state row per sequence is its slot's, so the sequence fields serve it. The
 per-sequence fields come first and their offsets depend only on the sequence capacity, so the sampling graph of a
 capacity reads the fields whichever model graph wrote the logits. Padding rows point at the padding slot
 (`trash`) and write nowhere: context length 0, cache slot -1.
@@ -28,6 +30,7 @@ SEQ_FIELDS = (("slot", np.int32), ("query_start", np.int32), ("query_len", np.in
               ("temperature", np.float32), ("top_p", np.float32), ("min_p", np.float32), ("seed", np.int64))
 TOKEN_FIELDS = (("token", np.int32), ("token_slot", np.int32), ("position", np.int32), ("slot_mapping", np.int32))
 BLOCK_FIELDS = (("block_seq", np.int32), ("block_first", np.int32))
+COPY_FIELDS = (("state_copy", np.int32),)  # the count of copies, then 2 words a copy
 TORCH_TYPES = {np.int32: torch.int32, np.float32: torch.float32, np.int64: torch.int64}
 TEMPERATURE = attrgetter("temperature")  # for passes over a step's sampling parameters at C speed
 SEEN_KEY = itemgetter(*(Row._fields.index(name) for name in ("generation", "page_table", "sampling", "seed")))
@@ -49,16 +52,19 @@ class Layout:
     blocks: int
     fields: tuple[tuple[str, int, int, type], ...]  # (name, first word, count, dtype)
     patches: int  # first word of the page-table patches: the frame's fixed part ends here
+    state_copies: int = 0  # recurrent-state row copies the frame holds (a hybrid model's)
 
 
-def make_layout(kind: str, tokens: int, seqs: int) -> Layout:
+def make_layout(kind: str, tokens: int, seqs: int, state_copies: int = 0) -> Layout:
     blocks = max_blocks(tokens, seqs) if kind == "extend" else 0
     fields, word = [], HEADER
-    for group, count in ((SEQ_FIELDS, seqs), (TOKEN_FIELDS, tokens), (BLOCK_FIELDS, blocks)):
+    copy_words = 1 + 2 * state_copies if state_copies else 0
+    groups = ((SEQ_FIELDS, seqs), (TOKEN_FIELDS, tokens), (BLOCK_FIELDS, blocks), (COPY_FIELDS, copy_words))
+    for group, count in groups:
         for name, dtype in group:
             fields.append((name, word, count, dtype))
             word += -(-count * np.dtype(dtype).itemsize // 4 // ALIGN) * ALIGN
-    return Layout(kind, tokens, seqs, blocks, tuple(fields), word)
+    return Layout(kind, tokens, seqs, blocks, tuple(fields), word, state_copies)
 
 
 def host_views(frame: np.ndarray, layout: Layout) -> dict[str, np.ndarray]:
@@ -169,6 +175,9 @@ def pack(plan: Plan, layout: Layout, frame: np.ndarray, views: dict[str, np.ndar
         block_seq, block_first = extend_blocks(lengths.tolist())
         _fill(views["block_seq"], block_seq, -1)
         _fill(views["block_first"], block_first, 0)
+    if layout.state_copies:
+        _fill(views["state_copy"], [len(plan.state_copies), *(row for pair in plan.state_copies for row in pair)],
+              -1)
     frame[0] = len(patch_index)
     patches = frame[layout.patches:layout.patches + 2 * len(patch_index)]
     patches[0::2] = patch_index

@@ -123,7 +123,8 @@ class _Ready:
 
 class GraphExecutor:
     def __init__(self, model: CausalLM, num_pages: int, page_size: int, max_active: int,
-                 device: torch.device, context_limit: int, prefill_chunk: int) -> None:
+                 device: torch.device, context_limit: int, prefill_chunk: int, snapshots: int = 0) -> None:
+        """`snapshots`: a hybrid model's state rows beyond the slots', for exact checkpoints (Plan.state_copies)."""
         from cupy.cuda import runtime
 
         started = time.monotonic()
@@ -136,15 +137,18 @@ class GraphExecutor:
                                     dtype=model.model.embed_tokens.weight.dtype, device=device)
         self._decode_caps = decode_capacities(max_active)
         self._extend_caps = extend_capacities(prefill_chunk, max_active)
-        self._decode = {b: make_layout("decode", b, b) for b in self._decode_caps}
-        self._extend = {t: make_layout("extend", t, min(t, max_active)) for t in self._extend_caps}
+        dtype = model.model.embed_tokens.weight.dtype
+        # A hybrid model's graphs make a step's recurrent-state row copies, up to two a slot (more run eagerly).
+        self._state_copies = 2 * max_active if model.config.hybrid else 0
+        self._decode = {b: make_layout("decode", b, b, self._state_copies) for b in self._decode_caps}
+        self._extend = {t: make_layout("extend", t, min(t, max_active), self._state_copies)
+                        for t in self._extend_caps}
         layouts = [*self._decode.values(), *self._extend.values()]
         width = -(-context_limit // page_size)
         words = max(layout.patches for layout in layouts) + 2 * max_active * width  # every table rewritten at once
         max_seqs = max(layout.seqs for layout in layouts)
         self._buffers = StaticBuffers.allocate(words, max_active, width, max_seqs, model.config.vocab_size, device)
         self._mirror = PageTableMirror(max_active, width)
-        dtype = model.model.embed_tokens.weight.dtype
         self._extras = ExtrasBuffers.allocate(max_active, max_seqs, self._extend_caps[-1], model.config.vocab_size,
                                               model.config.hidden_size, dtype, device)
         self._extras_host = [torch.zeros(extras_words(max_seqs), dtype=torch.int32).pin_memory()
@@ -207,8 +211,10 @@ class GraphExecutor:
         self._origin = runtime.eventCreate()
         runtime.eventRecord(self._origin, self._model_stream.cuda_stream)
         # The reference step for what the graphs do not cover, on this executor's cache and slot tokens.
-        self._eager = EagerExecutor(model, 1, page_size, max_active, device)
+        # A hybrid model's recurrent state (a row per slot, then its snapshot rows) is the eager step's.
+        self._eager = EagerExecutor(model, 1, page_size, max_active, device, snapshots)
         self._eager.kv_cache = self.kv_cache
+        self.state = self._eager.state
         self._eager.slot_tokens = self._buffers.slot_tokens[:max_active]
         self._eager.output_counts = self._extras.counts[:max_active]  # one penalty state for both
         self._eager.seen = self._extras.seen[:max_active]
@@ -246,7 +252,7 @@ class GraphExecutor:
         samplers = {layout.seqs: layout for layout in layouts}
         steps = [(layout, lambda layout=layout: model_step(
             self.model, self.kv_cache, self._buffers, layout, self.page_size,
-            self._extras.hidden if layout.kind == "extend" else None)) for layout in layouts]
+            self._extras.hidden if layout.kind == "extend" else None, self.state)) for layout in layouts]
         steps += [((seqs, greedy, mode), lambda layout=layout, greedy=greedy, mode=mode:
                    sample_step(self._buffers, layout, greedy, mode == "masked",
                                self._extras if mode == "extras" else None))
@@ -326,7 +332,7 @@ class GraphExecutor:
         if self._vision is not None:
             self._vision.close()
         self._exec.clear()
-        del self.kv_cache, self._buffers, self._out_dev, self._label_index, self._label_dev, self._spans, \
+        del self.kv_cache, self.state, self._buffers, self._out_dev, self._label_index, self._label_dev, self._spans, \
             self._verdicts_dev, self._extras, self._logprobs_dev, self._known, self._prompt_in, self._prompt_dev, \
             self._pool_index, self._pool_dev
         torch.cuda.empty_cache()
@@ -341,7 +347,7 @@ class GraphExecutor:
         if not rows:
             return None
         # Passes at C speed over the rows (plan.py's field getters): the checks run on every step.
-        if None in fields(rows, ROPE_SHIFT):
+        if None in fields(rows, ROPE_SHIFT) or len(plan.state_copies) > self._state_copies:
             return None
         if plan.kind == "verify":  # one-token rows in a decode graph, when nothing else needs a span
             if plan.masks or step_extras(rows, self._vocab) is not None or \

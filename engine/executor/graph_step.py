@@ -11,8 +11,10 @@ import torch
 
 from engine.executor.frames import Layout, device_views
 from engine.kernels.triton.page_table import apply_patches
+from engine.kernels.triton.state_copy import copy_state_rows
 from engine.model.attention import DecodeBatch, ExtendBatch, KernelMetadata
 from engine.model.decoder import CausalLM
+from engine.model.recurrent_state import RecurrentBatch, RecurrentState
 from engine.sampling.graph_extras import ExtrasBuffers, extras_sample_step
 from engine.sampling.sampler import SamplingTensors, apply_token_mask, sample
 from engine.speculative.verify import accept
@@ -39,24 +41,34 @@ class StaticBuffers:
 
 
 def step_metadata(views: dict[str, torch.Tensor], layout: Layout, page_tables: torch.Tensor,
-                  page_size: int) -> KernelMetadata:
+                  page_size: int, state: RecurrentState | None = None) -> KernelMetadata:
+    """`state`: a hybrid model's, whose row each sequence continues is its slot's (a padding row's, the padding
+    slot's, touched by nothing: its decode row has no context, its extend sequence no tokens)."""
     if layout.kind == "decode":
+        recurrent = None if state is None else RecurrentBatch(state, views["slot"], views["context_len"] - 1)
         return KernelMetadata(views["slot_mapping"], page_size,
-                              decode=DecodeBatch(page_tables, views["slot"], views["context_len"]))
+                              decode=DecodeBatch(page_tables, views["slot"], views["context_len"]),
+                              recurrent=recurrent)
+    recurrent = None if state is None else \
+        RecurrentBatch(state, views["slot"], views["context_len"] - views["query_len"])
     return KernelMetadata(views["slot_mapping"], page_size, extend=ExtendBatch(
         page_tables, views["slot"], views["query_start"], views["query_len"], views["context_len"],
-        views["block_seq"], views["block_first"]))
+        views["block_seq"], views["block_first"]), recurrent=recurrent)
 
 
 @torch.inference_mode()
 def model_step(model: CausalLM, kv_cache: torch.Tensor, buffers: StaticBuffers, layout: Layout,
-               page_size: int, hidden_out: torch.Tensor | None = None) -> None:
-    """Apply the frame's page-table patches, run the model, leave the sequences' logits in buffers.logits (and
-    every token's final hidden state in `hidden_out`, for prompt logprobs: engine/sampling/graph_extras.py)."""
+               page_size: int, hidden_out: torch.Tensor | None = None, state: RecurrentState | None = None) -> None:
+    """Apply the frame's page-table patches (and a hybrid model's state row copies to its `state`), run the model,
+    leave the sequences' logits in buffers.logits (and every token's final hidden state in `hidden_out`, for prompt
+    logprobs: engine/sampling/graph_extras.py)."""
     views = device_views(buffers.frame, layout)
     apply_patches(buffers.page_tables, buffers.frame[layout.patches:], buffers.frame[:1])
+    if state is not None and layout.state_copies:
+        copies = views["state_copy"]
+        copy_state_rows((state.conv, state.delta), copies[1:].view(-1, 2), copies[:1])
     ids = torch.where(views["token"] >= 0, views["token"], buffers.slot_tokens[views["token_slot"]])
-    meta = step_metadata(views, layout, buffers.page_tables, page_size)
+    meta = step_metadata(views, layout, buffers.page_tables, page_size, state)
     hidden = model(ids, views["position"], kv_cache, meta)
     if hidden_out is not None:
         hidden_out[:layout.tokens] = hidden

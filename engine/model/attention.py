@@ -16,7 +16,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
-from engine.model.recurrent_state import RecurrentRows
+from engine.model.recurrent_state import RecurrentBatch, RecurrentRows
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class KernelMetadata:
     page_size: int
     decode: DecodeBatch | None = None
     extend: ExtendBatch | None = None
+    recurrent: RecurrentBatch | None = None  # a hybrid model's state rows, per sequence of decode or extend
 
 
 def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
@@ -95,10 +96,13 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
 
     device = meta.slot_mapping.device
     count = meta.decode_rows.numel()
+    rec = meta.recurrent
     if not meta.prefills:
         decode = DecodeBatch(meta.decode_page_tables, torch.arange(count, device=device), meta.decode_context_lens,
                              meta.decode_rows) if count else None
-        return KernelMetadata(meta.slot_mapping, meta.page_size, decode)
+        recurrent = None if rec is None else \
+            RecurrentBatch(rec.state, rec.decode.to(torch.int32), (meta.decode_context_lens - 1).to(torch.int32))
+        return KernelMetadata(meta.slot_mapping, meta.page_size, decode, recurrent=recurrent)
     width = max([span.page_table.numel() for span in meta.prefills] + [meta.decode_page_tables.shape[1]])
     tables = torch.cat([torch.stack([F.pad(span.page_table, (0, width - span.page_table.numel()))
                                      for span in meta.prefills]),
@@ -113,7 +117,11 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
         torch.cat([ints(lengths), ints([1] * count)]),
         torch.cat([ints([span.context_len for span in meta.prefills]), decode_ints(meta.decode_context_lens)]),
         ints(block_seq), ints(block_first))
-    return KernelMetadata(meta.slot_mapping, meta.page_size, extend=extend)
+    recurrent = None
+    if rec is not None:  # the spans' rows, then the decode rows', as the extend batch orders its sequences
+        recurrent = RecurrentBatch(rec.state, torch.cat([ints(list(rec.spans)), decode_ints(rec.decode)]),
+                                   extend.context_lens - extend.query_len)
+    return KernelMetadata(meta.slot_mapping, meta.page_size, extend=extend, recurrent=recurrent)
 
 
 def page_slots(page_tables: torch.Tensor, page_size: int) -> torch.Tensor:

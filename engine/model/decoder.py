@@ -47,7 +47,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """`sin` is signed (signed_sine): q and k are rotated together, as one [T, H + KVH, D] tensor."""
+        q, k, v, gate = self.rotated(x, cos, sin)
+        out = self.attn(q, k, v, k_cache, v_cache, meta).flatten(1)
+        return self.o_proj(self.gated(out, gate))
+
+    def rotated(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q [T, H, D], k and v [T, KVH, D] normalised and rotated, and the output gate (or None): the attention's
+        input, which the kernel path's gated attention shares (engine/model/backends/triton_layers.py). `sin` is
+        signed (signed_sine): q and k are rotated together, as one [T, H + KVH, D] tensor."""
         c = self.c
         gate = None
         if c.attn_output_gate:  # each head's q_proj rows: its q, then its gate
@@ -62,11 +70,12 @@ class Attention(nn.Module):
             qk = torch.cat((rotate(qk[..., :c.rotated_dim], cos, sin), qk[..., c.rotated_dim:]), dim=-1)
         else:
             qk = rotate(qk, cos, sin)
-        out = self.attn(qk[:, :c.num_heads], qk[:, c.num_heads:], v.view(-1, c.num_kv_heads, c.head_dim), k_cache,
-                        v_cache, meta).flatten(1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(out.shape))
-        return self.o_proj(out)
+        return qk[:, :c.num_heads], qk[:, c.num_heads:], v.view(-1, c.num_kv_heads, c.head_dim), gate
+
+    @staticmethod
+    def gated(out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The attention's output [T, H * D] times the sigmoid of its gate, where it has one."""
+        return out if gate is None else out * torch.sigmoid(gate.reshape(out.shape))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k as one [T, H + KVH, D] tensor, and v [T, KVH * D]: from the fused product where the weights

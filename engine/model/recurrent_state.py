@@ -68,3 +68,14 @@ class RecurrentRows:
     state: RecurrentState
     decode: torch.Tensor  # [Bd] int64
     spans: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecurrentBatch:
+    """The kernel path's view of the state (KernelMetadata.recurrent): per sequence of the step's DecodeBatch or
+    ExtendBatch (in their order), the row it continues and how many tokens precede it (none: it starts from zeros,
+    whatever the row holds; -1: a decode graph's padding row, which touches nothing)."""
+
+    state: RecurrentState
+    rows: torch.Tensor  # [S] int32
+    past: torch.Tensor  # [S] int32

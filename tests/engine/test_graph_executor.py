@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 
 from common.protocol import SamplingParams  # noqa: E402
 from engine.core import join_logprobs  # noqa: E402
+from engine.executor.eager import kv_cache_shape  # noqa: E402
 from engine.executor.frames import (PageTableMirror, host_views, make_layout, pack, verify_results, verify_rows,  # noqa: E402
                                     verify_spans)
 from engine.executor.graph import decode_capacities, extend_capacities  # noqa: E402
@@ -27,6 +28,7 @@ from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step,
 from engine.executor.pooling import assemble as assemble_pooled  # noqa: E402
 from engine.executor.pooling import pool_index, pool_rows  # noqa: E402
 from engine.model.backends.select import use_backend  # noqa: E402
+from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT, RecurrentState  # noqa: E402
 from engine.sampling.graph_extras import (TOP_LOGPROBS, ExtrasBuffers, extras_words, graph_holds_extras,  # noqa: E402
                                           host_extras_views, pack_extras, prompt_logprobs_step, read_logprobs,
                                           read_prompt_logprobs, step_extras)
@@ -69,12 +71,16 @@ class FrameExecutor:
     """GraphExecutor's data path on the CPU: pack a frame, copy it to the static buffers, run the step functions
     a graph would replay, read the sampled rows. Synchronous; the executor protocol for the harness."""
 
-    def __init__(self, model, num_pages: int, page_size: int, max_active: int) -> None:
-        self.kv_cache = torch.zeros(model.config.num_layers, 2, num_pages * page_size, model.config.num_kv_heads,
-                                    model.config.head_dim)
+    def __init__(self, model, num_pages: int, page_size: int, max_active: int, snapshots: int = 0) -> None:
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size))
         self.model, self.page_size, self.trash, self.num_pages = model, page_size, max_active, num_pages
-        self.decode = {b: make_layout("decode", b, b) for b in decode_capacities(max_active)}
-        self.extend = {t: make_layout("extend", t, min(t, max_active)) for t in extend_capacities(CHUNK, max_active)}
+        # A hybrid's state rows (the slots', then the snapshots'), and its row copies in the frames, as GraphExecutor
+        self.state = RecurrentState(model.config, max_active + snapshots, torch.float32, torch.device("cpu")) \
+            if model.config.hybrid else None
+        copies = 2 * max_active if self.state is not None else 0
+        self.decode = {b: make_layout("decode", b, b, copies) for b in decode_capacities(max_active)}
+        self.extend = {t: make_layout("extend", t, min(t, max_active), copies)
+                       for t in extend_capacities(CHUNK, max_active)}
         width = CONTEXT // page_size
         layouts = [*self.decode.values(), *self.extend.values()]
         words = max(layout.patches for layout in layouts) + 2 * max_active * width
@@ -89,6 +95,7 @@ class FrameExecutor:
         self.extras_frame = np.zeros(extras_words(max_seqs), dtype=np.int32)
         self.extras_steps = 0
         self.fence, self.done, self.layouts_used = 0, [], set()
+        self.frame_state_copies = 0  # a hybrid's row copies the frames carried
         self.wake_fd, self._write = os.pipe()
 
     def can_submit(self) -> bool:
@@ -100,6 +107,15 @@ class FrameExecutor:
     def submit(self, plan: Plan) -> None:
         self.fence += 1
         verify = any(r.draft for r in plan.rows)  # as GraphExecutor: one-token rows in a decode graph
+        for source, destination in plan.copies:  # as GraphExecutor._copy_pages
+            pages = slice(source * self.page_size, (source + 1) * self.page_size)
+            self.kv_cache[:, :, destination * self.page_size:(destination + 1) * self.page_size] = \
+                self.kv_cache[:, :, pages]
+        if not plan.rows:  # only copies: GraphExecutor's eager step makes them
+            self.state.copy_rows(plan.state_copies)
+            self.done.append((plan, Completion(self.fence, (), (), (), 0.0)))
+            os.write(self._write, b"x")
+            return
         rows = verify_rows(plan.rows) if verify else plan.rows
         if all(r.tokens is None for r in plan.rows) or verify:
             layout = self.decode[min(b for b in self.decode if b >= len(rows))]
@@ -107,7 +123,8 @@ class FrameExecutor:
             layout = self.extend[min(t for t in self.extend if t >= plan.num_tokens)]
         self.layouts_used.add(("verify" if verify else layout.kind, layout.tokens))
         self.frame[:] = 12345  # stale words from earlier steps must not matter
-        words = pack(Plan(rows), layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
+        self.frame_state_copies += len(plan.state_copies)
+        words = pack(Plan(rows, state_copies=plan.state_copies), layout, self.frame, host_views(self.frame, layout), self.mirror, self.page_size,
                      self.trash)
         self.buffers.frame[:words] = torch.from_numpy(self.frame[:words])
         extras = None if verify else step_extras(plan.rows, self.model.config.vocab_size)
@@ -120,7 +137,7 @@ class FrameExecutor:
                 self.extras.inputs[:] = torch.from_numpy(self.extras_frame)
                 self.buffers.masks[:layout.seqs] = -1
         model_step(self.model, self.kv_cache, self.buffers, layout, self.page_size,
-                   self.extras.hidden if layout.kind == "extend" else None)
+                   self.extras.hidden if layout.kind == "extend" else None, self.state)
         prompt = self.prompt_logprobs(extras.prompt) if extras is not None and extras.prompt.shape[1] else None
         greedy = all(r.sampling.temperature == 0 for r in plan.rows if r.sample)
         if plan.masks:  # as GraphExecutor uploads them: one row per plan row
@@ -416,15 +433,17 @@ def test_frame_steps_pool_the_eager_executors_embeddings() -> None:
     assert_same_vectors(vectors, eager_vectors, 1e-4)
 
 
-def gpu_harness(model, graphs: bool) -> Harness:
+def gpu_harness(model, graphs: bool, snapshots: int | None = None) -> Harness:
+    """`snapshots`: a hybrid's snapshot rows (None: the engine's default)."""
     from engine.executor.eager import EagerExecutor
     from engine.executor.graph import GraphExecutor
 
-    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, snapshots=snapshots)
     harness.executor.close()
     cuda = torch.device("cuda")
-    harness.executor = GraphExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda, CONTEXT, CHUNK) if graphs else \
-        EagerExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda)
+    rows = (SNAPSHOTS_PER_SLOT * MAX_ACTIVE if snapshots is None else snapshots) if model.config.hybrid else 0
+    harness.executor = GraphExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda, CONTEXT, CHUNK, rows) if graphs \
+        else EagerExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, cuda, rows)
     return harness
 
 
@@ -572,3 +591,67 @@ def test_graph_executor_applies_grammar_masks_as_the_eager_executor_does() -> No
     graph = masked_run(gpu_harness(model, graphs=True), model.config.vocab_size)
     assert graph == masked_run(gpu_harness(model, graphs=False), model.config.vocab_size)
     assert graph[1][-10:] == [42] * 10
+
+
+# The hybrids (Gated DeltaNet layers beside gated attention: engine/model/backends/triton_linear.py).
+HYBRIDS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+FIRST_TURN, TURN_ENDS = 24, [9, 14]  # the first prompt's length and message ends (neither on a page boundary)
+
+
+def two_turns(harness: Harness) -> tuple[int, list[list[int]]]:
+    """A first turn, another request (which takes the slot and its state row over), then a second turn that
+    continues the first (prompt, reply, one more token, so that the restored conv inputs reach its output: the tiny
+    model's decay forgets older tokens fast): the second's cached tokens, and both replies. With snapshots, the
+    second restores the first's exact checkpoint (the snapshot row copied into the slot's)."""
+    from tests.engine.test_hybrid_checkpoints import generate, prompt
+
+    first = prompt(FIRST_TURN)
+    _, reply = generate(harness, first, 3, TURN_ENDS)
+    generate(harness, prompt(12, seed=2), 2)
+    cached, second = generate(harness, first + reply + first[-1:], 3)
+    harness.close()
+    return cached, [reply, second]
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_hybrid_frame_steps_restore_snapshots_and_produce_the_torch_paths_tokens() -> None:
+    """Qwen3.5 through the frames and the captured step functions (the kernel path, the state rows by slot, the
+    row copies in the frame): a second turn restored from a snapshot equals the torch reference's cold run."""
+    cold = two_turns(Harness(tiny_model(0, "qwen3_5"), PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, snapshots=0))
+    assert cold[0] == 0
+    model = tiny_model(0, "qwen3_5")
+    use_backend(model, "triton", CONTEXT)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE, SNAPSHOTS_PER_SLOT * MAX_ACTIVE)
+    cached, replies = two_turns(harness)
+    assert cached >= FIRST_TURN and replies == cold[1]
+    assert executor.frame_state_copies > 0 and {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_graph_executor_produces_the_eager_and_reference_tokens_for_each_hybrid(family: str) -> None:
+    """fp32: the captured graphs' tokens are the eager kernel path's, and the torch reference's."""
+    reference = tiny_model(0, family).to("cuda")
+    expected = run_requests(Harness(reference, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, device="cuda"))
+    model = tiny_model(0, family).to("cuda")
+    use_backend(model, "triton", CONTEXT)
+    eager = run_requests(gpu_harness(model, graphs=False))
+    assert run_requests(gpu_harness(model, graphs=True)) == eager
+    assert eager == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_graph_executor_restores_a_hybrids_snapshot_as_its_cold_run(family: str) -> None:
+    """A second turn restored from the first turn's snapshot (the row copies in the graphs' frames) equals a cold
+    run in graphs (no snapshots)."""
+    model = tiny_model(0, family).to("cuda")
+    use_backend(model, "triton", CONTEXT)
+    cached, replies = two_turns(gpu_harness(model, graphs=True))
+    cold_cached, cold = two_turns(gpu_harness(model, graphs=True, snapshots=0))
+    assert cached >= FIRST_TURN and cold_cached == 0
+    assert replies == cold

@@ -42,9 +42,10 @@ FAMILY_CONFIGS = {
                 "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
                 "rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25}},
 }
-# The hybrid with mixture-of-experts layers beside its linear attention, and a shared expert in each.
-FAMILY_CONFIGS["qwen3_next"] = {**FAMILY_CONFIGS["qwen3_5"], "num_experts": 8, "num_experts_per_tok": 2,
-                                "moe_intermediate_size": 48, "shared_expert_intermediate_size": 32}
+# The mixture-of-experts hybrids: Qwen3.5's layers, each MLP 8 experts (top 2) beside a shared expert.
+HYBRID_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+              "shared_expert_intermediate_size": 32, "norm_topk_prob": True}
+FAMILY_CONFIGS |= {family: {**FAMILY_CONFIGS["qwen3_5"], **HYBRID_MOE} for family in ("qwen3_5_moe", "qwen3_next")}
 
 
 def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> CausalLM:

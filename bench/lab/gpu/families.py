@@ -48,8 +48,10 @@ CASES.append(("qwen3-30b-a3b", 2, [500 + 3 * i for i in range(16)], 8192, 16))
 CONTEXT_LIMIT = 8192
 
 
-def preset_model(preset: str, layers: int | None, dtype: str = "bfloat16") -> tuple[Manifest, CausalLM]:
-    """The preset's architecture with random weights made on the GPU, on the kernel path."""
+def preset_model(preset: str, layers: int | None, dtype: str = "bfloat16",
+                 context_limit: int = CONTEXT_LIMIT) -> tuple[Manifest, CausalLM]:
+    """The preset's architecture with random weights made on the GPU, on the kernel path, its positions up to
+    `context_limit`."""
     source = SynthSource(preset, layers, dtype, 0)
     family, config = normalised_config(source.config(), source.path, dtype, source.checkpoint)
     c = DecoderConfig.from_hf(family, config)
@@ -70,8 +72,8 @@ def preset_model(preset: str, layers: int | None, dtype: str = "bfloat16") -> tu
     if c.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.set_rope(device)
-    use_backend(model, "triton", CONTEXT_LIMIT)
-    manifest = Manifest(1, family, config, dtype, [preset], source.checkpoint, CONTEXT_LIMIT, [], CAPACITIES,
+    use_backend(model, "triton", context_limit)
+    manifest = Manifest(1, family, config, dtype, [preset], source.checkpoint, context_limit, [], CAPACITIES,
                         source.generation, {})
     return manifest, model.eval()
 

@@ -18,7 +18,10 @@ from engine.model.decoder import MLP, CausalLM, DecoderLayer
 
 def runs_few_rows(layer: DecoderLayer) -> bool:
     """Llama-style norms around each branch, plain (not tensor-parallel, not quantized) q/k/v and o, and a SiLU
-    MLP of plain products or a mixture of experts: the layers whose norms and adds the GEMVs fold in."""
+    MLP of plain products or a mixture of experts: the layers whose norms and adds the GEMVs fold in (not a
+    hybrid's linear attention)."""
+    if layer.linear:
+        return False
     attn, mlp = layer.self_attn, layer.mlp
     plain = [attn.qkv, attn.o_proj] + ([mlp.gate_up, mlp.down_proj] if isinstance(mlp, MLP) else [])
     return not layer.sandwich and all(type(p) is nn.Linear for p in plain) and \

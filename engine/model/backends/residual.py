@@ -11,12 +11,14 @@ from torch import nn
 
 from engine.model.decoder import Attention, CausalLM
 from engine.model.image_features import ImageFeatures
+from engine.model.linear_attention import GatedDeltaNet
 from engine.model.norms import GemmaRMSNorm
 
 # (x, residual or None, weight, eps) -> (rms_norm(x + residual), x + residual); with no residual, (rms_norm(x), x).
 AddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
-# (attention module, its normalised input, layer index) -> the attention branch's output.
-Attend = Callable[[Attention, torch.Tensor, int], torch.Tensor]
+# (the layer's token mixer: attention, or a hybrid's linear attention; its normalised input, layer index) -> the
+# branch's output.
+Attend = Callable[[Attention | GatedDeltaNet, torch.Tensor, int], torch.Tensor]
 # (MLP or mixture of experts, its normalised input) -> the MLP branch's output.
 Mlp = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 # (layer index, x, residual) -> the layer's (x, residual) in one call, or None where the layer runs op by op.
@@ -47,7 +49,7 @@ def residual_stream(model: CausalLM, input_ids: torch.Tensor, images: ImageFeatu
                 x, residual = whole
                 continue
         h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps)
-        x = attend(layer.self_attn, h, i)
+        x = attend(layer.linear_attn if layer.linear else layer.self_attn, h, i)
         if layer.sandwich:
             x = add_rms_norm(x, None, layer.post_attention_layernorm.kernel_weight(), eps)[0]
         h, residual = add_rms_norm(x, residual, layer.mlp_norm().kernel_weight(), eps)

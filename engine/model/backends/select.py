@@ -19,12 +19,12 @@ def backend_kind(device: torch.device, quantized: bool, dtype: torch.dtype, hybr
     """A GPU runs the kernel path. On the CPU a dense core keeps the torch reference (its parity reference); a
     quantized core fuses its products, which saves operators a layer, and runs Flare's C++ ops in fp32 where they
     build (engine/kernels/cpu/extension.py), the torch reference otherwise. A hybrid model (linear-attention layers:
-    engine/model/linear_attention.py) has no kernels yet: the torch reference on every device, its quantized
-    products fused."""
-    if hybrid:
-        return "fused_reference" if quantized else "reference"
+    engine/model/linear_attention.py) has no C++ ops: on the CPU the torch reference, its quantized products
+    fused."""
     if device.type == "cuda":
         return "triton"
+    if hybrid:
+        return "fused_reference" if quantized else "reference"
     if not quantized:
         return "reference"
     return "cpu_ops" if dtype == torch.float32 and extension.layer_ops_ready() else "fused_reference"

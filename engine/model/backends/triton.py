@@ -1,8 +1,9 @@
 """The Triton backend: the kernel path, the GPU's, and what the graph executor captures (engine/executor/graph.py);
 the CPU runs it only under TRITON_INTERPRET, in tests. Nothing on it waits for the host.
 
-Chosen at load (select.py), it prepares the weights once: q/k/v and gate/up fused into one product each, Gemma's
-norm weights folded, and a rope table per distinct rope up to the context limit. A step then runs the residual
+Chosen at load (select.py), it prepares the weights once: q/k/v and gate/up fused into one product each (a hybrid's
+linear-attention inputs too: triton_linear.py), Gemma's norm weights folded, and a rope table per distinct rope up to
+the context limit. A step then runs the residual
 stream over the Triton ops (residual.py with triton_layers.py), or, for a step of a single token where every layer
 allows it, the fused GEMVs of few_rows.py. A vision-language model's tower runs as KernelTower: every image's
 attention in one Triton launch.
@@ -20,10 +21,11 @@ from engine.kernels.triton.rmsnorm import add_rms_norm
 from engine.kernels.triton.rotary import rope_table
 from engine.kernels.triton.segment_attention import segment_attention, segment_bounds
 from engine.model.attention import AttentionMetadata, KernelMetadata
-from engine.model.backends import few_rows, triton_layers
+from engine.model.backends import few_rows, triton_layers, triton_linear
 from engine.model.backends.residual import prepare_weights, residual_stream
 from engine.model.decoder import MLP, Attention, CausalLM
 from engine.model.image_features import ImageFeatures
+from engine.model.linear_attention import GatedDeltaNet
 from engine.model.qwen3_vl_vision import TowerInputs, VisionTower
 
 
@@ -33,6 +35,10 @@ class Triton:
     def __init__(self, model: CausalLM, max_positions: int) -> None:
         """Prepares `model`'s weights for the kernel path; its positions go up to `max_positions`."""
         prepare_weights(model)
+        # A hybrid's cache holds its attention layers only; its linear-attention layers' inputs are one product.
+        self.kv_index = {layer: i for i, layer in enumerate(model.config.kv_layers)}
+        self.linear_inputs = {i: triton_linear.fuse_inputs(layer.linear_attn)
+                              for i, layer in enumerate(model.model.layers) if layer.linear}
         self.rope_tables = [rope_table(inv_freq, max_positions) for inv_freq in model.inv_freqs]
         # Steps of up to this many tokens take few_rows.forward.
         self.few_rows = GEMV_MAX_ROWS if all(few_rows.runs_few_rows(layer) for layer in model.model.layers) else 0
@@ -44,10 +50,18 @@ class Triton:
         if images is None and input_ids.shape[0] <= self.few_rows:
             return few_rows.forward(model, self.rope_tables, input_ids, positions, kv_cache, meta)
         tables, rope_positions = model.rope_inputs(positions, self.rope_tables)
+        # A hybrid's gated attention rotates in torch, from cos and sin made once per step.
+        rotations = model.rotations(positions) if model.config.attn_output_gate else None
 
-        def attend(attn: Attention, h: torch.Tensor, i: int) -> torch.Tensor:
-            return triton_layers.attention(attn, h, rope_positions, tables[attn.rope], kv_cache[i, 0],
-                                           kv_cache[i, 1], meta)
+        def attend(mixer: Attention | GatedDeltaNet, h: torch.Tensor, i: int) -> torch.Tensor:
+            if isinstance(mixer, GatedDeltaNet):
+                return triton_linear.linear_attention(mixer, self.linear_inputs[i], h, meta)
+            kv = self.kv_index[i]
+            if rotations is not None:
+                cos, sin = rotations[mixer.rope]
+                return triton_layers.gated_attention(mixer, h, cos, sin, kv_cache[kv, 0], kv_cache[kv, 1], meta)
+            return triton_layers.attention(mixer, h, rope_positions, tables[mixer.rope], kv_cache[kv, 0],
+                                           kv_cache[kv, 1], meta)
 
         def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             return triton_layers.mlp(layer, h) if isinstance(layer, MLP) else triton_layers.moe(layer, h)

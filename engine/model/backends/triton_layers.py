@@ -1,6 +1,8 @@
 """The kernel path's layer parts (engine/model/backends/triton.py and few_rows.py run them): attention from the
-fused q/k/v product through the Triton rotary and paged-attention kernels, the MLP over the fused gate/up product,
-and the mixture of experts through the fused MoE kernel. Nothing here waits for the host, so CUDA graphs capture it.
+fused q/k/v product through the Triton rotary and paged-attention kernels (a hybrid model's gated attention, with its
+partial rotary, rotated in torch and stored by its own kernel), the MLP over the fused gate/up product, and the
+mixture of experts through the fused MoE kernel. Nothing here waits for the host, so CUDA graphs capture it. (A
+hybrid's linear-attention layers: triton_linear.py.)
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from engine.kernels.triton.activation import silu_and_mul
 from engine.kernels.triton.decode_attention import decode_attention, num_splits
 from engine.kernels.triton.extend_attention import extend_attention
 from engine.kernels.triton.fused_moe import fused_moe
+from engine.kernels.triton.kv_store import store_kv
 from engine.kernels.triton.moe_routing import route_in_one_program
 from engine.kernels.triton.rotary import rope_and_store
 from engine.model.attention import KernelMetadata
@@ -72,6 +75,17 @@ def attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: t
     return attn.o_proj(out.flatten(1))
 
 
+def gated_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+    """A hybrid's attention branch [T, E] -> [T, E]: q, k, v and the output gate as the torch reference makes them
+    (its per-step cos and sin: Attention.rotated), the new keys and values stored, the paged-attention kernels, the
+    gate."""
+    q, k, v, gate = attn.rotated(x, cos, sin)
+    store_kv(k, v, meta.slot_mapping, k_cache, v_cache)
+    out = kernel_attention(q.contiguous(), k_cache, v_cache, meta, attn.attn.scale, attn.attn.window)
+    return attn.o_proj(attn.gated(out.flatten(1), gate))
+
+
 def mlp(layer: MLP, x: torch.Tensor) -> torch.Tensor:
     gate_up = layer.gate_up(x)
     if layer.gelu:
@@ -81,9 +95,10 @@ def mlp(layer: MLP, x: torch.Tensor) -> torch.Tensor:
 
 
 def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """With a residual (one rank only), the output is added to it in place by the down kernel."""
+    """With a residual (one rank only), the output is added to it in place by the down kernel. A hybrid's shared
+    expert (Qwen3.5-MoE, Qwen3-Next) runs beside the routed ones, as the torch reference's."""
     weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob)
     if residual is not None:
         assert layer.tp is None
         return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual)
-    return layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids))
+    return layer.with_shared(x, layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids)))

@@ -1,0 +1,44 @@
+"""The new tokens' keys and values into the paged cache, for attention whose rotary the fused rotary kernel
+(engine/kernels/triton/rotary.py) does not cover: a hybrid model's gated attention, with its partial rotary, rotates
+in torch and stores here. A token whose cache slot is negative (graph padding) writes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+           stride_ch, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = ((h < KV_HEADS) & (h * 0 + slot >= 0))[:, None] & (d < HEAD_DIM)[None, :]
+    cache = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + cache, k, mask=mask)
+    tl.store(v_cache_ptr + cache, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor) -> None:
+    """k, v [T, KVH, D] (last dimension contiguous) -> cache slots slot_mapping[t] of k_cache, v_cache
+    [slots, KVH, D]."""
+    tokens, kv_heads, head_dim = k.shape
+    assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    _store[(tokens,)](k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                      k_cache.stride(0), k_cache.stride(1), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+                      BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+                      num_warps=4)
+
+
+def store_kv_reference(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor) -> None:
+    keep = slot_mapping >= 0
+    k_cache[slot_mapping[keep].long()] = k[keep]
+    v_cache[slot_mapping[keep].long()] = v[keep]
