@@ -1,8 +1,8 @@
 """A tiny random vision-language checkpoint built with transformers' own classes and saved as a Hugging Face directory
 with its image processor (`Qwen2VLImageProcessorPil`), tokenizer and chat template; `ignition export` makes it a core.
-Two families: Qwen3-VL (Qwen3's text model, deepstack mergers, the Qwen2-VL template) and Qwen3.5 (the hybrid text
+The families: Qwen3-VL (Qwen3's text model, deepstack mergers, the Qwen2-VL template), Qwen3.5 (the hybrid text
 model, Gated DeltaNet layers beside a gated attention layer with partial M-RoPE, the tower without deepstack, the
-Qwen3.5 template)."""
+Qwen3.5 template) and Qwen3.5-MoE (Qwen3.5's, with mixture-of-experts MLPs)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ FAMILIES = {
                                       "mrope_interleaved": True, "partial_rotary_factor": 0.5}),
                 VISION, "qwen3_5.jinja"),
 }
+# Qwen3.5-MoE: Qwen3.5's layers, each MLP 8 routed experts (top 2) beside a gated shared expert.
+FAMILIES["qwen3_5_moe"] = ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
+                           dict(FAMILIES["qwen3_5"][2], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=32), VISION, "qwen3_5.jinja")
 
 
 def build(root: Path, seed: int = 0, family: str = "qwen3_vl"):  # noqa: ANN201 (transformers objects, imported lazily)
