@@ -47,6 +47,12 @@ def server(checkpoint):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def expected(checkpoint) -> dict[str, tuple[list[int], list[int]]]:
+    """transformers' (prompt ids, output ids) of each chat, computed once for the three clients."""
+    return {chat: reference(checkpoint, *CHATS[chat]) for chat in CHATS}
+
+
 def reference(checkpoint, names: list[str], text: str) -> tuple[list[int], list[int]]:
     """transformers: the template, each image placeholder expanded by its grid (as Qwen3VLProcessor does), the
     processor on the upright pictures, greedy generate. Returns (prompt ids, output ids)."""
@@ -71,41 +77,41 @@ def openai_content(names: list[str], text: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("chat", sorted(CHATS))
-def test_openai_client_gets_transformers_greedy_tokens(checkpoint, server: Server, chat: str) -> None:
+def test_openai_client_gets_transformers_greedy_tokens(expected, server: Server, chat: str) -> None:
     names, text = CHATS[chat]
-    prompt_ids, expected = reference(checkpoint, names, text)
+    prompt_ids, tokens = expected[chat]
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
     response = client.chat.completions.create(
         model="hf", messages=[{"role": "user", "content": openai_content(names, text)}], max_tokens=MAX_TOKENS,
         temperature=0, extra_body={"return_token_ids": True, **NO_THINKING})
     assert response.model_extra["prompt_token_ids"] == prompt_ids
-    assert response.choices[0].model_extra["token_ids"] == expected
+    assert response.choices[0].model_extra["token_ids"] == tokens
 
 
 @pytest.mark.parametrize("chat", sorted(CHATS))
-def test_anthropic_client_gets_transformers_greedy_text(checkpoint, server: Server, chat: str) -> None:
+def test_anthropic_client_gets_transformers_greedy_text(checkpoint, expected, server: Server, chat: str) -> None:
     names, text = CHATS[chat]
-    _, expected = reference(checkpoint, names, text)
+    tokens = expected[chat][1]
     client = anthropic.Anthropic(base_url=server.base_url, api_key="none")
     blocks = [{"type": "image", "source": {"type": "base64", "media_type": samples()[name][1],
                                            "data": data_url(*samples()[name]).split(",", 1)[1]}} for name in names]
     message = client.messages.create(model="hf", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
         {"role": "user", "content": [*blocks, {"type": "text", "text": text}]}])
     tokenizer = checkpoint[1]
-    expected_text = tokenizer.decode([t for t in expected if t not in tokenizer.all_special_ids],
+    expected_text = tokenizer.decode([t for t in tokens if t not in tokenizer.all_special_ids],
                                      skip_special_tokens=True)
     assert "".join(block.text for block in message.content) == expected_text
 
 
 @pytest.mark.parametrize("chat", sorted(CHATS))
-def test_ollama_client_gets_transformers_greedy_text(checkpoint, server: Server, chat: str) -> None:
+def test_ollama_client_gets_transformers_greedy_text(checkpoint, expected, server: Server, chat: str) -> None:
     names, text = CHATS[chat]
-    _, expected = reference(checkpoint, names, text)
+    tokens = expected[chat][1]
     client = ollama.Client(host=server.base_url)
     reply = client.chat(model="hf", think=False, options={"temperature": 0, "num_predict": MAX_TOKENS}, messages=[
         {"role": "user", "content": text, "images": [samples()[name][0] for name in names]}])
     tokenizer = checkpoint[1]
-    assert reply.message.content == tokenizer.decode([t for t in expected if t not in tokenizer.all_special_ids],
+    assert reply.message.content == tokenizer.decode([t for t in tokens if t not in tokenizer.all_special_ids],
                                                      skip_special_tokens=True)
 
 
