@@ -177,11 +177,14 @@ def test_a_multimodal_gemma3_exports_its_text_model(tmp_path: Path) -> None:
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
 def test_a_multimodal_qwen3_5_moe_exports_its_tower_and_answers_an_image_with_transformers_tokens(
-        tmp_path: Path) -> None:
+        tmp_path: Path, device: str) -> None:
     """Qwen3_5MoeForConditionalGeneration (experts saved one by one, a shared expert, Qwen3.5's tower without
     deepstack): the core holds the tower and the image processor's settings, and the engine (the real scheduler and
-    eager executor, chunked prefill) gives transformers' greedy tokens for a prompt holding an image."""
+    eager executor, chunked prefill) gives transformers' greedy tokens for a prompt holding an image; on a GPU too,
+    where a hybrid runs its tower and text model eagerly in the torch reference (transformers on the CPU)."""
     from common.mrope import mrope_delta
     from common.protocol import ImageInput, SamplingParams
     from engine.model.loader import load_model
@@ -195,7 +198,7 @@ def test_a_multimodal_qwen3_5_moe_exports_its_tower_and_answers_an_image_with_tr
 
     reference, _, _ = build(tmp_path / "hf", family="qwen3_5_moe")
     export(tmp_path / "hf", tmp_path / "core")
-    manifest, model = load_model(tmp_path / "core", torch.device("cpu"))
+    manifest, model = load_model(tmp_path / "core", torch.device(device))
     settings = manifest.vision
     assert manifest.architecture == "qwen3_5_moe" and settings.image_token_id == reference.config.image_token_id
     assert isinstance(model, VisionLanguageLM) and model.config.num_experts == 8
@@ -207,7 +210,7 @@ def test_a_multimodal_qwen3_5_moe_exports_its_tower_and_answers_an_image_with_tr
     span = (3, 3 + image.tokens, mrope_delta([(3, image.grid)], settings.merge_size))
     request = Request("r", b"t", len(prompt), list(prompt), SamplingParams(temperature=0.0, max_tokens=8), 0,
                       frozenset(), 8, 0.0, images=(wire,), image_spans=(span,))
-    harness = Harness(model, chunk=32)
+    harness = Harness(model, chunk=32, device=device)
     harness.scheduler.add(request)
     harness.run()
     harness.close()
