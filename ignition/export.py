@@ -137,7 +137,7 @@ def _manifest(source: Source, options: ExportOptions, raw: dict[str, object], fa
             files={file.name: sha256_file(file) for file in sorted(staging.iterdir())},
             created=int(time.time()),
             vision=qwen3_vl.image_processing(source.preprocessor, config, source.preprocessor_file)
-            if family == qwen3_vl.MODEL_TYPE else None,
+            if qwen3_vl.has_vision(config) else None,
             quantization=",".join(sorted(kinds)) or None,
             pooling=pooling,
         )

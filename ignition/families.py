@@ -24,10 +24,12 @@ from engine.model.config import HYBRIDS, DecoderConfig
 from ignition import fp8, qwen3_vl
 
 # Checkpoint model_type -> Flare family. Mistral without a sliding window is Llama; a multimodal Gemma 3 (`gemma3`)
-# exports its text model, without the vision tower.
+# exports its text model, without the vision tower; Qwen3-VL and multimodal Qwen3.5 (`qwen3_5`, `qwen3_5_moe`)
+# export theirs (ignition/qwen3_vl.py).
 FAMILY = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
           "mixtral": "mixtral", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text", "qwen3_vl": "qwen3_vl",
-          "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
+          "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
+          "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe"}
 # A multimodal checkpoint's text-model prefixes (original and transformers 5 layouts), and its other parts.
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
@@ -133,7 +135,7 @@ def expected_shapes(family: str, config: dict[str, object]) -> dict[str, tuple[i
     c = DecoderConfig.from_hf(family, config)
     hidden = c.hidden_size
     shapes = {"model.embed_tokens.weight": (c.vocab_size, hidden), "model.norm.weight": (hidden,)}
-    if family == "qwen3_vl":
+    if qwen3_vl.has_vision(config):
         shapes |= qwen3_vl.vision_shapes(config)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, hidden)
@@ -196,9 +198,10 @@ def core_tensors(family: str, config: dict[str, object],
     (FP8 experts with their scales, ignition/fp8.py)."""
     c = DecoderConfig.from_hf(family, config)
     num_experts = c.num_experts
+    vision = qwen3_vl.has_vision(config)
     pending: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # layer prefix -> {(expert, part): tensor}
     for name, tensor in tensors:
-        name = qwen3_vl.core_name(name) if family == "qwen3_vl" else name
+        name = qwen3_vl.core_name(name) if vision else name
         if name.startswith(_NOT_TEXT):
             continue
         prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)

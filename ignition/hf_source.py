@@ -17,6 +17,7 @@ from common.errors import CoreError
 from common.manifest import GenerationDefaults
 from ignition.families import family_of
 from ignition.fp8 import Fp8Weight, checkpoint_scheme, is_scale_or_dropped, scale_name
+from ignition.qwen3_vl import TOWERS
 from ignition.sentence_transformers import read_pooling
 
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -47,7 +48,7 @@ class HfSource:
             raise CoreError(f"{path / 'generation_config.json'}: {exc}") from None
         self.generation_eos_ids = token_ids(generation.get("eos_token_id"))
         self.preprocessor_file = path / "preprocessor_config.json"  # a vision checkpoint's image processor
-        self.preprocessor = _read_json(self.preprocessor_file, required=self._raw.get("model_type") == "qwen3_vl")
+        self.preprocessor = _read_json(self.preprocessor_file, required=self._raw.get("model_type") in TOWERS)
         self._shards = self._find_shards()
 
     @property

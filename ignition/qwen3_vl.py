@@ -1,5 +1,7 @@
-"""What `ignition export` adds for Qwen3-VL (ignition/families.py does the rest, the text model's renaming included;
-docs/design.md, Cores): the vision tower's names and shapes, and the image processor's settings from
+"""What `ignition export` adds for a checkpoint with Qwen3-VL's vision tower: Qwen3-VL itself, and Qwen3.5 and
+Qwen3.5-MoE (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: the same tower without deepstack
+mergers, beside their hybrid text models). ignition/families.py does the rest, the text model's renaming included
+(docs/design.md, Cores): here, the vision tower's names and shapes, and the image processor's settings from
 preprocessor_config.json for the manifest."""
 
 from __future__ import annotations
@@ -11,21 +13,28 @@ import torch
 from common.errors import CoreError
 from common.vision import ImageProcessing
 
-MODEL_TYPE = "qwen3_vl"
+# Checkpoint model_type -> transformers' (config class, vision tower class), named in `transformers`.
+TOWERS = {"qwen3_vl": ("Qwen3VLConfig", "Qwen3VLVisionModel"), "qwen3_5": ("Qwen3_5Config", "Qwen3_5VisionModel"),
+          "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeVisionModel")}
 VISION_CHECKPOINT_PREFIX = "model.visual."
 VISION_PREFIX = "visual."
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, as preprocessor configs spell it
 PROCESSOR_FLAGS = ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
 
 
+def has_vision(config: dict[str, object]) -> bool:
+    """Whether a normalised config (families.normalised_config) is a checkpoint of one of TOWERS with its tower."""
+    return config.get("model_type") in TOWERS and "vision_config" in config
+
+
 def vision_shapes(config: dict[str, object]) -> dict[str, tuple[int, ...]]:
     """The vision tower's tensors by core name (`visual.`), from transformers' own tower built on the meta device
     (no memory), so its layout is never restated here."""
-    from transformers import Qwen3VLConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+    import transformers
 
+    config_class, tower_class = (getattr(transformers, name) for name in TOWERS[str(config["model_type"])])
     with torch.device("meta"):
-        tower = Qwen3VLVisionModel(Qwen3VLConfig.from_dict(config).vision_config)
+        tower = tower_class(config_class.from_dict(config).vision_config)
     return {VISION_PREFIX + name: tuple(tensor.shape) for name, tensor in tower.state_dict().items()}
 
 

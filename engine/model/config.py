@@ -16,7 +16,9 @@ A family is a set of features here plus, at most, a module for the layers only i
   (engine/model/linear_attention.py: a fixed-size recurrent state per request instead of KV), one in `full_attention`
   layers is gated attention (q_proj carries a sigmoid output gate beside q, per-head q/k norm, rotary on the first
   `partial_rotary_factor` of each head); (1 + w) RMSNorm without Gemma's extra norms. The MoE variants add a shared
-  expert with its sigmoid gate to the routed experts (engine/model/moe.py).
+  expert with its sigmoid gate to the routed experts (engine/model/moe.py). Qwen3.5's rotary is Qwen3-VL's
+  interleaved M-RoPE over the rotated part of a head; a checkpoint with a vision_config (Qwen3_5ForConditionalGeneration
+  and its MoE sibling) adds Qwen3-VL's vision tower, without deepstack (engine/model/qwen3_vl.py).
 """
 
 from __future__ import annotations
@@ -183,8 +185,9 @@ class DecoderConfig:
             base["qkv_bias"] = True
         if family in ("qwen3", "qwen3_moe", "qwen3_vl"):
             base.update(qk_norm=True, qkv_bias=bool(config.get("attention_bias", False)))
-        if family == "qwen3_vl":
-            base["mrope_section"] = tuple(int(n) for n in (config.get("rope_parameters") or {})["mrope_section"])
+        if family in MROPE_SECTIONS:
+            params = config.get("rope_parameters") or {}
+            base["mrope_section"] = tuple(int(n) for n in params.get("mrope_section", MROPE_SECTIONS[family]))
         if family == "llama":
             base["qkv_bias"] = bool(config.get("attention_bias", False))
         if family == "gemma3_text":
@@ -208,6 +211,8 @@ class DecoderConfig:
 
 
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# The families with M-RoPE, and the mrope_section transformers' rotary assumes when the config has none.
+MROPE_SECTIONS = {"qwen3_vl": (24, 20, 20), "qwen3_5": (11, 11, 10), "qwen3_5_moe": (11, 11, 10)}
 
 
 def _hybrid(base: dict, family: str, config: dict, types: list[str]) -> None:

@@ -2,6 +2,11 @@
 positions, plus the vision tower (engine/model/qwen3_vl_vision.py) whose features replace the image tokens'
 embeddings and whose deepstack features add to the first layers' outputs at those tokens.
 
+Qwen3.5 and Qwen3.5-MoE with images are this model over their hybrid decoder (Gated DeltaNet layers beside gated
+attention, docs/design.md, Hybrid models): the same tower without deepstack mergers, and the same interleaved M-RoPE,
+turning only the rotated part of each attention head (mrope_section spans its frequencies, 11/11/10 of 32).
+A hybrid runs the torch reference eagerly on every device, its tower included, so the graphs below are Qwen3-VL's.
+
 On a GPU the model's backend (engine/model/backends/triton.py) runs the text model on the kernel path (Triton
 attention, fused norms and projections), and the tower too (its attention one Triton launch over every image), which
 the GraphExecutor replays from graphs at patch capacities (engine/executor/vision_graphs.py). A step holding image

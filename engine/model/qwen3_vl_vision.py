@@ -1,5 +1,6 @@
 """The Qwen3-VL vision tower (docs/design.md, Images), with Hugging Face weight names under `model.visual.`: prepared
 patches in, one feature per merged token out, plus the deepstack features that go into the first text layers.
+Qwen3.5's tower (Qwen3_5VisionModel) is this one without deepstack layers (an empty `deepstack_layers`).
 
 Patch embedding (the Conv3d whose stride equals its kernel is a matmul over the patch row, which the frontend laid
 out as (channel, frame, row, col)); the learned square position table resampled bilinearly (corners aligned) to each

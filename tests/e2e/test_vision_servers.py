@@ -1,8 +1,10 @@
-"""Qwen3-VL end to end: a tiny random checkpoint built with transformers' classes and saved with its image processor,
-exported by ignition and served by `flare run`; chats with one to three images (PNG, JPEG with an EXIF rotation,
-WebP, grayscale, RGBA) give transformers' greedy tokens (processor + generate, fp32) through the real openai and
-anthropic clients, and their greedy text through the real ollama client (bare base64 images); a second turn about the
-same image reuses the cached prefix, a different image does not."""
+"""Vision-language models end to end, Qwen3-VL and Qwen3.5 (its hybrid text model, its tower without deepstack): a tiny
+random checkpoint of each built with transformers' classes and saved with its image processor, exported by ignition
+and served by `flare run`; chats with one to three images (PNG, JPEG with an EXIF rotation, WebP, grayscale, RGBA)
+give transformers' greedy tokens (processor + generate, fp32) through the real openai and anthropic clients, and their
+greedy text through the real ollama client (bare base64 images); a second turn about the same image reuses the cached
+prefix (a hybrid's from an exact checkpoint with its state snapshot), a different image does not. Thinking is off
+(Qwen3.5's template would open `<think>` otherwise), through each dialect's own switch."""
 
 from __future__ import annotations
 
@@ -27,10 +29,14 @@ CHATS = {
 }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("qwen3-vl-e2e")
-    model, tokenizer, processor = build(root / "hf", seed=1)
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}  # OpenAI's; Anthropic's is off by default
+
+
+# Qwen3.5-MoE's images take Qwen3.5's path (tests/ignition/test_families.py checks its export and tokens in process).
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp(f"{request.param}-e2e")
+    model, tokenizer, processor = build(root / "hf", seed=1, family=request.param)
     return model, tokenizer, processor, export(root / "hf", root / "core")
 
 
@@ -41,13 +47,19 @@ def server(checkpoint):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def expected(checkpoint) -> dict[str, tuple[list[int], list[int]]]:
+    """transformers' (prompt ids, output ids) of each chat, computed once for the three clients."""
+    return {chat: reference(checkpoint, *CHATS[chat]) for chat in CHATS}
+
+
 def reference(checkpoint, names: list[str], text: str) -> tuple[list[int], list[int]]:
     """transformers: the template, each image placeholder expanded by its grid (as Qwen3VLProcessor does), the
     processor on the upright pictures, greedy generate. Returns (prompt ids, output ids)."""
     model, tokenizer, processor, _ = checkpoint
     pictures = [ImageOps.exif_transpose(Image.open(io.BytesIO(samples()[name][0]))) for name in names]
     messages = [{"role": "user", "content": [*({"type": "image"} for _ in names), {"type": "text", "text": text}]}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
     pixels = processor(images=pictures, return_tensors="pt")
     pieces = prompt.split("<|image_pad|>")
     prompt = pieces[0] + "".join("<|image_pad|>" * (int(grid.prod()) // 4) + piece
@@ -65,41 +77,41 @@ def openai_content(names: list[str], text: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("chat", sorted(CHATS))
-def test_openai_client_gets_transformers_greedy_tokens(checkpoint, server: Server, chat: str) -> None:
+def test_openai_client_gets_transformers_greedy_tokens(expected, server: Server, chat: str) -> None:
     names, text = CHATS[chat]
-    prompt_ids, expected = reference(checkpoint, names, text)
+    prompt_ids, tokens = expected[chat]
     client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none")
     response = client.chat.completions.create(
         model="hf", messages=[{"role": "user", "content": openai_content(names, text)}], max_tokens=MAX_TOKENS,
-        temperature=0, extra_body={"return_token_ids": True})
+        temperature=0, extra_body={"return_token_ids": True, **NO_THINKING})
     assert response.model_extra["prompt_token_ids"] == prompt_ids
-    assert response.choices[0].model_extra["token_ids"] == expected
+    assert response.choices[0].model_extra["token_ids"] == tokens
 
 
 @pytest.mark.parametrize("chat", sorted(CHATS))
-def test_anthropic_client_gets_transformers_greedy_text(checkpoint, server: Server, chat: str) -> None:
+def test_anthropic_client_gets_transformers_greedy_text(checkpoint, expected, server: Server, chat: str) -> None:
     names, text = CHATS[chat]
-    _, expected = reference(checkpoint, names, text)
+    tokens = expected[chat][1]
     client = anthropic.Anthropic(base_url=server.base_url, api_key="none")
     blocks = [{"type": "image", "source": {"type": "base64", "media_type": samples()[name][1],
                                            "data": data_url(*samples()[name]).split(",", 1)[1]}} for name in names]
     message = client.messages.create(model="hf", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[
         {"role": "user", "content": [*blocks, {"type": "text", "text": text}]}])
     tokenizer = checkpoint[1]
-    expected_text = tokenizer.decode([t for t in expected if t not in tokenizer.all_special_ids],
+    expected_text = tokenizer.decode([t for t in tokens if t not in tokenizer.all_special_ids],
                                      skip_special_tokens=True)
     assert "".join(block.text for block in message.content) == expected_text
 
 
 @pytest.mark.parametrize("chat", sorted(CHATS))
-def test_ollama_client_gets_transformers_greedy_text(checkpoint, server: Server, chat: str) -> None:
+def test_ollama_client_gets_transformers_greedy_text(checkpoint, expected, server: Server, chat: str) -> None:
     names, text = CHATS[chat]
-    _, expected = reference(checkpoint, names, text)
+    tokens = expected[chat][1]
     client = ollama.Client(host=server.base_url)
-    reply = client.chat(model="hf", options={"temperature": 0, "num_predict": MAX_TOKENS}, messages=[
+    reply = client.chat(model="hf", think=False, options={"temperature": 0, "num_predict": MAX_TOKENS}, messages=[
         {"role": "user", "content": text, "images": [samples()[name][0] for name in names]}])
     tokenizer = checkpoint[1]
-    assert reply.message.content == tokenizer.decode([t for t in expected if t not in tokenizer.all_special_ids],
+    assert reply.message.content == tokenizer.decode([t for t in tokens if t not in tokenizer.all_special_ids],
                                                      skip_special_tokens=True)
 
 
@@ -110,7 +122,7 @@ def test_a_second_turn_about_the_same_image_reuses_its_prefix_and_another_image_
 
     def chat(messages: list[dict]):  # noqa: ANN202 (an openai ChatCompletion)
         return client.chat.completions.create(model="hf", messages=messages, max_tokens=3, temperature=0,
-                                              extra_body={"return_token_ids": True})
+                                              extra_body={"return_token_ids": True, **NO_THINKING})
 
     question = {"role": "user", "content": "And the colours?"}
     first = chat([{"role": "user", "content": openai_content(["webp-rgba"], "What is this?")}])

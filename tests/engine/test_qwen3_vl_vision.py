@@ -1,12 +1,13 @@
 """The engine's Qwen3-VL vision tower (engine/model/qwen3_vl_vision.py) and M-RoPE positions (common/mrope.py)
-against transformers' Qwen3VLVisionModel and get_rope_index, fp32 on the CPU, fed by the frontend's preparation."""
+against transformers' Qwen3VLVisionModel and get_rope_index, and Qwen3.5's (the same tower without deepstack, the
+same positions), fp32 on the CPU, fed by the frontend's preparation."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3VLConfig, Qwen3VLModel
+from transformers import Qwen3_5Config, Qwen3_5Model, Qwen3_5VisionModel, Qwen3VLConfig, Qwen3VLModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 from common.mrope import mrope_positions
@@ -18,21 +19,35 @@ from tests.support.image_samples import encode, picture
 
 VISION = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=48,
               num_position_embeddings=64, deepstack_visual_indexes=[0, 2], patch_size=16)
+TEXT = dict(vocab_size=64, hidden_size=48, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=24)
+# family -> (transformers' config, its vision tower, its model (get_rope_index), the config's sub-configs)
+FAMILIES = {
+    "qwen3_vl": (Qwen3VLConfig, Qwen3VLVisionModel, Qwen3VLModel, dict(vision_config=VISION, text_config=TEXT)),
+    "qwen3_5": (Qwen3_5Config, Qwen3_5VisionModel, Qwen3_5Model,
+                dict(vision_config={k: v for k, v in VISION.items() if k != "deepstack_visual_indexes"},
+                     text_config=dict(TEXT, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                                      linear_value_head_dim=8))),
+}
 SETTINGS = ImageProcessing(image_token_id=5, vision_start_token_id=3, vision_end_token_id=4,
                            min_pixels=32 * 32 * 4, max_pixels=32 * 32 * 40)
 SIZES = [(130, 100), (40, 300), (64, 64)]
 
 
-@pytest.fixture(scope="module")
-def towers() -> tuple[Qwen3VLVisionModel, VisionTower]:
-    config = Qwen3VLConfig(vision_config=VISION, text_config=dict(vocab_size=64, hidden_size=48,
-                                                                  num_hidden_layers=1, num_attention_heads=2,
-                                                                  num_key_value_heads=1, head_dim=24))
+def tower_pair(family: str) -> tuple[torch.nn.Module, VisionTower]:
+    """transformers' tower of the family, random, and ours with its weights."""
+    config_class, tower_class, _, parts = FAMILIES[family]
+    config = config_class(**parts)
     torch.manual_seed(0)
-    reference = Qwen3VLVisionModel(config.vision_config).eval()
+    reference = tower_class(config.vision_config).eval()
     ours = VisionTower(VisionConfig.from_hf(config.vision_config.to_dict())).eval()
     ours.load_state_dict(reference.state_dict())
     return reference, ours
+
+
+@pytest.fixture(scope="module")
+def towers() -> tuple[Qwen3VLVisionModel, VisionTower]:
+    return tower_pair("qwen3_vl")
 
 
 def prepared(sizes: list[tuple[int, int]]) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
@@ -41,17 +56,19 @@ def prepared(sizes: list[tuple[int, int]]) -> tuple[torch.Tensor, list[tuple[int
     return torch.from_numpy(np.concatenate([i.patches for i in images])), [i.grid for i in images]
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("count", [1, 3])
-def test_tower_features_match_transformers(towers: tuple[Qwen3VLVisionModel, VisionTower], count: int) -> None:
-    reference, ours = towers
+def test_tower_features_match_transformers(family: str, count: int) -> None:
+    reference, ours = tower_pair(family)
     patches, grids = prepared(SIZES[:count])
     with torch.no_grad():
         expected = reference(patches, grid_thw=torch.tensor(grids))
         features, deepstack = ours(patches, grids)
     assert features.shape == (sum(t * h * w for t, h, w in grids) // 4, VISION["out_hidden_size"])
     torch.testing.assert_close(features, expected.pooler_output, rtol=1e-5, atol=1e-5)
-    assert len(deepstack) == len(expected.deepstack_features) == 2
-    for ours_layer, reference_layer in zip(deepstack, expected.deepstack_features):
+    expected_stack = getattr(expected, "deepstack_features", None) or []  # Qwen3.5's tower has none
+    assert len(deepstack) == len(expected_stack) == {"qwen3_vl": 2, "qwen3_5": 0}[family]
+    for ours_layer, reference_layer in zip(deepstack, expected_stack):
         torch.testing.assert_close(ours_layer, reference_layer, rtol=1e-5, atol=1e-5)
 
 
@@ -86,17 +103,16 @@ def test_window_attention_configs_are_refused() -> None:
                               "fullatt_block_indexes": [1]})
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("layout", [
     [(3, (1, 4, 6))],  # one image after a short text
     [(2, (1, 8, 4)), (15, (1, 2, 2))],  # two images, text between
     [(0, (1, 6, 6))],  # an image first, the prompt ending in text
     [(5, (1, 4, 4))],  # the prompt ending right after the image
 ])
-def test_mrope_positions_match_get_rope_index(layout: list[tuple[int, tuple[int, int, int]]]) -> None:
-    config = Qwen3VLConfig(vision_config=VISION, text_config=dict(vocab_size=64, hidden_size=48, num_hidden_layers=1,
-                                                                  num_attention_heads=2, num_key_value_heads=1,
-                                                                  head_dim=24))
-    model = Qwen3VLModel(config)
+def test_mrope_positions_match_get_rope_index(family: str, layout: list[tuple[int, tuple[int, int, int]]]) -> None:
+    config_class, _, model_class, parts = FAMILIES[family]
+    model = model_class(config_class(**parts))
     end = layout[-1][0] + SETTINGS.tokens(layout[-1][1])
     length = end + (0 if layout == [(5, (1, 4, 4))] else 7)
     types = torch.zeros(1, length, dtype=torch.int32)

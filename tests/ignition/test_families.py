@@ -175,3 +175,48 @@ def test_a_multimodal_gemma3_exports_its_text_model(tmp_path: Path) -> None:
         ours = model.logits(model(ids, torch.arange(40), kv, meta))
         theirs = reference(input_ids=ids[None]).logits[0]
     assert torch.allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_multimodal_qwen3_5_moe_exports_its_tower_and_answers_an_image_with_transformers_tokens(
+        tmp_path: Path, device: str) -> None:
+    """Qwen3_5MoeForConditionalGeneration (experts saved one by one, a shared expert, Qwen3.5's tower without
+    deepstack): the core holds the tower and the image processor's settings, and the engine (the real scheduler and
+    eager executor, chunked prefill) gives transformers' greedy tokens for a prompt holding an image; on a GPU too,
+    where a hybrid runs its tower and text model eagerly in the torch reference (transformers on the CPU)."""
+    from common.mrope import mrope_delta
+    from common.protocol import ImageInput, SamplingParams
+    from engine.model.loader import load_model
+    from engine.model.qwen3_vl import VisionLanguageLM
+    from engine.scheduler.request import Request
+    from frontend.images.decode import ImageLimits
+    from frontend.images.prepare import prepare
+    from tests.support.engine_harness import Harness
+    from tests.support.image_samples import encode, picture
+    from tests.support.vision_checkpoint import build
+
+    reference, _, _ = build(tmp_path / "hf", family="qwen3_5_moe")
+    export(tmp_path / "hf", tmp_path / "core")
+    manifest, model = load_model(tmp_path / "core", torch.device(device))
+    settings = manifest.vision
+    assert manifest.architecture == "qwen3_5_moe" and settings.image_token_id == reference.config.image_token_id
+    assert isinstance(model, VisionLanguageLM) and model.config.num_experts == 8
+    assert not model.visual.deepstack_merger_list
+    image = prepare(encode(picture(90, 60), "PNG"), settings, ImageLimits(), "image")
+    prompt = [10, 11, settings.vision_start_token_id] + [settings.image_token_id] * image.tokens + \
+        [settings.vision_end_token_id] + list(range(20, 60))  # past the first prefill chunk
+    wire = ImageInput(image.identity, 3, list(image.grid), image.patches.tobytes())
+    span = (3, 3 + image.tokens, mrope_delta([(3, image.grid)], settings.merge_size))
+    request = Request("r", b"t", len(prompt), list(prompt), SamplingParams(temperature=0.0, max_tokens=8), 0,
+                      frozenset(), 8, 0.0, images=(wire,), image_spans=(span,))
+    harness = Harness(model, chunk=32, device=device)
+    harness.scheduler.add(request)
+    harness.run()
+    harness.close()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = reference.generate(input_ids=ids, pixel_values=torch.from_numpy(image.patches),
+                                      image_grid_thw=torch.tensor([image.grid]), max_new_tokens=8, do_sample=False,
+                                      mm_token_type_ids=(ids == settings.image_token_id).int())
+    assert request.tokens[len(prompt):] == expected[0, len(prompt):].tolist()
