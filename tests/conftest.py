@@ -6,8 +6,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.servers import TEST_API_KEY, Server
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter. It must be on before any kernel module is imported,
+    # whichever test module a worker collects first.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,14 +7,11 @@ greedy outputs with graph drafts equal plain decoding in the GraphExecutor.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
 from engine.model.backends.select import use_backend  # noqa: E402

@@ -7,15 +7,12 @@ rounding alone moves the logits by a quarter). On a GPU: the captured graphs giv
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
 from engine.kernels.triton.fp8_linear import quantize_rows_reference  # noqa: E402

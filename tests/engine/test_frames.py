@@ -3,15 +3,11 @@ the page-table patches of a run of frames against the tables they must leave on 
 
 from __future__ import annotations
 
-import os
 import random
 
 import numpy as np
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module (frames imports one)
 pytest.importorskip("triton")
 
 from common.protocol import SamplingParams  # noqa: E402

@@ -4,14 +4,11 @@ TRITON_INTERPRET=1 and a graph's "replay" runs its captured function eagerly; on
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
 from engine.executor.vision_graphs import VisionGraphs, groups, vision_capacities  # noqa: E402

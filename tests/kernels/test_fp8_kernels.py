@@ -6,14 +6,11 @@ about 2-3% relative error a value on random weights), under 8% with the activati
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
 from engine.kernels.triton.fp8_linear import (fp8_gemm, fp8_gemm_reference, fp8_weight_only,  # noqa: E402

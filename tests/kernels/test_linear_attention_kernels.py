@@ -9,14 +9,11 @@ ignore)."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
 from engine.kernels.triton.gated_delta_rule import gated_delta_rule, gated_delta_rule_reference  # noqa: E402

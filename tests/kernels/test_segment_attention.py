@@ -3,14 +3,11 @@ when there is one, otherwise under TRITON_INTERPRET=1 on the CPU at small sizes 
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
 from engine.kernels.triton.segment_attention import (segment_attention, segment_attention_reference, segment_bounds,  # noqa: E402

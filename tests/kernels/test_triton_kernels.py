@@ -3,14 +3,11 @@ under TRITON_INTERPRET=1 on the CPU at small sizes (the interpreter has no bfloa
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 GPU = torch.cuda.is_available()
-if not GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first import of a kernel module
 pytest.importorskip("triton")
 
 from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
