@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = "import sys; from bench.main import main; sys.exit(main())"  # flare-bench, uninstalled
-# A row's core: its `ignition synth` preset and layers (None: all of them). Qwen3-30B-A3B keeps 24 of its 48 layers,
-# the size its vLLM comparison in docs/gpu.md ran at.
-PRESETS = {"llama-8b": ("llama-3.1-8b", None), "qwen3-8b": ("qwen3-8b", None), "smollm2": ("smollm2-135m", None),
-           "qwen3-30b-a3b": ("qwen3-30b-a3b", 24)}
+# A row's core: its `ignition synth` preset, layers (None: all of them) and `--quant` (None: bf16). Qwen3-30B-A3B
+# keeps 24 of its 48 layers, the size its vLLM comparison in docs/gpu.md ran at.
+PRESETS = {"llama-8b": ("llama-3.1-8b", None, None), "qwen3-8b": ("qwen3-8b", None, None),
+           "smollm2": ("smollm2-135m", None, None), "qwen3-30b-a3b": ("qwen3-30b-a3b", 24, None),
+           "llama-8b-fp8": ("llama-3.1-8b", None, "fp8")}
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,19 @@ ROWS = [
         bench("--input-len", "512", "--output-len", "128", "--num-prompts", "8", "--max-concurrency", "1"),
         ("mean_tpot_ms",), "mean TPOT <= 3.0 ms"),
     Row("tp2-c64", "llama-8b", ("--tp", "2", *MAX256), C64, ("output_throughput",), ">= 1.5x 8b-c64"),
+    # FP8 weights (e4m3, a scale per output channel), against the bf16 rows of the same workloads.
+    Row("8b-fp8-batch1", "llama-8b-fp8", MAX256, BATCH1, ("mean_tpot_ms",), "mean TPOT <= 2.6 ms"),
+    Row("8b-fp8-c64", "llama-8b-fp8", MAX256, C64, ("output_throughput",), ">= 1.4x 8b-c64"),
+    Row("8b-fp8-1024x768", "llama-8b-fp8", MAX256, X768, ("total_token_throughput",), ">= 1.4x 8b-1024x768"),
 ]
 
 
-def synth(preset: str, target: Path, layers: int | None) -> Path:
+def synth(preset: str, target: Path, layers: int | None, quant: str | None = None) -> Path:
     if not (target / "manifest.json").is_file():
         started = time.monotonic()
         command = [sys.executable, "-m", "ignition.main", "synth", "--preset", preset, "--dtype", "bfloat16",
-                   "--force", str(target)] + (["--layers", str(layers)] if layers else [])
+                   "--force", str(target)] + (["--layers", str(layers)] if layers else []) + \
+                  (["--quant", quant] if quant else [])
         subprocess.run(command, check=True)
         print(f"# synth {preset} -> {target} in {time.monotonic() - started:.0f}s", flush=True)
     return target
@@ -172,8 +178,8 @@ def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device
     server: FlareServer | None = None
     try:
         for row in rows:
-            preset, preset_layers = PRESETS[row.core]
-            core = synth(preset, cores / row.core, layers or preset_layers)
+            preset, preset_layers, quant = PRESETS[row.core]
+            core = synth(preset, cores / row.core, layers or preset_layers, quant)
             if (row.core, row.server) != server_key:
                 if server:
                     server.stop()
