@@ -388,7 +388,7 @@ class GraphExecutor:
         mode = "extras" if extras is not None and extras.sample else "masked" if plan.masks else "plain"
         rt.graphLaunch(self._exec[(seqs, greedy, mode)], model)
         labels = self._gather_labels(plan, k) if any(fields(plan.rows, SCORES)) else ()
-        pooled = self._pool(plan, k) if pools(plan) else ()
+        pooled = self._pool_embeddings(plan, k) if pools(plan) else ()
         verified = self._accept(plan, k, layout) if verify else 0
         # The next step's sampling overwrites `sampled`; this frame's copy waits for nobody.
         rt.memcpyAsync(self._out_dev[k].data_ptr(), self._buffers.sampled.data_ptr(), seqs * 8, D2D, model)
@@ -482,7 +482,7 @@ class GraphExecutor:
                                out=self._label_dev[k][:count])
         return tuple(found)
 
-    def _pool(self, plan: Plan, k: int) -> tuple[Row, ...]:
+    def _pool_embeddings(self, plan: Plan, k: int) -> tuple[Row, ...]:
         """On the model stream, after the model graph: the embedding rows' pooled states (from the extend graph's
         kept hidden states) into frame k's pooling buffer; the rows, in plan order."""
         rows, index = pool_index(plan)

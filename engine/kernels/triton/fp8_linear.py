@@ -92,7 +92,9 @@ def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, s
         inside = cols < k_in
         a = tl.load(a_ptr + m_safe[:, None] * stride_a + cols[None, :], mask=inside[None, :], other=0.0)
         b = tl.load(w_ptr + n_safe[None, :] * stride_w + cols[:, None], mask=inside[:, None], other=0.0)
-        part = tl.dot(a, b, out_dtype=tl.float32)
+        # Hopper's FP8 MMA keeps its sums in fewer bits than fp32 unless told how many products to add that way
+        # (Triton's default there: all of them); a tile's worth, then into the fp32 accumulator.
+        part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
         if PER_CHANNEL:
             acc += part
         else:
