@@ -67,12 +67,14 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.co
     for start in range(0, k_in, BLOCK_K):
         a = tl.load(x_ptr + row * stride_x + start + k, mask=start + k < k_in, other=0.0).to(tl.float32)
         largest = tl.maximum(largest, tl.abs(a))
-    scale = tl.max(largest, 0) / 448.0
+    # Correctly rounded divisions (Triton's `/` is the approximate one on a GPU): a value whose quotient lands by a
+    # tie between two e4m3 neighbours then rounds as torch's division does.
+    scale = tl.div_rn(tl.max(largest, 0), 448.0)
     scale = tl.where(scale > 0, scale, 1.0)  # a row of zeros: any scale gives zeros
     for start in range(0, k_in, BLOCK_K):
         inside = start + k < k_in
         a = tl.load(x_ptr + row * stride_x + start + k, mask=inside, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + start + k, _round_e4m3(a / scale).to(q_ptr.dtype.element_ty),
+        tl.store(q_ptr + row * stride_q + start + k, _round_e4m3(tl.div_rn(a, scale)).to(q_ptr.dtype.element_ty),
                  mask=inside)
     tl.store(s_ptr + row, scale)
 
