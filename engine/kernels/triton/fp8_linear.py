@@ -67,9 +67,10 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.co
     for start in range(0, k_in, BLOCK_K):
         a = tl.load(x_ptr + row * stride_x + start + k, mask=start + k < k_in, other=0.0).to(tl.float32)
         largest = tl.maximum(largest, tl.abs(a))
-    # Correctly rounded divisions (Triton's `/` is the approximate one on a GPU): a value whose quotient lands by a
-    # tie between two e4m3 neighbours then rounds as torch's division does.
-    scale = tl.div_rn(tl.max(largest, 0), 448.0)
+    # The scale times the reciprocal, as the reference computes it (torch divides by a number that way on a GPU);
+    # the values by a correctly rounded division (Triton's `/` is the approximate one there), as torch divides by
+    # a tensor: a quotient by a tie between two e4m3 neighbours then rounds as the reference's does.
+    scale = tl.max(largest, 0) * (1.0 / 448.0)
     scale = tl.where(scale > 0, scale, 1.0)  # a row of zeros: any scale gives zeros
     for start in range(0, k_in, BLOCK_K):
         inside = start + k < k_in
@@ -182,7 +183,7 @@ def fp8_weight_only_reference(x: torch.Tensor, values: torch.Tensor, scale: torc
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = x.float().abs().amax(dim=1) / E4M3_MAX
+    scale = x.float().abs().amax(dim=1) * (1 / E4M3_MAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     return (x.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
 
