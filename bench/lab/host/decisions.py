@@ -118,8 +118,8 @@ async def measure(url: str, model: str, route: str, states: int, concurrency: in
 
 
 def start_server(core: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    flare = Path(sys.executable).with_name("flare")
-    process = subprocess.Popen([str(flare), "run", str(core), "--port", str(port), *extra],
+    # `flare` as a module of this interpreter: it runs from a checkout whose scripts are not installed, too.
+    process = subprocess.Popen([sys.executable, "-m", "common.cli", "run", str(core), "--port", str(port), *extra],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline:
