@@ -50,6 +50,8 @@ class RetiredResources:
     pages: list[int]
     fence: int  # the last GPU use of these pages (and snapshots)
     snapshots: tuple[int, ...] = ()
+    key: bytes = b""  # the evicted checkpoint's (its page may move to the host tier: engine/cache/host_tier.py)
+    length: int = 0
 
 
 @dataclass
@@ -214,4 +216,5 @@ class PrefixCheckpointCache:
             if not self._exact_ends[parent]:
                 del self._exact_ends[parent]
             snapshots = (checkpoint.snapshot,)
-        return RetiredResources([checkpoint.page], checkpoint.last_use_fence, snapshots)
+        return RetiredResources([checkpoint.page], checkpoint.last_use_fence, snapshots, checkpoint.key,
+                                checkpoint.length)

@@ -17,6 +17,7 @@ import torch
 from common.protocol import Logprobs
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.images import vision_step
+from engine.executor.tier_copies import HostPages
 from engine.executor.inputs import build_inputs
 from engine.model.decoder import CausalLM
 from engine.model.image_features import Tower
@@ -64,6 +65,7 @@ class EagerExecutor:
         # A vision model's tower: its own module, or (set by the GraphExecutor) its captured graphs.
         self.vision_tower: Tower | None = None
         self.fault: str | None = None
+        self.host_pages: HostPages | None = None  # the host tier's slots, when there is one (make_executor)
         self._fence = 0
         self._in_flight = 0
         self._work: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
@@ -121,6 +123,8 @@ class EagerExecutor:
 
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
+        if self.host_pages is not None:
+            self.host_pages.copy(self.kv_cache, plan.spills, plan.restores)
         self._copy_pages(plan.copies)
         if plan.state_copies:
             self.state.copy_rows(plan.state_copies)

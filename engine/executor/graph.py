@@ -44,6 +44,7 @@ from engine.executor.eager import EagerExecutor, kv_cache_shape
 from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
                                     verify_rows, verify_spans)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
+from engine.executor.tier_copies import HostPages
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.backends.triton import KernelTower
 from engine.model.decoder import CausalLM
@@ -346,7 +347,19 @@ class GraphExecutor:
         i = bisect.bisect_left(self._extend_caps, plan.num_tokens)
         return self._extend[self._extend_caps[i]] if i < len(self._extend_caps) else None
 
+    @property
+    def host_pages(self) -> HostPages | None:
+        return self._eager.host_pages
+
+    @host_pages.setter
+    def host_pages(self, pages: HostPages | None) -> None:
+        """The host tier's slots; the eager steps copy them too."""
+        self._eager.host_pages = pages
+
     def _launch(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
+        if self.host_pages is not None and (plan.spills or plan.restores):
+            with torch.cuda.stream(self._model_stream):
+                self.host_pages.copy(self.kv_cache, plan.spills, plan.restores, self._copy_stream)
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
         verify = plan.kind == "verify"

@@ -118,6 +118,11 @@ class Plan:
     # and after its page copies: snapshots of slot rows at exact endpoints, and restores of snapshots into slot rows
     # (engine/scheduler/prefix.py). Slot s is row s; snapshot i is row max_active + i.
     state_copies: tuple[tuple[int, int], ...] = ()
+    # The host tier's copies (docs/design.md, Host retention), made before everything else the step does: spills
+    # (device page, host slot) of evicted checkpoints' pages, which the step may hand out, then restores (host slot,
+    # device page) into requests' private pages.
+    spills: tuple[tuple[int, int], ...] = ()
+    restores: tuple[tuple[int, int], ...] = ()
     shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
     # Grammar masks (engine/sampling/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.

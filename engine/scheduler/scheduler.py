@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from common.protocol import Logprobs
+from engine.cache.host_tier import HostTier
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
 from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
 from engine.scheduler.policy import Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price
-from engine.scheduler.prefix import PageCopy, PrefixReuse, StateCopy
+from engine.scheduler.prefix import PageCopy, PrefixReuse, Restore, Spill, StateCopy
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.results import Finished, StepResult
 
@@ -43,10 +44,11 @@ class StalePlan(ValueError):
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
                  prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig(),
-                 proposer: Proposer | None = None, snapshots: int | None = None, snapshot_bytes: int = 0) -> None:
+                 proposer: Proposer | None = None, snapshots: int | None = None, snapshot_bytes: int = 0,
+                 host: HostTier | None = None, page_bytes: int = 0) -> None:
         """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step.
         `snapshots`: a hybrid model's recurrent-state snapshot rows (of `snapshot_bytes` each), which its prefix
-        reuse needs (PrefixReuse)."""
+        reuse needs (PrefixReuse). `host`: the host tier evicted checkpoints move to, `page_bytes` a page."""
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -61,7 +63,7 @@ class RequestScheduler:
         self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters, snapshots, max_active,
-                                  snapshot_bytes)
+                                  snapshot_bytes, host, page_bytes)
         # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
@@ -198,7 +200,9 @@ class RequestScheduler:
             else "prefill"
         plan = Plan.of_kind(kind, tuple(rows), shape=shape,
                             copies=tuple((c.source, c.destination) for c in copies if isinstance(c, PageCopy)),
-                            state_copies=tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)))
+                            state_copies=tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)),
+                            spills=tuple((c.page, c.slot) for c in copies if isinstance(c, Spill)),
+                            restores=tuple((c.slot, c.page) for c in copies if isinstance(c, Restore)))
         self._planned = (plan, copies, self._epoch_bumps, planned)
         return plan
 
