@@ -22,9 +22,9 @@ from common.links import LinkKeyError, LinkKeys, add_link_flags, bound, exposure
 from common.manifest import Manifest
 from common.protocol import ModelCard
 from common.ranks import DEVICE_FAULT, GROUP_FAILED
+from engine.cache.host_tier import HostTier
 from engine.core import Engine
 from engine.executor.eager import pages_for_budget
-from engine.cache.host_tier import HostTier
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, host_budget, make_executor
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.tier_copies import host_slot_bytes

@@ -17,8 +17,8 @@ import torch
 from common.protocol import Logprobs
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.images import vision_step
-from engine.executor.tier_copies import HostPages
 from engine.executor.inputs import build_inputs
+from engine.executor.tier_copies import HostPages
 from engine.model.decoder import CausalLM
 from engine.model.image_features import Tower
 from engine.model.qwen3_vl import VisionLanguageLM

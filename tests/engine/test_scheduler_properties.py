@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from common.protocol import SamplingParams
+from engine.cache.host_tier import HostTier
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import RequestScheduler, StalePlan
@@ -69,6 +70,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.last_use[page] = self.fence
         for src, dst in plan.copies:
             self.last_use[src] = self.last_use[dst] = self.fence
+        for _, dst in plan.restores:  # (a spill reads a page before anything this step or later writes it)
+            self.last_use[dst] = self.fence
         self.in_flight.append((self.fence, plan))
 
     @precondition(lambda self: self.in_flight)
@@ -166,6 +169,28 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert checkpoint.pins == expected[checkpoint.id]
 
 
+class HostTierSchedulerMachine(SchedulerMachine):
+    """The same rules with a host tier that evicted checkpoints move to and requests restore from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, host=HostTier(12))
+
+    @rule(pages=st.integers(1, PAGES))
+    def evict_cached(self, pages: int) -> None:
+        """Evict whatever the cache may give up, free pages or not: later prompts find those blocks on the host."""
+        prefix = self.scheduler.prefix
+        prefix._retire(prefix.cache.evict(pages))
+
+    @invariant()
+    def host_slots_are_pinned_by_pending_restores_only(self) -> None:
+        prefix = self.scheduler.prefix
+        assert prefix.host._pins == Counter(r.slot for r in prefix.pending_restores)
+        assert all(r.reader.phase is not Phase.FINISHED and r.page in r.reader.pages for r in prefix.pending_restores)
+        slots = [entry.slot for entry in prefix.host._entries.values()]
+        assert len(slots) == len(set(slots))
+
+
 class RandomProposer:
     """Drafts of random tokens (the stop id among them), as deep as asked."""
 
@@ -195,3 +220,6 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
 SpeculativeSchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                                          derandomize=True)
 test_speculative_scheduler_state_machine = SpeculativeSchedulerMachine.TestCase
+HostTierSchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                                      derandomize=True)
+test_host_tier_scheduler_state_machine = HostTierSchedulerMachine.TestCase
