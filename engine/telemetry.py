@@ -98,13 +98,14 @@ class EngineTelemetry:
         self._ring_since_publish = 0
 
     def _announce_cache(self, scheduler: RequestScheduler) -> None:
-        cache = scheduler.prefix.cache
-        stored, evicted = cache.take_journal()
+        prefix = scheduler.prefix
+        stored, hosted, evicted = prefix.take_journal()
         if self._cache_subscribed:
             self._cache_subscribed = False
-            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, cache.ready_keys(), full=True))
-        elif stored or evicted:
-            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, stored, evicted))
+            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, prefix.cache.ready_keys(), full=True,
+                                                     hosted=prefix.host.keys() if prefix.host is not None else []))
+        elif stored or hosted or evicted:
+            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, stored, evicted, hosted=hosted))
 
     def _send(self, topic: bytes, snapshot: wire.Telemetry | wire.CacheEvents) -> None:
         try:

@@ -79,6 +79,11 @@ class PrefixCheckpointCache:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def __contains__(self, key: bytes) -> bool:
+        """Whether `key` is a ready checkpoint (without touching its recency, as a lookup does)."""
+        checkpoint = self._by_key.get(key)
+        return checkpoint is not None and checkpoint.ready
+
     def lookup(self, key: bytes) -> Checkpoint | None:
         found = self.lookup_run([key], 1)
         return found[0] if found else None

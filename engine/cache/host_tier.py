@@ -27,6 +27,7 @@ class HostTier:
         self._free = list(range(slots - 1, -1, -1))
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
         self._pins: dict[int, int] = {}  # slot -> planned restores that read it
+        self._dropped: list[bytes] = []  # keys given up since the last take_dropped (for the routing announcements)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -51,9 +52,17 @@ class HostTier:
             if victim is None:
                 return None
             self._free.append(self._entries.pop(victim).slot)
+            self._dropped.append(victim)
         slot = self._free.pop()
         self._entries[key] = HostEntry(slot, length)
         return slot
+
+    def keys(self) -> list[bytes]:
+        return list(self._entries)
+
+    def take_dropped(self) -> list[bytes]:
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def pin(self, slot: int) -> None:
         self._pins[slot] = self._pins.get(slot, 0) + 1

@@ -139,6 +139,17 @@ class PrefixReuse:
                 self.snapshot_ids.release(list(resources.snapshots), resources.fence)
                 self.counters["snapshot_evictions"] += len(resources.snapshots)
 
+    def take_journal(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """(stored, hosted, evicted) keys since the last call, for the routing announcements: a key the device
+        evicted is hosted while the host tier holds it, and evicted once neither holds it."""
+        stored, evicted = self.cache.take_journal()
+        if self.host is None:
+            return stored, [], evicted
+        hosted = [key for key in evicted if key in self.host]
+        gone = [key for key in evicted if key not in self.host]
+        gone += [key for key in self.host.take_dropped() if key not in self.cache]
+        return stored, hosted, gone
+
     def _allocate_snapshot(self) -> int | None:
         if not self.snapshot_ids.free_count:
             self._retire(self.cache.evict(0, 1))

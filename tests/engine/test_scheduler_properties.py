@@ -175,6 +175,7 @@ class HostTierSchedulerMachine(SchedulerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, host=HostTier(12))
+        self.announced: set[bytes] = set()  # what a frontend's routing index holds after the announcements
 
     @rule(pages=st.integers(1, PAGES))
     def evict_cached(self, pages: int) -> None:
@@ -189,6 +190,15 @@ class HostTierSchedulerMachine(SchedulerMachine):
         assert all(r.reader.phase is not Phase.FINISHED and r.page in r.reader.pages for r in prefix.pending_restores)
         slots = [entry.slot for entry in prefix.host._entries.values()]
         assert len(slots) == len(set(slots))
+
+    @invariant()
+    def announcements_count_both_tiers(self) -> None:
+        prefix = self.scheduler.prefix
+        stored, hosted, evicted = prefix.take_journal()
+        self.announced.update(stored)
+        self.announced.update(hosted)
+        self.announced.difference_update(evicted)
+        assert self.announced == set(prefix.cache.ready_keys()) | set(prefix.host.keys())
 
 
 class RandomProposer:
