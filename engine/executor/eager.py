@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -113,13 +114,19 @@ class EagerExecutor:
             fence, plan = item
             started = time.perf_counter()
             try:
-                completion = self._execute(fence, plan, started)
+                completion = self.with_disk_work(plan, self._execute(fence, plan, started))
             except Exception as exc:  # a failed step fails its requests; a sticky device fault, the engine
                 self.fault = self.fault or sticky_fault(self.device)
                 completion = Completion(fence, (), (), (), time.perf_counter() - started,
                                         error=f"execution failed: {type(exc).__name__}: {exc}")
             self._done.put((plan, completion))
             os.write(self._wake_write, b"x")
+
+    def with_disk_work(self, plan: Plan, completion: Completion) -> Completion:
+        """The step's disk work (after its copies), and which of its reads were not served."""
+        if plan.disk is None:
+            return completion
+        return replace(completion, unreadable=self.host_pages.disk_work(plan.disk))
 
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:

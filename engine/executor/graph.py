@@ -226,7 +226,8 @@ class GraphExecutor:
         self._pending: collections.deque[_Launched | _Ready] = collections.deque()
         self.wake_fd, self._wake_write = os.pipe()
         os.set_blocking(self.wake_fd, False)
-        self._watch: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._watch: queue.SimpleQueue[tuple[int, int, Plan] | None] = queue.SimpleQueue()
+        self._unreadable: dict[int, tuple[int, ...]] = {}  # per fence: the disk reads not served (DiskWork)
         self._watcher = threading.Thread(target=self._watch_events, name="graph-completions", daemon=True)
         self._watcher.start()
 
@@ -406,7 +407,7 @@ class GraphExecutor:
                            self._prompt_dev[k][:extras.prompt.shape[1]].nbytes, D2H, copy)
         rt.eventRecord(self._done[k], copy)
         self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified, extras))
-        self._watch.put((fence, self._done[k]))
+        self._watch.put((fence, self._done[k], plan))
 
     def _upload_extras(self, plan: Plan, extras: StepExtras, k: int, seqs: int) -> None:
         """On the model stream, before the graphs: the extras frame, masks that allow everything when the step has
@@ -475,7 +476,9 @@ class GraphExecutor:
         """The step's completion; reading it calls the device too (its events' times), which a fault since the step
         ended makes fail."""
         try:
-            return self._collect(step)
+            completion = self._collect(step)
+            unreadable = self._unreadable.pop(step.fence, None)
+            return completion if unreadable is None else replace(completion, unreadable=unreadable)
         except Exception as exc:
             log.exception("reading graph step %d failed", step.fence)
             self.fault = self.fault or sticky_fault(self.kv_cache.device)
@@ -514,7 +517,10 @@ class GraphExecutor:
         """The eager executor's step (page copies included) on the model stream; its tokens reaching the host end
         it. It reads its own page tables, so the device's per-slot rows stay as the mirror says."""
         with torch.cuda.stream(self._model_stream):
-            return self._eager._execute(fence, plan, time.perf_counter())
+            completion = self._eager._execute(fence, plan, time.perf_counter())
+        if plan.disk is not None:
+            self._rt.streamSynchronize(self._model_stream.cuda_stream)  # its spills, before their slots are written
+        return self._eager.with_disk_work(plan, completion)
 
     def _copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Private copies of cached pages, before the step that reads them (rare: exact prefix checkpoints)."""
@@ -529,9 +535,11 @@ class GraphExecutor:
 
     def _watch_events(self) -> None:
         while (item := self._watch.get()) is not None:
-            fence, event = item
+            fence, event, plan = item
             try:
                 self._rt.eventSynchronize(event)
+                if plan.disk is not None:  # (off the loop: this thread reports the step only after its disk work)
+                    self._unreadable[fence] = self.host_pages.disk_work(plan.disk)
             except Exception as exc:  # a device fault: sticky, the engine stops (poll raises it)
                 self.fault = f"{type(exc).__name__}: {exc}"
             self._completed = fence

@@ -8,9 +8,16 @@ Spills go first: an evicted page may be handed out by the very step whose forwar
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 
+from engine.cache import disk_files
 from engine.model.config import DecoderConfig
+from engine.scheduler.plan import DiskWork
+
+log = logging.getLogger("flare.engine")
 
 
 def slot_shape(config: DecoderConfig, page_size: int) -> tuple[int, ...]:
@@ -23,9 +30,35 @@ def host_slot_bytes(config: DecoderConfig, page_size: int, dtype: torch.dtype) -
 
 
 class HostPages:
-    def __init__(self, config: DecoderConfig, slots: int, page_size: int, dtype: torch.dtype, pinned: bool) -> None:
+    def __init__(self, config: DecoderConfig, slots: int, page_size: int, dtype: torch.dtype, pinned: bool,
+                 disk: tuple[Path, bytes] | None = None) -> None:
+        """`disk`: the disk tier's directory and the core's cache identity, which its files carry."""
         self.page_size = page_size
         self.slots = torch.empty((slots, *slot_shape(config, page_size)), dtype=dtype, pin_memory=pinned)
+        self.directory = disk[0] if disk is not None else None
+        self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size)) if disk else None
+
+    def disk_work(self, work: DiskWork) -> tuple[int, ...]:
+        """Writes, reads and deletions of the disk tier's files, once the step's copies are done (the caller waits
+        for them); the slots of the reads that found no servable file, each logged."""
+        for slot, key, length in work.writes:
+            try:
+                disk_files.write(self.directory, key, length, self.layout, self._bytes(slot))
+            except OSError as exc:
+                log.warning("disk cache: writing %s failed: %s", disk_files.file_name(key), exc)
+        unreadable = []
+        for key, slot in work.reads:
+            try:
+                self._bytes(slot)[:] = disk_files.read(self.directory, key, self.layout)
+            except disk_files.UnreadableFile as exc:
+                log.warning("disk cache: skipping %s: %s", disk_files.file_name(key), exc)
+                unreadable.append(slot)
+        for key in work.erasures + tuple(key for key, slot in work.reads if slot in unreadable):
+            (self.directory / disk_files.file_name(key)).unlink(missing_ok=True)
+        return tuple(unreadable)
+
+    def _bytes(self, slot: int) -> memoryview:
+        return memoryview(self.slots[slot].view(torch.uint8).numpy()).cast("B")
 
     def copy(self, kv_cache: torch.Tensor, spills: tuple[tuple[int, int], ...],
              restores: tuple[tuple[int, int], ...], stream: torch.cuda.Stream | None = None) -> None:

@@ -108,6 +108,17 @@ def fields(rows: Sequence[Row], getter: itemgetter) -> Iterable:
     return map(getter, rows)
 
 
+@dataclass(frozen=True)
+class DiskWork:
+    """The disk tier's work of a step (docs/design.md, Host retention), done after its copies and before its
+    completion is reported: host slots written to files (slot, key, tokens), files read into host slots (key, slot),
+    files deleted (keys)."""
+
+    writes: tuple[tuple[int, bytes, int], ...] = ()
+    reads: tuple[tuple[bytes, int], ...] = ()
+    erasures: tuple[bytes, ...] = ()
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     rows: Sequence[Row]  # a tuple of Rows, or a steady decode step's DecodeRows
@@ -123,6 +134,7 @@ class Plan:
     # device page) into requests' private pages.
     spills: tuple[tuple[int, int], ...] = ()
     restores: tuple[tuple[int, int], ...] = ()
+    disk: DiskWork | None = None
     shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
     # Grammar masks (engine/sampling/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
@@ -165,3 +177,4 @@ class Completion:
     # Per sampled row, when the plan verified drafts: how many of the row's drafts were accepted; `tokens` then
     # holds the target's token after them (the correction, or the bonus when all were accepted).
     accepted: tuple[int, ...] = ()
+    unreadable: tuple[int, ...] = ()  # host slots of the plan's disk reads whose files were not served

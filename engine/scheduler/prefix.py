@@ -22,8 +22,11 @@ from dataclasses import dataclass, replace
 
 from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache, RetiredResources
+from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostEntry, HostTier
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.disk_reuse import DiskReuse
+from engine.scheduler.plan import DiskWork, Plan
 from engine.scheduler.request import Request
 
 
@@ -75,12 +78,12 @@ NEVER = 2 ** 62
 class PrefixReuse:
     def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str],
                  snapshots: int | None = None, slots: int = 0, snapshot_bytes: int = 0,
-                 host: HostTier | None = None, page_bytes: int = 0) -> None:
+                 host: HostTier | None = None, page_bytes: int = 0, disk: DiskTier | None = None) -> None:
         """`snapshots`: a hybrid model's snapshot rows (state rows `slots` onwards); its requests carry a recurrent
         state that pages of KV cannot rebuild (engine/model/recurrent_state.py), so only an exact checkpoint with a
         snapshot is a start, and with no snapshot rows nothing is reused or published. `snapshot_bytes`: a
         snapshot row's size (reported in /metrics). `host`: the host tier that evicted pages move to (not a hybrid
-        model's: its snapshots are not retained there), of `page_bytes` a page."""
+        model's: its snapshots are not retained there), of `page_bytes` a page; `disk`, the disk tier below it."""
         self.hybrid = snapshots is not None
         self.enabled = not self.hybrid or snapshots > 0
         self.snapshot_ids = PageAllocator(snapshots or 0)
@@ -102,6 +105,9 @@ class PrefixReuse:
         self.page_bytes = page_bytes
         self.pending_spills: list[Spill] = []
         self.pending_restores: list[Restore] = []
+        self.disk = DiskReuse(disk, self.host, self.cache, counters, page_bytes) \
+            if disk is not None and self.host is not None else None
+        self._host_gone: list[bytes] = []  # keys the host tier gave up, without a disk tier (for announcements)
 
     def track(self, request: Request) -> None:
         # An image's content keys every prefix that reaches its first token; a salt, every prefix.
@@ -147,7 +153,9 @@ class PrefixReuse:
             return stored, [], evicted
         hosted = [key for key in evicted if key in self.host]
         gone = [key for key in evicted if key not in self.host]
-        gone += [key for key in self.host.take_dropped() if key not in self.cache]
+        dropped = self.disk.gone if self.disk is not None else self._host_gone
+        gone += [key for key in dropped if key not in self.cache and key not in self.host]
+        dropped.clear()
         return stored, hosted, gone
 
     def _allocate_snapshot(self) -> int | None:
@@ -413,15 +421,51 @@ class PrefixReuse:
 
     @property
     def pending(self) -> bool:
-        return bool(self.pending_copies or self.pending_state or self.pending_spills or self.pending_restores)
+        return bool(self.pending_copies or self.pending_state or self.pending_spills or self.pending_restores
+                    or self.host is not None and self.host.dropped or self.disk is not None and self.disk.pending)
+
+    def planned_disk(self) -> DiskWork | None:
+        """The disk tier's work for the next plan (DiskReuse); without one, what the host gave up is gone."""
+        if self.disk is not None:
+            return self.disk.planned()
+        if self.host is not None and self.host.dropped:
+            self._host_gone.extend(key for key, _ in self.host.dropped)
+            self.host.dropped = []
+        return None
+
+    def awaits_load(self, request: Request) -> bool:
+        """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk."""
+        if self.disk is None or request.sampling.prompt_logprobs is not None:
+            return False
+        return self.disk.awaits_load(self._history(request), request.first_computed, request.message_ends,
+                                     self.page_size)
+
+    def tiers_completed(self, fence: int, unreadable: tuple[int, ...], failed: Plan | None = None) -> None:
+        """Steps up to `fence` completed: their disk work is done, the host slots they last used are free. A
+        `failed` step's spills and reads may not have happened: what they would have filled is given up."""
+        if self.host is None:
+            return
+        if failed is not None:
+            for _, slot in failed.spills:
+                self.host.forget(slot)
+            if failed.disk is not None:
+                unreadable = tuple(slot for _, slot in failed.disk.reads)
+        if self.disk is not None:
+            self.disk.completed(fence, unreadable)
+        self.host.completed(fence)
 
     def planned_copies(self) -> tuple[Spill | Restore | PageCopy | StateCopy, ...]:
         """The copies the next plan makes: spills, restores, page copies then state copies, in the order the
         executor makes them; they stay pending until that plan is committed."""
         return (*self.pending_spills, *self.pending_restores, *self.pending_copies, *self.pending_state)
 
-    def copies_committed(self, copies: tuple[Spill | Restore | PageCopy | StateCopy, ...], fence: int) -> None:
+    def copies_committed(self, copies: tuple[Spill | Restore | PageCopy | StateCopy, ...], fence: int,
+                         disk: DiskWork | None = None) -> None:
         self.committed_fence = fence
+        if self.host is not None:
+            self.host.committed(fence)
+            if self.disk is not None:
+                self.disk.committed(disk, fence)
         if self.pending_spills or self.pending_restores:
             copies = self._tier_copies_committed(copies, fence)
         states = [c for c in copies if isinstance(c, StateCopy)]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import openai
 import pytest
 
@@ -36,16 +38,23 @@ def turn(client: openai.OpenAI, name: str, messages: list[dict[str, str]]) -> tu
             response.choices[0].message.content)
 
 
-def test_a_second_turn_after_its_pages_were_evicted_is_restored_from_the_host_tier(retaining_server) -> None:
-    client = openai.OpenAI(base_url=f"{retaining_server.base_url}/v1", api_key="none")
-    name = client.models.list().data[0].id
+def evict_first_turn(client: openai.OpenAI, name: str) -> tuple[list[dict[str, str]], list[int], int]:
+    """A conversation's second turn and its greedy tokens, then enough other conversations to push its pages out of
+    the device and the host tiers."""
     first = history(TOPICS[0])
     _, _, reply = turn(client, name, first)
     second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Say more."}]
-    tokens, cached, _ = turn(client, name, second)  # from the device's prefix cache: the first turn is there
-    assert cached >= 3 * 64
-    for topic in TOPICS[1:]:  # 6 conversations of 4 pages each, through a cache of 16 pages
+    tokens, cached, _ = turn(client, name, second)
+    for topic in TOPICS[1:]:
         turn(client, name, history(topic))
+    return second, tokens, cached
+
+
+def test_a_second_turn_after_its_pages_were_evicted_is_restored_from_the_host_tier(retaining_server) -> None:
+    client = openai.OpenAI(base_url=f"{retaining_server.base_url}/v1", api_key="none")
+    name = client.models.list().data[0].id
+    second, tokens, cached = evict_first_turn(client, name)
+    assert cached >= 3 * 64  # the first turn came from the device's prefix cache then
     before = scrape(retaining_server.base_url)
     assert before["flare_engine_host_spills_total"] > 0
     again, restored, _ = turn(client, name, second)
@@ -55,3 +64,51 @@ def test_a_second_turn_after_its_pages_were_evicted_is_restored_from_the_host_ti
     assert after["flare_engine_host_hits_total"] == before.get("flare_engine_host_hits_total", 0) + 1
     assert restored >= cached
     assert again == tokens
+
+
+def disk_server(core: Path, directory: Path) -> Server:
+    return Server(core, "--kv-cache-bytes", str(16 * PAGE_BYTES), "--host-cache-bytes", str(8 * PAGE_BYTES),
+                  "--disk-cache", str(directory), "--disk-cache-bytes", str(400 * PAGE_BYTES), "--max-active", "2")
+
+
+def test_a_second_turn_is_restored_from_the_disk_tier_after_a_restart_and_corrupt_files_are_skipped(
+        fp32_core_dir, tmp_path) -> None:
+    server = disk_server(fp32_core_dir, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        name = client.models.list().data[0].id
+        second, tokens, cached = evict_first_turn(client, name)
+        assert wait_for(server.base_url, lambda m: m.get("flare_engine_disk_writes_total", 0) > 0)[
+            "flare_engine_disk_writes_total"] > 0
+    finally:
+        server.stop()
+    files = sorted(tmp_path.glob("*.kv"))
+    assert files
+    (tmp_path / ("00" * 16 + ".kv")).write_bytes(b"FLAREKV1\x10\x00\x00\x00{not a header}")  # unreadable, skipped
+
+    server = disk_server(fp32_core_dir, tmp_path)  # the same core again: the files are reused
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        again, restored, _ = turn(client, name, second)
+        metrics = wait_for(server.base_url, lambda m: m.get("flare_engine_completions_total", 0) >= 1)
+        assert metrics["flare_engine_disk_reads_total"] >= cached // 64
+        assert restored >= cached
+        assert again == tokens
+    finally:
+        server.stop()
+
+    for path in tmp_path.glob("*.kv"):  # every payload's last byte flipped: no file may be served now
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    server = disk_server(fp32_core_dir, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        again, restored, _ = turn(client, name, second)
+        metrics = wait_for(server.base_url, lambda m: m.get("flare_engine_completions_total", 0) >= 1)
+        assert metrics["flare_engine_disk_unreadable_total"] > 0
+        assert metrics.get("flare_engine_disk_reads_total", 0) == 0
+        assert restored == 0
+        assert again == tokens
+    finally:
+        server.stop()
