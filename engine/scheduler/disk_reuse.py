@@ -32,6 +32,11 @@ class DiskReuse:
         self._sent: list[tuple[int, DiskWork]] = []  # committed work by fence, until its step completes
         self.gone: list[bytes] = []  # keys neither the host nor the disk holds any more (for announcements)
 
+    def held(self) -> set[bytes]:
+        """The keys the disk tier holds or will once the writes to plan, planned and sent complete."""
+        return {*self.disk.keys(), *(key for key, _ in self.host.dropped), *(key for _, key, _ in self._writes),
+                *(key for _, work in self._sent for _, key, _ in work.writes)}
+
     @property
     def pending(self) -> bool:
         return bool(self._writes or self._reads or self.disk.erased or self.host.dropped)

@@ -154,7 +154,8 @@ class PrefixReuse:
         hosted = [key for key in evicted if key in self.host]
         gone = [key for key in evicted if key not in self.host]
         dropped = self.disk.gone if self.disk is not None else self._host_gone
-        gone += [key for key in dropped if key not in self.cache and key not in self.host]
+        held = self.disk.held() if self.disk is not None and dropped else set()
+        gone += [key for key in dropped if key not in self.cache and key not in self.host and key not in held]
         dropped.clear()
         return stored, hosted, gone
 

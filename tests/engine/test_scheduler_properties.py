@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from common.protocol import SamplingParams
+from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostTier
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Phase, Request
@@ -84,7 +85,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         accepted = tuple(self.random.randint(0, len(r.draft)) for r in sampled) if plan.kind == "verify" else ()
         # Durations grow with the step's tokens, so a verify round is not always worth its cost (or its bubble).
         completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled), tokens,
-                                0.001 * (4 + plan.num_tokens), accepted=accepted)
+                                0.001 * (4 + plan.num_tokens), accepted=accepted, unreadable=self.unreadable(plan))
         self.scheduler.complete(completion, plan)
         self.completed = fence
         for row in plan.rows:
@@ -92,6 +93,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             if row.draft and request is not None and request.generation == row.generation and \
                     not self.scheduler.in_flight(request):
                 assert len(request.pages) <= -(-len(request.tokens) // PAGE)  # rejected positions' pages went back
+
+    def unreadable(self, plan: Plan) -> tuple[int, ...]:
+        """The host slots of the plan's disk reads whose files the executor found unreadable."""
+        return ()
 
     @rule(steps=st.integers(1, 8))
     def advance(self, steps: int) -> None:
@@ -170,12 +175,23 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 class HostTierSchedulerMachine(SchedulerMachine):
-    """The same rules with a host tier that evicted checkpoints move to and requests restore from."""
+    """The same rules with a host tier that evicted checkpoints move to and requests restore from, and a disk tier
+    below it whose files are now and then unreadable."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, host=HostTier(12))
+        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, host=HostTier(12), disk=DiskTier(10, []))
         self.announced: set[bytes] = set()  # what a frontend's routing index holds after the announcements
+
+    def unreadable(self, plan: Plan) -> tuple[int, ...]:
+        return tuple(slot for _, slot in plan.disk.reads if self.random.random() < 0.2) if plan.disk else ()
+
+    @invariant()
+    def every_host_slot_in_exactly_one_place(self) -> None:
+        host, disk = self.scheduler.prefix.host, self.scheduler.prefix.disk
+        places = host._free + host._dropping + [slot for _, slot in host._retiring]
+        places += [entry.slot for entry in host._entries.values()] + [slot for slot, _ in disk._loading.values()]
+        assert sorted(places) == list(range(host.slots)), places
 
     @rule(pages=st.integers(1, PAGES))
     def evict_cached(self, pages: int) -> None:
@@ -198,7 +214,7 @@ class HostTierSchedulerMachine(SchedulerMachine):
         self.announced.update(stored)
         self.announced.update(hosted)
         self.announced.difference_update(evicted)
-        assert self.announced == set(prefix.cache.ready_keys()) | set(prefix.host.keys())
+        assert self.announced == set(prefix.cache.ready_keys()) | set(prefix.host.keys()) | prefix.disk.held()
 
 
 class RandomProposer:
