@@ -38,14 +38,15 @@ def turn(client: openai.OpenAI, name: str, messages: list[dict[str, str]]) -> tu
             response.choices[0].message.content)
 
 
-def evict_first_turn(client: openai.OpenAI, name: str) -> tuple[list[dict[str, str]], list[int], int]:
-    """A conversation's second turn and its greedy tokens, then enough other conversations to push its pages out of
-    the device and the host tiers."""
-    first = history(TOPICS[0])
+def evict_first_turn(client: openai.OpenAI, name: str, topics: tuple[str, ...] = TOPICS
+                     ) -> tuple[list[dict[str, str]], list[int], int]:
+    """A conversation's second turn, its greedy tokens and cached tokens, then enough other conversations to push its
+    pages out of the device (and a small host tier)."""
+    first = history(topics[0])
     _, _, reply = turn(client, name, first)
     second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Say more."}]
     tokens, cached, _ = turn(client, name, second)
-    for topic in TOPICS[1:]:
+    for topic in topics[1:]:
         turn(client, name, history(topic))
     return second, tokens, cached
 
@@ -64,6 +65,26 @@ def test_a_second_turn_after_its_pages_were_evicted_is_restored_from_the_host_ti
     assert after["flare_engine_host_hits_total"] == before.get("flare_engine_host_hits_total", 0) + 1
     assert restored >= cached
     assert again == tokens
+
+
+def test_a_request_restored_then_cancelled_gives_every_page_back(retaining_server) -> None:
+    """Its restored pages are its own until its steps complete, then published or given back: once it is gone every
+    page is free, retiring or cached, and the next request restores the same checkpoints again."""
+    client = openai.OpenAI(base_url=f"{retaining_server.base_url}/v1", api_key="none")
+    name = client.models.list().data[0].id
+    second, tokens, _ = evict_first_turn(client, name, TOPICS[3:] + TOPICS[:3])
+    before = scrape(retaining_server.base_url)
+    stream = client.chat.completions.create(model=name, messages=second, temperature=0, max_tokens=400, stream=True,
+                                            extra_body={"ignore_eos": True})
+    next(iter(stream))  # restored, decoding: then gone
+    stream.close()
+    counts = ("flare_engine_cancellations_total", "flare_engine_host_restores_total")
+    after = wait_for(retaining_server.base_url, lambda m: all(m[c] > before.get(c, 0) for c in counts)
+                     and m["flare_engine_live_requests"] == 0 and m["flare_engine_retiring_pages"] == 0)
+    assert after["flare_engine_cancellations_total"] == before["flare_engine_cancellations_total"] + 1
+    assert after["flare_engine_free_pages"] + after["flare_engine_cached_pages"] == 16
+    again, restored, _ = turn(client, name, second)
+    assert again == tokens and restored > 0
 
 
 def disk_server(core: Path, directory: Path) -> Server:
