@@ -130,13 +130,16 @@ class EagerExecutor:
 
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
-        if self.host_pages is not None:
+        tier_seconds = 0.0
+        if self.host_pages is not None and (plan.spills or plan.restores):
             self.host_pages.copy(self.kv_cache, plan.spills, plan.restores)
+            if not self.kv_cache.is_cuda:  # (on a GPU the copies are queued, not done: not timed here)
+                tier_seconds = time.perf_counter() - started
         self._copy_pages(plan.copies)
         if plan.state_copies:
             self.state.copy_rows(plan.state_copies)
         if not plan.rows:
-            return Completion(fence, (), (), (), time.perf_counter() - started)
+            return Completion(fence, (), (), (), time.perf_counter() - started, tier_seconds=tier_seconds)
         step = build_inputs(plan, self.page_size, self.device, self.state)
         if self.state is not None and (fresh := [row.slot for row in plan.rows if row.start == 0]):
             self.state.reset(torch.tensor(fresh, device=self.device))
@@ -168,7 +171,8 @@ class EagerExecutor:
                           tuple(tokens.tolist()), time.perf_counter() - started,
                           logprobs=self._logprobs(sampled, logits, tokens),
                           prompt_logprobs=self._prompt_logprobs(plan, hidden),
-                          scores=eager_scores(plan, hidden, self.model.logits), accepted=accepted)
+                          scores=eager_scores(plan, hidden, self.model.logits), accepted=accepted,
+                          tier_seconds=tier_seconds)
 
     def _verify(self, sampled: list[Row], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                            tuple[int, ...]]:

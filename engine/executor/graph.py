@@ -228,6 +228,7 @@ class GraphExecutor:
         os.set_blocking(self.wake_fd, False)
         self._watch: queue.SimpleQueue[tuple[int, int, Plan] | None] = queue.SimpleQueue()
         self._unreadable: dict[int, tuple[int, ...]] = {}  # per fence: the disk reads not served (DiskWork)
+        self._tier_events: dict[int, tuple] = {}  # per fence: timing events around its spills and restores
         self._watcher = threading.Thread(target=self._watch_events, name="graph-completions", daemon=True)
         self._watcher.start()
 
@@ -360,7 +361,8 @@ class GraphExecutor:
     def _launch(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
         if self.host_pages is not None and (plan.spills or plan.restores):
             with torch.cuda.stream(self._model_stream):
-                self.host_pages.copy(self.kv_cache, plan.spills, plan.restores, self._copy_stream)
+                self._tier_events[fence] = self.host_pages.copy(self.kv_cache, plan.spills, plan.restores,
+                                                                self._copy_stream)
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
         verify = plan.kind == "verify"
@@ -478,7 +480,11 @@ class GraphExecutor:
         try:
             completion = self._collect(step)
             unreadable = self._unreadable.pop(step.fence, None)
-            return completion if unreadable is None else replace(completion, unreadable=unreadable)
+            events = self._tier_events.pop(step.fence, None)
+            if unreadable is None and events is None:
+                return completion
+            return replace(completion, unreadable=unreadable or (),
+                           tier_seconds=events[0].elapsed_time(events[1]) / 1000 if events else 0.0)
         except Exception as exc:
             log.exception("reading graph step %d failed", step.fence)
             self.fault = self.fault or sticky_fault(self.kv_cache.device)

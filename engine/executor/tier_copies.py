@@ -61,19 +61,22 @@ class HostPages:
         return memoryview(self.slots[slot].view(torch.uint8).numpy()).cast("B")
 
     def copy(self, kv_cache: torch.Tensor, spills: tuple[tuple[int, int], ...],
-             restores: tuple[tuple[int, int], ...], stream: torch.cuda.Stream | None = None) -> None:
+             restores: tuple[tuple[int, int], ...], stream: torch.cuda.Stream | None = None
+             ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """Spills (device page, host slot), then restores (host slot, device page); on `stream` when given, ordered
-        after the current stream's work so far and before its next."""
-        if not (spills or restores):
-            return
+        after the current stream's work so far and before its next, between the two timing events returned."""
         if stream is None:
             self._copy(kv_cache, spills, restores)
-            return
+            return None
         current = torch.cuda.current_stream(kv_cache.device)
         stream.wait_stream(current)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
+            start.record(stream)
             self._copy(kv_cache, spills, restores)
+            end.record(stream)
         current.wait_stream(stream)
+        return start, end
 
     def _copy(self, kv_cache: torch.Tensor, spills: tuple[tuple[int, int], ...],
               restores: tuple[tuple[int, int], ...]) -> None:

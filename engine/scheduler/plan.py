@@ -178,3 +178,4 @@ class Completion:
     # holds the target's token after them (the correction, or the bonus when all were accepted).
     accepted: tuple[int, ...] = ()
     unreadable: tuple[int, ...] = ()  # host slots of the plan's disk reads whose files were not served
+    tier_seconds: float = 0.0  # what the plan's spills and restores took (0.0: not measured)

@@ -16,7 +16,8 @@ its prompt extends into its own slot row and continues from exactly there.
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -108,6 +109,10 @@ class PrefixReuse:
         self.disk = DiskReuse(disk, self.host, self.cache, counters, page_bytes) \
             if disk is not None and self.host is not None else None
         self._host_gone: list[bytes] = []  # keys the host tier gave up, without a disk tier (for announcements)
+        # Seconds a host page copy took in recent steps (spills and restores alike), and what recomputing a number
+        # of prompt tokens would take by the learned step costs (0.0: not known yet). Set by the scheduler.
+        self.page_copy_seconds: deque[float] = deque(maxlen=9)
+        self.recompute_seconds: Callable[[int], float] = lambda tokens: 0.0
 
     def track(self, request: Request) -> None:
         # An image's content keys every prefix that reaches its first token; a salt, every prefix.
@@ -192,6 +197,9 @@ class PrefixReuse:
         device or the host) of the latest message end just beyond those."""
         history, size, limit = self._history(request), self.page_size, request.first_computed
         hosted = self._host_run(history.block_keys[len(chain): limit // size])
+        if hosted and not self._restore_pays(len(hosted)):
+            hosted = []
+            self.counters["host_declined"] += 1
         depth = (len(chain) + len(hosted)) * size
         reused, exact, exact_hosted = depth, None, None
         for end in sorted(request.message_ends, reverse=True):
@@ -227,6 +235,14 @@ class PrefixReuse:
         request.scheduled = reused
         if not request.started:
             request.cached_tokens = reused
+
+    def _restore_pays(self, pages: int) -> bool:
+        """Whether restoring `pages` from the host is expected to beat computing their tokens again (taken while
+        either is unmeasured)."""
+        if not self.page_copy_seconds:
+            return True
+        recompute = self.recompute_seconds(pages * self.page_size)
+        return recompute == 0.0 or pages * statistics.median(self.page_copy_seconds) <= recompute
 
     def _host_run(self, keys: list[bytes]) -> list[HostEntry]:
         """The host tier's entries of keys[0], keys[1], ... up to the first it lacks."""

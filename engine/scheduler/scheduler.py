@@ -87,6 +87,12 @@ class RequestScheduler:
         # Prompt-token capacities of a step: page-aligned, doubling up to the chunk size.
         self._chunk_capacities = [page_size << i for i in range(32) if page_size << i < prefill_chunk_size]
         self._chunk_capacities.append(prefill_chunk_size)
+        self.prefix.recompute_seconds = self._recompute_seconds
+
+    def _recompute_seconds(self, tokens: int) -> float:
+        """What prefilling `tokens` again would take, by the learned cost of a full prefill chunk (0.0: unknown)."""
+        chunk = self.prefill_chunk_size
+        return self.costs.last_known(("prefill", chunk)) * tokens / chunk
 
     # --- intake -------------------------------------------------------------------------------------------------
     @property
@@ -487,6 +493,8 @@ class RequestScheduler:
             steady.popleft()
         cohort = steady.popleft() if steady and steady[0][1] is plan.rows else None
         self._completed_fence = fence
+        if completion.tier_seconds:
+            self.prefix.page_copy_seconds.append(completion.tier_seconds / (len(plan.spills) + len(plan.restores)))
         if error is None and plan.rows:
             self.costs.observe(plan.shape, completion.duration)
             if self.speculation is not None:
