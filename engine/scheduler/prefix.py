@@ -213,7 +213,11 @@ class PrefixReuse:
         if self.host is not None and len(chain) * size < limit:
             self.counters["host_hits" if hosted or exact_hosted else "host_misses"] += 1
         wanted = len(hosted) + (exact is not None or exact_hosted is not None)
+        if exact is not None:
+            self.cache.pin(exact)  # a leaf: the allocation below must not evict it
         pages = allocate(wanted) if wanted else []
+        if exact is not None:
+            self.cache.unpin(exact, 0)
         if pages is None:  # no pages for the restores or the private copy: the device's blocks only
             hosted, exact, exact_hosted, pages, reused = [], None, None, [], len(chain) * size
         if reused == 0:
