@@ -62,6 +62,14 @@ def main(argv: list[str] | None = None) -> None:
                               help="prompt tokens one step may carry (default: the core's chunk on the CPU, "
                                    "2048-8192 by memory on a GPU)")
     engine_group.add_argument("--kv-cache-bytes", type=int, help="KV cache size in bytes")
+    engine_group.add_argument("--host-cache-bytes", type=int,
+                              help="host memory that prefix checkpoints evicted from the KV cache move to "
+                                   "(default: a quarter of the available memory on a GPU machine, 0 on the CPU)")
+    engine_group.add_argument("--disk-cache", type=Path,
+                              help="DIR that pages the host tier gives up move to, reused after a restart with the "
+                                   "same core (needs a host tier)")
+    engine_group.add_argument("--disk-cache-bytes", type=int, help="the disk tier's budget (default: half the free "
+                                                                   "space of --disk-cache)")
     engine_group.add_argument("--kv-cache-fraction", type=float,
                               help="on a GPU: the share of its memory that weights, KV cache and graphs may use")
     engine_group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the core's dtype")

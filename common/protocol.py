@@ -221,12 +221,14 @@ def decode_telemetry(data: bytes) -> Telemetry:
 
 class CacheEvents(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What an engine's prefix cache gained and lost since its last announcement, as block keys (complete 64-token
-    blocks only). `full`: `stored` is everything it holds, sent when a subscriber arrives; replaces what was known."""
+    blocks only). `full`: `stored` and `hosted` are everything it holds, sent when a subscriber arrives; they replace
+    what was known. `hosted`: keys that left the device for the host tier, still cached (a restore away)."""
 
     engine_id: str
     stored: list[bytes] = []
     evicted: list[bytes] = []
     full: bool = False
+    hosted: list[bytes] = []
 
 
 _cache_events_decoder = msgspec.msgpack.Decoder(CacheEvents)

@@ -85,7 +85,8 @@ def stop_all(frontends: list[subprocess.Popen], replicas: list["Replica"]) -> No
 
 
 # `flare run` flags that every engine rank receives as they are.
-ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_fraction", "dtype", "speculative", "draft")
+ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_fraction", "host_cache_bytes",
+                "disk_cache", "disk_cache_bytes", "dtype", "speculative", "draft")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -22,10 +23,15 @@ from common.links import LinkKeyError, LinkKeys, add_link_flags, bound, exposure
 from common.manifest import Manifest
 from common.protocol import ModelCard
 from common.ranks import DEVICE_FAULT, GROUP_FAILED
+from engine.cache import disk_files
+from engine.cache.disk_tier import DiskTier
+from engine.cache.host_tier import HostTier
 from engine.core import Engine
 from engine.executor.eager import pages_for_budget
-from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, make_executor
+from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, host_budget, make_executor
 from engine.executor.faults import DeviceFault, sticky_fault
+from engine.executor.tier_copies import host_slot_bytes, slot_shape
+from engine.model.decoder import CausalLM
 from engine.model.loader import DTYPES, load_model
 from engine.model.recurrent_state import RecurrentState, snapshot_rows
 from engine.parallel.executor import TensorParallelExecutor
@@ -64,6 +70,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-active", type=int, help="live request slots (default: the core's capacities)")
     parser.add_argument("--kv-cache-bytes", type=int,
                         help="KV cache budget (default: the core's capacities on cpu, free memory on cuda)")
+    parser.add_argument("--host-cache-bytes", type=int,
+                        help="host memory that prefix checkpoints evicted from the KV cache move to (default: a "
+                             "quarter of the available memory on cuda, 0 on cpu)")
+    parser.add_argument("--disk-cache", type=Path,
+                        help="a directory that pages the host tier gives up move to, reused after a restart with the "
+                             "same core (needs a host tier)")
+    parser.add_argument("--disk-cache-bytes", type=int,
+                        help="the disk tier's budget (default: half the free space of --disk-cache)")
     parser.add_argument("--kv-cache-fraction", type=float,
                         help="on cuda: the share of the GPU's memory this process may fill (default 0.92)")
     parser.add_argument("--max-batched-tokens", type=int,
@@ -83,6 +97,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--world-size > 1 needs --dist-address HOST:PORT")
     if args.rank == 0 and not args.listen:
         parser.error("rank 0 needs --listen")
+    if args.host_cache_bytes is not None and args.host_cache_bytes < 0:
+        parser.error(f"--host-cache-bytes must be at least 0, got {args.host_cache_bytes}")
+    if args.disk_cache_bytes is not None and args.disk_cache is None:
+        parser.error("--disk-cache-bytes needs --disk-cache DIR")
+    if args.disk_cache is not None and not args.disk_cache.is_dir():
+        parser.error(f"--disk-cache {args.disk_cache} is not a directory")
     if args.kv_cache_fraction is not None and not 0 < args.kv_cache_fraction <= 1:
         parser.error(f"--kv-cache-fraction must be in (0, 1], got {args.kv_cache_fraction}")
     for flag in ("max_active", "max_batched_tokens", "kv_cache_bytes"):
@@ -124,6 +144,37 @@ def select_device(name: str) -> tuple[torch.device, str]:
     return torch.device("cuda"), f"{torch.cuda.get_device_name()} found"
 
 
+def retained_pages(args: argparse.Namespace, model: CausalLM, device: torch.device, page_size: int,
+                   dtype: torch.dtype, parallel: bool) -> int:
+    """The host tier's pages (docs/design.md, Host retention): none for a hybrid model (its snapshots are not
+    retained) or under tensor parallelism (each rank would need its own copies planned)."""
+    budget = host_budget(device) if args.host_cache_bytes is None else args.host_cache_bytes
+    if budget and (model.config.hybrid or parallel):
+        log.info("no host tier: %s", "a hybrid model's snapshots are not retained there" if model.config.hybrid
+                 else "not under tensor parallelism")
+        return 0
+    slots = budget // host_slot_bytes(model.config, page_size, dtype)
+    if slots:
+        log.info("host tier: %d pages (%.2f GiB)", slots, slots * host_slot_bytes(model.config, page_size, dtype)
+                 / (1 << 30))
+    return slots
+
+
+def disk_tier(args: argparse.Namespace, identity: bytes, model: CausalLM, page_size: int,
+              dtype: torch.dtype) -> DiskTier | None:
+    """The disk tier below the host's, with the files a previous run of the same core left (docs/design.md, Host
+    retention); files of other cores, dtypes or layouts are skipped and logged."""
+    if args.disk_cache is None:
+        return None
+    budget = args.disk_cache_bytes if args.disk_cache_bytes is not None else \
+        shutil.disk_usage(args.disk_cache).free // 2
+    layout = disk_files.Layout(identity, str(dtype), slot_shape(model.config, page_size))
+    found = disk_files.scan(args.disk_cache, layout)
+    tier = DiskTier(budget // (layout.payload_bytes + disk_files.MAX_HEADER), found)
+    log.info("disk tier: %s, %d pages, %d found", args.disk_cache, tier.capacity, len(tier))
+    return tier
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
@@ -159,8 +210,14 @@ def main(argv: list[str] | None = None) -> None:
     channel = connect(tp, args.dist_address, keys, limit * max_active) if tp else None
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active = channel.setup(num_pages, max_active)
+    host_slots = retained_pages(args, model, device, caps.page_size, dtype, tp is not None)
+    identity = cache_identity(manifest, dtype)
+    disk = disk_tier(args, identity, model, caps.page_size, dtype) if host_slots else None
+    if args.disk_cache is not None and not host_slots:
+        log.warning("no disk tier: it takes what a host tier gives up, and there is none (--host-cache-bytes)")
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
-                             step_tokens, graphs=not args.eager, snapshots=snapshots or 0)
+                             step_tokens, graphs=not args.eager, snapshots=snapshots or 0, host_slots=host_slots,
+                             disk=(args.disk_cache, identity) if disk is not None else None)
     if channel:
         channel.start()
         if isinstance(channel, Follower):
@@ -181,8 +238,10 @@ def main(argv: list[str] | None = None) -> None:
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
-                                 cache_identity(manifest, model.model.embed_tokens.weight.dtype), proposer=proposer,
-                                 snapshots=snapshots, snapshot_bytes=RecurrentState.row_bytes(model.config, dtype))
+                                 identity, proposer=proposer,
+                                 snapshots=snapshots, snapshot_bytes=RecurrentState.row_bytes(model.config, dtype),
+                                 host=HostTier(host_slots) if host_slots else None,
+                                 page_bytes=host_slot_bytes(model.config, caps.page_size, dtype), disk=disk)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)

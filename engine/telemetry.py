@@ -10,6 +10,7 @@ the keys the prefix cache gained and lost since the last snapshot; a new subscri
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from collections import Counter, defaultdict, deque
 
@@ -98,13 +99,14 @@ class EngineTelemetry:
         self._ring_since_publish = 0
 
     def _announce_cache(self, scheduler: RequestScheduler) -> None:
-        cache = scheduler.prefix.cache
-        stored, evicted = cache.take_journal()
+        prefix = scheduler.prefix
+        stored, hosted, evicted = prefix.take_journal()
         if self._cache_subscribed:
             self._cache_subscribed = False
-            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, cache.ready_keys(), full=True))
-        elif stored or evicted:
-            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, stored, evicted))
+            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, prefix.cache.ready_keys(), full=True,
+                                                     hosted=prefix.host.keys() if prefix.host is not None else []))
+        elif stored or hosted or evicted:
+            self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, stored, evicted, hosted=hosted))
 
     def _send(self, topic: bytes, snapshot: wire.Telemetry | wire.CacheEvents) -> None:
         try:
@@ -151,7 +153,17 @@ class EngineTelemetry:
             **({"spec_mean_acceptance_length": scheduler.counters["draft_accepted_tokens"]
                 / max(scheduler.counters["draft_rounds"], 1)} if scheduler.speculation is not None else {}),
             **(self._snapshot_gauges(scheduler) if scheduler.prefix.hybrid else {}),
+            **(self._tier_gauges(scheduler) if scheduler.prefix.host is not None else {}),
         }
+
+    @staticmethod
+    def _tier_gauges(scheduler: RequestScheduler) -> dict[str, float]:
+        """The host and disk tiers (docs/design.md, Host retention): pages held, and a host page copy's recent
+        median seconds (a restore's time per page)."""
+        prefix = scheduler.prefix
+        copies = prefix.page_copy_seconds
+        return {"host_pages": len(prefix.host), "disk_pages": len(prefix.disk.disk) if prefix.disk else 0,
+                "host_page_copy_seconds": statistics.median(copies) if copies else 0.0}
 
     @staticmethod
     def _snapshot_gauges(scheduler: RequestScheduler) -> dict[str, float]:

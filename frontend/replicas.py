@@ -62,10 +62,12 @@ class Replica:
         return next((i for i, key in enumerate(keys) if key not in self.keys), len(keys))
 
     def announce(self, events: wire.CacheEvents) -> None:
+        """Keys on the device and keys in its host tier count alike: a host hit is a restore, not a recompute."""
         if events.full or len(self.keys) > INDEX_LIMIT:
-            self.keys = set(events.stored)
+            self.keys = {*events.stored, *events.hosted}
         else:
             self.keys.update(events.stored)
+            self.keys.update(events.hosted)
         self.keys.difference_update(events.evicted)
 
 

@@ -50,6 +50,8 @@ class RetiredResources:
     pages: list[int]
     fence: int  # the last GPU use of these pages (and snapshots)
     snapshots: tuple[int, ...] = ()
+    key: bytes = b""  # the evicted checkpoint's (its page may move to the host tier: engine/cache/host_tier.py)
+    length: int = 0
 
 
 @dataclass
@@ -76,6 +78,11 @@ class PrefixCheckpointCache:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+    def __contains__(self, key: bytes) -> bool:
+        """Whether `key` is a ready checkpoint (without touching its recency, as a lookup does)."""
+        checkpoint = self._by_key.get(key)
+        return checkpoint is not None and checkpoint.ready
 
     def lookup(self, key: bytes) -> Checkpoint | None:
         found = self.lookup_run([key], 1)
@@ -214,4 +221,5 @@ class PrefixCheckpointCache:
             if not self._exact_ends[parent]:
                 del self._exact_ends[parent]
             snapshots = (checkpoint.snapshot,)
-        return RetiredResources([checkpoint.page], checkpoint.last_use_fence, snapshots)
+        return RetiredResources([checkpoint.page], checkpoint.last_use_fence, snapshots, checkpoint.key,
+                                checkpoint.length)

@@ -11,6 +11,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
 from engine.executor.pooling import eager_pooled
+from engine.executor.tier_copies import HostPages
 from engine.model.decoder import CausalLM
 from engine.model.image_features import Tower
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -65,6 +67,7 @@ class EagerExecutor:
         # A vision model's tower: its own module, or (set by the GraphExecutor) its captured graphs.
         self.vision_tower: Tower | None = None
         self.fault: str | None = None
+        self.host_pages: HostPages | None = None  # the host tier's slots, when there is one (make_executor)
         self._fence = 0
         self._in_flight = 0
         self._work: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
@@ -112,7 +115,7 @@ class EagerExecutor:
             fence, plan = item
             started = time.perf_counter()
             try:
-                completion = self._execute(fence, plan, started)
+                completion = self.with_disk_work(plan, self._execute(fence, plan, started))
             except Exception as exc:  # a failed step fails its requests; a sticky device fault, the engine
                 self.fault = self.fault or sticky_fault(self.device)
                 completion = Completion(fence, (), (), (), time.perf_counter() - started,
@@ -120,13 +123,24 @@ class EagerExecutor:
             self._done.put((plan, completion))
             os.write(self._wake_write, b"x")
 
+    def with_disk_work(self, plan: Plan, completion: Completion) -> Completion:
+        """The step's disk work (after its copies), and which of its reads were not served."""
+        if plan.disk is None:
+            return completion
+        return replace(completion, unreadable=self.host_pages.disk_work(plan.disk))
+
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
+        tier_seconds = 0.0
+        if self.host_pages is not None and (plan.spills or plan.restores):
+            self.host_pages.copy(self.kv_cache, plan.spills, plan.restores)
+            if not self.kv_cache.is_cuda:  # (on a GPU the copies are queued, not done: not timed here)
+                tier_seconds = time.perf_counter() - started
         self._copy_pages(plan.copies)
         if plan.state_copies:
             self.state.copy_rows(plan.state_copies)
         if not plan.rows:
-            return Completion(fence, (), (), (), time.perf_counter() - started)
+            return Completion(fence, (), (), (), time.perf_counter() - started, tier_seconds=tier_seconds)
         step = build_inputs(plan, self.page_size, self.device, self.state)
         if self.state is not None and (fresh := [row.slot for row in plan.rows if row.start == 0]):
             self.state.reset(torch.tensor(fresh, device=self.device))
@@ -159,7 +173,7 @@ class EagerExecutor:
                           logprobs=self._logprobs(sampled, logits, tokens),
                           prompt_logprobs=self._prompt_logprobs(plan, hidden),
                           scores=eager_scores(plan, hidden, self.model.logits), accepted=accepted,
-                          pooled=eager_pooled(plan, hidden))
+                          pooled=eager_pooled(plan, hidden), tier_seconds=tier_seconds)
 
     def _verify(self, sampled: list[Row], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                            tuple[int, ...]]:

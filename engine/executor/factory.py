@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import torch
 
 from engine.executor.base import Executor
 from engine.executor.eager import EagerExecutor
+from engine.executor.tier_copies import HostPages
 from engine.model.decoder import CausalLM
 
 log = logging.getLogger("flare.engine")
@@ -18,6 +21,7 @@ SAMPLER_BYTES_PER_LOGIT = 40  # logits, probabilities, their sort (values and in
 # the chunk (page_size << i up to this) with the most value per learned second (engine/scheduler/policy.py); small
 # chunks keep decoders flowing, large ones run the prefill GEMMs near peak.
 GPU_STEP_TOKENS = ((60 << 30, 8192), (30 << 30, 4096), (0, 2048))
+HOST_SHARE = 4  # the host tier takes 1/HOST_SHARE of the host memory available at start, by default
 
 
 def gpu_kv_budget(model: CausalLM, max_active: int, device: torch.device,
@@ -37,9 +41,29 @@ def gpu_step_tokens(device: torch.device, core_chunk: int) -> int:
 
 
 def make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
-                  context_limit: int, prefill_chunk: int, graphs: bool, snapshots: int = 0) -> Executor:
+                  context_limit: int, prefill_chunk: int, graphs: bool, snapshots: int = 0,
+                  host_slots: int = 0, disk: tuple[Path, bytes] | None = None) -> Executor:
     """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere. `snapshots`: a hybrid model's
-    state rows beyond the slots'."""
+    state rows beyond the slots'; `host_slots`: the host tier's pages (engine/executor/tier_copies.py), pinned on a
+    GPU; `disk`: the disk tier's directory and the core's cache identity."""
+    executor = _make_executor(model, num_pages, page_size, max_active, device, context_limit, prefill_chunk, graphs,
+                              snapshots)
+    if host_slots:
+        executor.host_pages = HostPages(model.config, host_slots, page_size, model.model.embed_tokens.weight.dtype,
+                                        pinned=device.type == "cuda", disk=disk)
+    return executor
+
+
+def host_budget(device: torch.device) -> int:
+    """The host tier's default bytes: none on the CPU, whose KV cache is host memory already; on a GPU machine a
+    share of the memory available now."""
+    if device.type != "cuda":
+        return 0
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // HOST_SHARE
+
+
+def _make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
+                   context_limit: int, prefill_chunk: int, graphs: bool, snapshots: int) -> Executor:
     if device.type != "cuda" or not graphs:
         return EagerExecutor(model, num_pages, page_size, max_active, device, snapshots)
     from engine.executor.graph import GraphExecutor

@@ -43,11 +43,13 @@ import numpy as np
 import torch
 
 from engine.executor.eager import EagerExecutor, kv_cache_shape
+from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
                                     verify_rows, verify_spans)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
 from engine.executor.pooling import assemble as assemble_pooled
 from engine.executor.pooling import pool_index, pool_rows, pools
+from engine.executor.tier_copies import HostPages
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.backends.triton import KernelTower
 from engine.model.decoder import CausalLM
@@ -243,7 +245,9 @@ class GraphExecutor:
         self._pending: collections.deque[_Launched | _Ready] = collections.deque()
         self.wake_fd, self._wake_write = os.pipe()
         os.set_blocking(self.wake_fd, False)
-        self._watch: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._watch: queue.SimpleQueue[tuple[int, int, Plan] | None] = queue.SimpleQueue()
+        self._unreadable: dict[int, tuple[int, ...]] = {}  # per fence: the disk reads not served (DiskWork)
+        self._tier_events: dict[int, tuple] = {}  # per fence: timing events around its spills and restores
         self._watcher = threading.Thread(target=self._watch_events, name="graph-completions", daemon=True)
         self._watcher.start()
 
@@ -365,7 +369,20 @@ class GraphExecutor:
         i = bisect.bisect_left(self._extend_caps, plan.num_tokens)
         return self._extend[self._extend_caps[i]] if i < len(self._extend_caps) else None
 
+    @property
+    def host_pages(self) -> HostPages | None:
+        return self._eager.host_pages
+
+    @host_pages.setter
+    def host_pages(self, pages: HostPages | None) -> None:
+        """The host tier's slots; the eager steps copy them too."""
+        self._eager.host_pages = pages
+
     def _launch(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
+        if self.host_pages is not None and (plan.spills or plan.restores):
+            with torch.cuda.stream(self._model_stream):
+                self._tier_events[fence] = self.host_pages.copy(self.kv_cache, plan.spills, plan.restores,
+                                                                self._copy_stream)
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
         verify = plan.kind == "verify"
@@ -417,7 +434,7 @@ class GraphExecutor:
         rt.eventRecord(self._done[k], copy)
         self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified, extras,
                                        pooled))
-        self._watch.put((fence, self._done[k]))
+        self._watch.put((fence, self._done[k], plan))
 
     def _upload_extras(self, plan: Plan, extras: StepExtras, k: int, seqs: int) -> None:
         """On the model stream, before the graphs: the extras frame, masks that allow everything when the step has
@@ -498,7 +515,13 @@ class GraphExecutor:
         """The step's completion; reading it calls the device too (its events' times), which a fault since the step
         ended makes fail."""
         try:
-            return self._collect(step)
+            completion = self._collect(step)
+            unreadable = self._unreadable.pop(step.fence, None)
+            events = self._tier_events.pop(step.fence, None)
+            if unreadable is None and events is None:
+                return completion
+            return replace(completion, unreadable=unreadable or (),
+                           tier_seconds=events[0].elapsed_time(events[1]) / 1000 if events else 0.0)
         except Exception as exc:
             log.exception("reading graph step %d failed", step.fence)
             self.fault = self.fault or sticky_fault(self.kv_cache.device)
@@ -540,7 +563,10 @@ class GraphExecutor:
         """The eager executor's step (page copies included) on the model stream; its tokens reaching the host end
         it. It reads its own page tables, so the device's per-slot rows stay as the mirror says."""
         with torch.cuda.stream(self._model_stream):
-            return self._eager._execute(fence, plan, time.perf_counter())
+            completion = self._eager._execute(fence, plan, time.perf_counter())
+        if plan.disk is not None:
+            self._rt.streamSynchronize(self._model_stream.cuda_stream)  # its spills, before their slots are written
+        return self._eager.with_disk_work(plan, completion)
 
     def _copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Private copies of cached pages, before the step that reads them (rare: exact prefix checkpoints)."""
@@ -555,9 +581,11 @@ class GraphExecutor:
 
     def _watch_events(self) -> None:
         while (item := self._watch.get()) is not None:
-            fence, event = item
+            fence, event, plan = item
             try:
                 self._rt.eventSynchronize(event)
+                if plan.disk is not None:  # (off the loop: this thread reports the step only after its disk work)
+                    self._unreadable[fence] = self.host_pages.disk_work(plan.disk)
             except Exception as exc:  # a device fault: sticky, the engine stops (poll raises it)
                 self.fault = f"{type(exc).__name__}: {exc}"
             self._completed = fence

@@ -111,6 +111,17 @@ def fields(rows: Sequence[Row], getter: itemgetter) -> Iterable:
     return map(getter, rows)
 
 
+@dataclass(frozen=True)
+class DiskWork:
+    """The disk tier's work of a step (docs/design.md, Host retention), done after its copies and before its
+    completion is reported: host slots written to files (slot, key, tokens), files read into host slots (key, slot),
+    files deleted (keys)."""
+
+    writes: tuple[tuple[int, bytes, int], ...] = ()
+    reads: tuple[tuple[bytes, int], ...] = ()
+    erasures: tuple[bytes, ...] = ()
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     rows: Sequence[Row]  # a tuple of Rows, or a steady decode step's DecodeRows
@@ -121,6 +132,12 @@ class Plan:
     # and after its page copies: snapshots of slot rows at exact endpoints, and restores of snapshots into slot rows
     # (engine/scheduler/prefix.py). Slot s is row s; snapshot i is row max_active + i.
     state_copies: tuple[tuple[int, int], ...] = ()
+    # The host tier's copies (docs/design.md, Host retention), made before everything else the step does: spills
+    # (device page, host slot) of evicted checkpoints' pages, which the step may hand out, then restores (host slot,
+    # device page) into requests' private pages.
+    spills: tuple[tuple[int, int], ...] = ()
+    restores: tuple[tuple[int, int], ...] = ()
+    disk: DiskWork | None = None
     shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
     # Grammar masks (engine/sampling/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
@@ -165,3 +182,5 @@ class Completion:
     accepted: tuple[int, ...] = ()
     # (slot, generation, row start, float32 vector) per pooling row of the plan (Row.pool), in plan order.
     pooled: tuple[tuple[int, int, int, np.ndarray], ...] = ()
+    unreadable: tuple[int, ...] = ()  # host slots of the plan's disk reads whose files were not served
+    tier_seconds: float = 0.0  # what the plan's spills and restores took (0.0: not measured)

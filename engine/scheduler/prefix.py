@@ -16,13 +16,18 @@ its prompt extends into its own slot row and continues from exactly there.
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache, RetiredResources
+from engine.cache.disk_tier import DiskTier
+from engine.cache.host_tier import HostEntry, HostTier
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.disk_reuse import DiskReuse
+from engine.scheduler.plan import DiskWork, Plan
 from engine.scheduler.request import Request
 
 
@@ -49,17 +54,37 @@ class StateCopy:
     source_checkpoint: Checkpoint | None  # a restore's checkpoint: pinned until the copy is sent
 
 
+@dataclass(frozen=True)
+class Spill:
+    """An evicted checkpoint's page copied to a host slot (docs/design.md, Host retention). The next step makes it
+    first, before anything may write the page (it was released at its last use and may be handed out at once)."""
+
+    page: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Restore:
+    """A host slot copied into a request's private page before the next step's forward (after its spills)."""
+
+    slot: int
+    page: int
+    reader: Request
+
+
 # Request.publish_from of a request whose prefixes are never published.
 NEVER = 2 ** 62
 
 
 class PrefixReuse:
     def __init__(self, identity: bytes, page_size: int, pages: PageAllocator, counters: Counter[str],
-                 snapshots: int | None = None, slots: int = 0, snapshot_bytes: int = 0) -> None:
+                 snapshots: int | None = None, slots: int = 0, snapshot_bytes: int = 0,
+                 host: HostTier | None = None, page_bytes: int = 0, disk: DiskTier | None = None) -> None:
         """`snapshots`: a hybrid model's snapshot rows (state rows `slots` onwards); its requests carry a recurrent
         state that pages of KV cannot rebuild (engine/model/recurrent_state.py), so only an exact checkpoint with a
         snapshot is a start, and with no snapshot rows nothing is reused or published. `snapshot_bytes`: a
-        snapshot row's size (reported in /metrics)."""
+        snapshot row's size (reported in /metrics). `host`: the host tier that evicted pages move to (not a hybrid
+        model's: its snapshots are not retained there), of `page_bytes` a page; `disk`, the disk tier below it."""
         self.hybrid = snapshots is not None
         self.enabled = not self.hybrid or snapshots > 0
         self.snapshot_ids = PageAllocator(snapshots or 0)
@@ -77,6 +102,17 @@ class PrefixReuse:
         self.pending_copies: list[PageCopy] = []
         # Private pages of ended requests that a pending copy still reads: released once that copy is submitted.
         self.held_for_copies: set[int] = set()
+        self.host = host if snapshots is None else None
+        self.page_bytes = page_bytes
+        self.pending_spills: list[Spill] = []
+        self.pending_restores: list[Restore] = []
+        self.disk = DiskReuse(disk, self.host, self.cache, counters, page_bytes) \
+            if disk is not None and self.host is not None else None
+        self._host_gone: list[bytes] = []  # keys the host tier gave up, without a disk tier (for announcements)
+        # Seconds a host page copy took in recent steps (spills and restores alike), and what recomputing a number
+        # of prompt tokens would take by the learned step costs (0.0: not known yet). Set by the scheduler.
+        self.page_copy_seconds: deque[float] = deque(maxlen=9)
+        self.recompute_seconds: Callable[[int], float] = lambda tokens: 0.0
 
     def track(self, request: Request) -> None:
         # An image's content keys every prefix that reaches its first token; a salt, every prefix.
@@ -105,10 +141,28 @@ class PrefixReuse:
 
     def _retire(self, retired: list[RetiredResources]) -> None:
         for resources in retired:
+            if self.host is not None and (slot := self.host.store(resources.key, resources.length)) is not None:
+                self.pending_spills.append(Spill(resources.pages[0], slot))
+                self.counters["host_spills"] += 1
+                self.counters["host_bytes_out"] += self.page_bytes
             self.pages.release(resources.pages, resources.fence)
             if resources.snapshots:
                 self.snapshot_ids.release(list(resources.snapshots), resources.fence)
                 self.counters["snapshot_evictions"] += len(resources.snapshots)
+
+    def take_journal(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
+        """(stored, hosted, evicted) keys since the last call, for the routing announcements: a key the device
+        evicted is hosted while the host tier holds it, and evicted once neither holds it."""
+        stored, evicted = self.cache.take_journal()
+        if self.host is None:
+            return stored, [], evicted
+        hosted = [key for key in evicted if key in self.host]
+        gone = [key for key in evicted if key not in self.host]
+        dropped = self.disk.gone if self.disk is not None else self._host_gone
+        held = self.disk.held() if self.disk is not None and dropped else set()
+        gone += [key for key in dropped if key not in self.cache and key not in self.host and key not in held]
+        dropped.clear()
+        return stored, hosted, gone
 
     def _allocate_snapshot(self) -> int | None:
         if not self.snapshot_ids.free_count:
@@ -128,37 +182,87 @@ class PrefixReuse:
         history, size = self._history(request), self.page_size
         limit = request.first_computed  # the position whose logits are read is always computed
         chain = self.cache.lookup_run(history.block_keys, limit // size)
-        reused, exact = len(chain) * size, None
+        self.counters["prefix_lookups"] += 1
+        if chain:
+            self.cache.pin(chain[-1])  # while pages are allocated below (which may evict)
+        try:
+            self._reuse_found(request, chain, allocate)
+        finally:
+            if chain:
+                self.cache.unpin(chain[-1], 0)
+
+    def _reuse_found(self, request: Request, chain: list[Checkpoint],
+                     allocate: Callable[[int], list[int] | None]) -> None:
+        """Reuse the device's blocks `chain`, the host tier's blocks after them, and the exact checkpoint (on the
+        device or the host) of the latest message end just beyond those."""
+        history, size, limit = self._history(request), self.page_size, request.first_computed
+        hosted = self._host_run(history.block_keys[len(chain): limit // size])
+        if hosted and not self._restore_pays(len(hosted)):
+            hosted = []
+            self.counters["host_declined"] += 1
+        depth = (len(chain) + len(hosted)) * size
+        reused, exact, exact_hosted = depth, None, None
         for end in sorted(request.message_ends, reverse=True):
-            if reused < end <= limit and end % size and end // size <= len(chain):
-                if (exact := self.cache.lookup(history.key_at(end))) is not None:
+            if depth < end <= limit and end // size == depth // size:
+                key = history.key_at(end)
+                exact = None if hosted else self.cache.lookup(key)
+                exact_hosted = self.host.get(key) if exact is None and self.host is not None else None
+                if exact is not None or exact_hosted is not None:
                     reused = end
                     break
-        self.counters["prefix_lookups"] += 1
-        if reused == 0:
-            self.counters["prefix_misses"] += 1
-            return
-        blocks = chain[: reused // size]
+        if self.host is not None and len(chain) * size < limit:
+            self.counters["host_hits" if hosted or exact_hosted else "host_misses"] += 1
+        wanted = len(hosted) + (exact is not None or exact_hosted is not None)
         if exact is not None:
-            page = allocate(1)
-            if page is None:  # no page for the private copy: fall back to the whole blocks
-                exact, reused = None, len(blocks) * size
-            else:
-                self._copy(PageCopy(exact.page, page[0], None, request, exact))
+            self.cache.pin(exact)  # a leaf: the allocation below must not evict it
+        pages = allocate(wanted) if wanted else []
+        if exact is not None:
+            self.cache.unpin(exact, 0)
+        if pages is None:  # no pages for the restores or the private copy: the device's blocks only
+            hosted, exact, exact_hosted, pages, reused = [], None, None, [], len(chain) * size
         if reused == 0:
             self.counters["prefix_misses"] += 1
             return
+        for entry, page in zip(hosted + ([exact_hosted] if exact_hosted is not None else []), pages):
+            self._restore_page(entry, page, request)
+        if exact is not None:
+            self._copy(PageCopy(exact.page, pages[-1], None, request, exact))
         self.counters["prefix_hits"] += 1
         self.counters["reused_tokens"] += reused
-        cached = [c.page for c in blocks]
+        cached = [c.page for c in chain]
         request.cache_pages = set(cached)
-        request.pages = cached + ([page[0]] if exact is not None else [])
-        request.block_chain = list(blocks)
+        request.pages = cached + pages
+        request.block_chain = list(chain)
         request.published_ends = reused
-        self._pin(request, exact or blocks[-1])
+        if exact is not None or chain:
+            self._pin(request, exact or chain[-1])
         request.scheduled = reused
         if not request.started:
             request.cached_tokens = reused
+
+    def _restore_pays(self, pages: int) -> bool:
+        """Whether restoring `pages` from the host is expected to beat computing their tokens again (taken while
+        either is unmeasured)."""
+        if not self.page_copy_seconds:
+            return True
+        recompute = self.recompute_seconds(pages * self.page_size)
+        return recompute == 0.0 or pages * statistics.median(self.page_copy_seconds) <= recompute
+
+    def _host_run(self, keys: list[bytes]) -> list[HostEntry]:
+        """The host tier's entries of keys[0], keys[1], ... up to the first it lacks."""
+        run: list[HostEntry] = []
+        if self.host is not None:
+            for key in keys:
+                if (entry := self.host.get(key)) is None:
+                    break
+                run.append(entry)
+        return run
+
+    def _restore_page(self, entry: HostEntry, page: int, request: Request) -> None:
+        self.host.pin(entry.slot)  # until the restore is sent
+        self.pending_restores.append(Restore(entry.slot, page, request))
+        self.counters["host_restores"] += 1
+        self.counters["host_bytes_in"] += self.page_bytes
 
     def _restore(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         """A hybrid model's reuse: the deepest exact checkpoint with a snapshot that the prompt extends (a message
@@ -338,15 +442,53 @@ class PrefixReuse:
 
     @property
     def pending(self) -> bool:
-        return bool(self.pending_copies or self.pending_state)
+        return bool(self.pending_copies or self.pending_state or self.pending_spills or self.pending_restores
+                    or self.host is not None and self.host.dropped or self.disk is not None and self.disk.pending)
 
-    def planned_copies(self) -> tuple[PageCopy | StateCopy, ...]:
-        """The copies the next plan makes, page copies then state copies; they stay pending until that plan is
-        committed."""
-        return (*self.pending_copies, *self.pending_state)
+    def planned_disk(self) -> DiskWork | None:
+        """The disk tier's work for the next plan (DiskReuse); without one, what the host gave up is gone."""
+        if self.disk is not None:
+            return self.disk.planned()
+        if self.host is not None and self.host.dropped:
+            self._host_gone.extend(key for key, _ in self.host.dropped)
+            self.host.dropped = []
+        return None
 
-    def copies_committed(self, copies: tuple[PageCopy | StateCopy, ...], fence: int) -> None:
+    def awaits_load(self, request: Request) -> bool:
+        """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk."""
+        if self.disk is None or request.sampling.prompt_logprobs is not None:
+            return False
+        return self.disk.awaits_load(self._history(request), request.first_computed, request.message_ends,
+                                     self.page_size)
+
+    def tiers_completed(self, fence: int, unreadable: tuple[int, ...], failed: Plan | None = None) -> None:
+        """Steps up to `fence` completed: their disk work is done, the host slots they last used are free. A
+        `failed` step's spills and reads may not have happened: what they would have filled is given up."""
+        if self.host is None:
+            return
+        if failed is not None:
+            for _, slot in failed.spills:
+                self.host.forget(slot)
+            if failed.disk is not None:
+                unreadable = tuple(slot for _, slot in failed.disk.reads)
+        if self.disk is not None:
+            self.disk.completed(fence, unreadable)
+        self.host.completed(fence)
+
+    def planned_copies(self) -> tuple[Spill | Restore | PageCopy | StateCopy, ...]:
+        """The copies the next plan makes: spills, restores, page copies then state copies, in the order the
+        executor makes them; they stay pending until that plan is committed."""
+        return (*self.pending_spills, *self.pending_restores, *self.pending_copies, *self.pending_state)
+
+    def copies_committed(self, copies: tuple[Spill | Restore | PageCopy | StateCopy, ...], fence: int,
+                         disk: DiskWork | None = None) -> None:
         self.committed_fence = fence
+        if self.host is not None:
+            self.host.committed(fence)
+            if self.disk is not None:
+                self.disk.committed(disk, fence)
+        if self.pending_spills or self.pending_restores:
+            copies = self._tier_copies_committed(copies, fence)
         states = [c for c in copies if isinstance(c, StateCopy)]
         if states:
             self._states_committed(states, fence)
@@ -361,6 +503,19 @@ class PrefixReuse:
             if copy.source in self.held_for_copies:
                 self.held_for_copies.discard(copy.source)
                 self.pages.release([copy.source], fence)
+
+    def _tier_copies_committed(self, copies: tuple[Spill | Restore | PageCopy | StateCopy, ...],
+                               fence: int) -> tuple[PageCopy | StateCopy, ...]:
+        """Spills and restores sent with the step of `fence`: a restore's slot may be reused from now on (the
+        executor copies in order), and its pages are the reader's until that step completes. The other copies."""
+        sent = {id(c) for c in copies}
+        self.pending_spills = [c for c in self.pending_spills if id(c) not in sent]
+        self.pending_restores = [c for c in self.pending_restores if id(c) not in sent]
+        for copy in copies:
+            if isinstance(copy, Restore):
+                self.host.unpin(copy.slot)
+                copy.reader.copy_fence = max(copy.reader.copy_fence, fence)
+        return tuple(c for c in copies if not isinstance(c, (Spill, Restore)))
 
     def _states_committed(self, copies: list[StateCopy], fence: int) -> None:
         self.pending_state = [c for c in self.pending_state if c not in copies]
@@ -380,6 +535,9 @@ class PrefixReuse:
             self.pending_copies.remove(copy)
             if copy.source_checkpoint is not None:
                 self.cache.unpin(copy.source_checkpoint, request.last_fence)
+        for restore in [c for c in self.pending_restores if c.reader is request]:
+            self.pending_restores.remove(restore)  # not sent: moot now (its page is private, released below)
+            self.host.unpin(restore.slot)
         for state in [c for c in self.pending_state if c.reader is request and c.source_checkpoint is not None]:
             self.pending_state.remove(state)  # a restore not sent: moot now
             self.cache.unpin(state.source_checkpoint, request.last_fence)

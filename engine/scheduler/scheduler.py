@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from common.protocol import Logprobs
+from engine.cache.disk_tier import DiskTier
+from engine.cache.host_tier import HostTier
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
 from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
 from engine.scheduler.policy import Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price
-from engine.scheduler.prefix import PageCopy, PrefixReuse, StateCopy
+from engine.scheduler.prefix import PageCopy, PrefixReuse, Restore, Spill, StateCopy
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.results import Finished, StepResult
 
@@ -43,10 +45,12 @@ class StalePlan(ValueError):
 class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
                  prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig(),
-                 proposer: Proposer | None = None, snapshots: int | None = None, snapshot_bytes: int = 0) -> None:
+                 proposer: Proposer | None = None, snapshots: int | None = None, snapshot_bytes: int = 0,
+                 host: HostTier | None = None, page_bytes: int = 0, disk: DiskTier | None = None) -> None:
         """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step.
         `snapshots`: a hybrid model's recurrent-state snapshot rows (of `snapshot_bytes` each), which its prefix
-        reuse needs (PrefixReuse)."""
+        reuse needs (PrefixReuse). `host`: the host tier evicted checkpoints move to, `page_bytes` a page; `disk`: the
+        disk tier below it."""
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -61,7 +65,7 @@ class RequestScheduler:
         self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters, snapshots, max_active,
-                                  snapshot_bytes)
+                                  snapshot_bytes, host, page_bytes, disk)
         # The latest plan, its copies, the epoch bumps (placements, preemptions, ends) made before it was, and its
         # rows' requests: a plan whose requests no epoch bump touched since is current without looking at each.
         self._planned: tuple[Plan | None, tuple, int, list[Request]] = NOTHING_PLANNED
@@ -83,6 +87,12 @@ class RequestScheduler:
         # Prompt-token capacities of a step: page-aligned, doubling up to the chunk size.
         self._chunk_capacities = [page_size << i for i in range(32) if page_size << i < prefill_chunk_size]
         self._chunk_capacities.append(prefill_chunk_size)
+        self.prefix.recompute_seconds = self._recompute_seconds
+
+    def _recompute_seconds(self, tokens: int) -> float:
+        """What prefilling `tokens` again would take, by the learned cost of a full prefill chunk (0.0: unknown)."""
+        chunk = self.prefill_chunk_size
+        return self.costs.last_known(("prefill", chunk)) * tokens / chunk
 
     # --- intake -------------------------------------------------------------------------------------------------
     @property
@@ -188,7 +198,8 @@ class RequestScheduler:
             planned.append(request)
             budget -= length
         copies = self.prefix.planned_copies()
-        if not rows and not copies:
+        disk = self.prefix.planned_disk()
+        if not rows and not copies and disk is None:
             return None
         shape = choice.shape if choice is not None else ("copy", 0)
         if shape[0] == "verify" and not drafts:  # no proposal came: a plain decode step after all
@@ -198,7 +209,9 @@ class RequestScheduler:
             else "prefill"
         plan = Plan.of_kind(kind, tuple(rows), shape=shape,
                             copies=tuple((c.source, c.destination) for c in copies if isinstance(c, PageCopy)),
-                            state_copies=tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)))
+                            state_copies=tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)),
+                            spills=tuple((c.page, c.slot) for c in copies if isinstance(c, Spill)),
+                            restores=tuple((c.slot, c.page) for c in copies if isinstance(c, Restore)), disk=disk)
         self._planned = (plan, copies, self._epoch_bumps, planned)
         return plan
 
@@ -323,7 +336,7 @@ class RequestScheduler:
                     raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
         # (Each row's request is the one planned: a slot's request with the row's generation is that placement.)
         self._planned = NOTHING_PLANNED
-        self.prefix.copies_committed(copies, fence)
+        self.prefix.copies_committed(copies, fence, plan.disk)
         if type(rows) is DecodeRows:
             cohort = self._cohort
             if cohort is not None and cohort.requests is requests:
@@ -363,7 +376,8 @@ class RequestScheduler:
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL] if self._prefilling else []
         running.sort(key=lambda r: r.arrival)
-        while self.waiting and None in self.slots and not self.prefix.awaits_snapshot(self.waiting[0]):
+        while self.waiting and None in self.slots and not self.prefix.awaits_snapshot(self.waiting[0]) and \
+                not self.prefix.awaits_load(self.waiting[0]):
             request = self.waiting.popleft()
             self._place(request)
             running.append(request)
@@ -480,12 +494,15 @@ class RequestScheduler:
             steady.popleft()
         cohort = steady.popleft() if steady and steady[0][1] is plan.rows else None
         self._completed_fence = fence
+        if completion.tier_seconds:
+            self.prefix.page_copy_seconds.append(completion.tier_seconds / (len(plan.spills) + len(plan.restores)))
         if error is None and plan.rows:
             self.costs.observe(plan.shape, completion.duration)
             if self.speculation is not None:
                 self.speculation.earn(completion.duration)
         self.pages.advance_completed(fence)
         self.prefix.advance_completed(fence)
+        self.prefix.tiers_completed(fence, completion.unreadable, plan if error is not None else None)
         result = StepResult()
         if error is None and plan.kind != "verify":
             ending = self._complete_steady(cohort, completion, fence, result) if cohort is not None else \

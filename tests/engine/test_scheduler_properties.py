@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from common.protocol import SamplingParams
+from engine.cache.disk_tier import DiskTier
+from engine.cache.host_tier import HostTier
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import RequestScheduler, StalePlan
@@ -69,6 +71,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.last_use[page] = self.fence
         for src, dst in plan.copies:
             self.last_use[src] = self.last_use[dst] = self.fence
+        for _, dst in plan.restores:  # (a spill reads a page before anything this step or later writes it)
+            self.last_use[dst] = self.fence
         self.in_flight.append((self.fence, plan))
 
     @precondition(lambda self: self.in_flight)
@@ -81,7 +85,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         accepted = tuple(self.random.randint(0, len(r.draft)) for r in sampled) if plan.kind == "verify" else ()
         # Durations grow with the step's tokens, so a verify round is not always worth its cost (or its bubble).
         completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled), tokens,
-                                0.001 * (4 + plan.num_tokens), accepted=accepted)
+                                0.001 * (4 + plan.num_tokens), accepted=accepted, unreadable=self.unreadable(plan))
         self.scheduler.complete(completion, plan)
         self.completed = fence
         for row in plan.rows:
@@ -89,6 +93,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             if row.draft and request is not None and request.generation == row.generation and \
                     not self.scheduler.in_flight(request):
                 assert len(request.pages) <= -(-len(request.tokens) // PAGE)  # rejected positions' pages went back
+
+    def unreadable(self, plan: Plan) -> tuple[int, ...]:
+        """The host slots of the plan's disk reads whose files the executor found unreadable."""
+        return ()
 
     @rule(steps=st.integers(1, 8))
     def advance(self, steps: int) -> None:
@@ -166,6 +174,49 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert checkpoint.pins == expected[checkpoint.id]
 
 
+class HostTierSchedulerMachine(SchedulerMachine):
+    """The same rules with a host tier that evicted checkpoints move to and requests restore from, and a disk tier
+    below it whose files are now and then unreadable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, host=HostTier(12), disk=DiskTier(10, []))
+        self.announced: set[bytes] = set()  # what a frontend's routing index holds after the announcements
+
+    def unreadable(self, plan: Plan) -> tuple[int, ...]:
+        return tuple(slot for _, slot in plan.disk.reads if self.random.random() < 0.2) if plan.disk else ()
+
+    @invariant()
+    def every_host_slot_in_exactly_one_place(self) -> None:
+        host, disk = self.scheduler.prefix.host, self.scheduler.prefix.disk
+        places = host._free + host._dropping + [slot for _, slot in host._retiring]
+        places += [entry.slot for entry in host._entries.values()] + [slot for slot, _ in disk._loading.values()]
+        assert sorted(places) == list(range(host.slots)), places
+
+    @rule(pages=st.integers(1, PAGES))
+    def evict_cached(self, pages: int) -> None:
+        """Evict whatever the cache may give up, free pages or not: later prompts find those blocks on the host."""
+        prefix = self.scheduler.prefix
+        prefix._retire(prefix.cache.evict(pages))
+
+    @invariant()
+    def host_slots_are_pinned_by_pending_restores_only(self) -> None:
+        prefix = self.scheduler.prefix
+        assert prefix.host._pins == Counter(r.slot for r in prefix.pending_restores)
+        assert all(r.reader.phase is not Phase.FINISHED and r.page in r.reader.pages for r in prefix.pending_restores)
+        slots = [entry.slot for entry in prefix.host._entries.values()]
+        assert len(slots) == len(set(slots))
+
+    @invariant()
+    def announcements_count_both_tiers(self) -> None:
+        prefix = self.scheduler.prefix
+        stored, hosted, evicted = prefix.take_journal()
+        self.announced.update(stored)
+        self.announced.update(hosted)
+        self.announced.difference_update(evicted)
+        assert self.announced == set(prefix.cache.ready_keys()) | set(prefix.host.keys()) | prefix.disk.held()
+
+
 class RandomProposer:
     """Drafts of random tokens (the stop id among them), as deep as asked."""
 
@@ -195,3 +246,6 @@ test_scheduler_state_machine = SchedulerMachine.TestCase
 SpeculativeSchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
                                                          derandomize=True)
 test_speculative_scheduler_state_machine = SpeculativeSchedulerMachine.TestCase
+HostTierSchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                                      derandomize=True)
+test_host_tier_scheduler_state_machine = HostTierSchedulerMachine.TestCase

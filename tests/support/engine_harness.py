@@ -10,7 +10,9 @@ import numpy as np
 import torch
 
 from common.protocol import SamplingParams
-from engine.executor.eager import EagerExecutor
+from engine.cache.host_tier import HostTier
+from engine.executor.factory import make_executor
+from engine.executor.tier_copies import host_slot_bytes
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT
@@ -60,14 +62,17 @@ def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> Causa
 class Harness:
     def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
                  chunk: int = 48, proposer: object = None, snapshots: int | None = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", host_slots: int = 0, graphs: bool = False) -> None:
         """`snapshots`: a hybrid model's snapshot rows (None: as many as the engine would keep; 0: none); `device`:
-        the model's."""
+        the model's; `host_slots`: a host tier's pages; `graphs`: the graph executor (on a GPU)."""
         if snapshots is None and model.config.hybrid:
             snapshots = SNAPSHOTS_PER_SLOT * max_active
-        self.executor = EagerExecutor(model, num_pages, page_size, max_active, torch.device(device), snapshots or 0)
+        self.executor = make_executor(model, num_pages, page_size, max_active, torch.device(device), 512, chunk,
+                                      graphs, snapshots or 0, host_slots)
+        dtype = model.model.embed_tokens.weight.dtype
         self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer,
-                                          snapshots=snapshots)
+                                          snapshots=snapshots, host=HostTier(host_slots) if host_slots else None,
+                                          page_bytes=host_slot_bytes(model.config, page_size, dtype))
         self._ids = itertools.count()
         self.steps = 0
 

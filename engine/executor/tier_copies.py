@@ -1,0 +1,87 @@
+"""HostPages: the host tier's memory, and the spills and restores a plan names (docs/design.md, Host retention).
+
+A slot holds one KV page of every layer, contiguous ([layers, 2, page_size, kv_heads, head_dim]), so that a slot is
+one block of bytes to move. On a GPU the slots are pinned and the copies run on the copy stream: behind what the model
+stream has queued so far (the step that last used the pages), and ahead of the step's forward, which waits for them.
+Spills go first: an evicted page may be handed out by the very step whose forward writes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.cache import disk_files
+from engine.model.config import DecoderConfig
+from engine.scheduler.plan import DiskWork
+
+log = logging.getLogger("flare.engine")
+
+
+def slot_shape(config: DecoderConfig, page_size: int) -> tuple[int, ...]:
+    """A host slot: one page of every layer's K and V (the KV cache's layout, engine/executor/eager.py, one page)."""
+    return len(config.kv_layers), 2, page_size, config.num_kv_heads, config.head_dim
+
+
+def host_slot_bytes(config: DecoderConfig, page_size: int, dtype: torch.dtype) -> int:
+    return torch.Size(slot_shape(config, page_size)).numel() * dtype.itemsize
+
+
+class HostPages:
+    def __init__(self, config: DecoderConfig, slots: int, page_size: int, dtype: torch.dtype, pinned: bool,
+                 disk: tuple[Path, bytes] | None = None) -> None:
+        """`disk`: the disk tier's directory and the core's cache identity, which its files carry."""
+        self.page_size = page_size
+        self.slots = torch.empty((slots, *slot_shape(config, page_size)), dtype=dtype, pin_memory=pinned)
+        self.directory = disk[0] if disk is not None else None
+        self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size)) if disk else None
+
+    def disk_work(self, work: DiskWork) -> tuple[int, ...]:
+        """Writes, reads and deletions of the disk tier's files, once the step's copies are done (the caller waits
+        for them); the slots of the reads that found no servable file, each logged."""
+        for slot, key, length in work.writes:
+            try:
+                disk_files.write(self.directory, key, length, self.layout, self._bytes(slot))
+            except OSError as exc:
+                log.warning("disk cache: writing %s failed: %s", disk_files.file_name(key), exc)
+        unreadable = []
+        for key, slot in work.reads:
+            try:
+                self._bytes(slot)[:] = disk_files.read(self.directory, key, self.layout)
+            except disk_files.UnreadableFile as exc:
+                log.warning("disk cache: skipping %s: %s", disk_files.file_name(key), exc)
+                unreadable.append(slot)
+        for key in work.erasures + tuple(key for key, slot in work.reads if slot in unreadable):
+            (self.directory / disk_files.file_name(key)).unlink(missing_ok=True)
+        return tuple(unreadable)
+
+    def _bytes(self, slot: int) -> memoryview:
+        return memoryview(self.slots[slot].view(torch.uint8).numpy()).cast("B")
+
+    def copy(self, kv_cache: torch.Tensor, spills: tuple[tuple[int, int], ...],
+             restores: tuple[tuple[int, int], ...], stream: torch.cuda.Stream | None = None
+             ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """Spills (device page, host slot), then restores (host slot, device page); on `stream` when given, ordered
+        after the current stream's work so far and before its next, between the two timing events returned."""
+        if stream is None:
+            self._copy(kv_cache, spills, restores)
+            return None
+        current = torch.cuda.current_stream(kv_cache.device)
+        stream.wait_stream(current)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            self._copy(kv_cache, spills, restores)
+            end.record(stream)
+        current.wait_stream(stream)
+        return start, end
+
+    def _copy(self, kv_cache: torch.Tensor, spills: tuple[tuple[int, int], ...],
+              restores: tuple[tuple[int, int], ...]) -> None:
+        size, async_ = self.page_size, kv_cache.is_cuda
+        for page, slot in spills:
+            self.slots[slot].copy_(kv_cache[:, :, page * size:(page + 1) * size], non_blocking=async_)
+        for slot, page in restores:
+            kv_cache[:, :, page * size:(page + 1) * size].copy_(self.slots[slot], non_blocking=async_)

@@ -1,0 +1,44 @@
+"""The host tier through the real scheduler and executor (tests/support/engine_harness.py): a conversation whose pages
+were evicted to the host continues from its restored pages with the tokens a cache that never evicted it gives; on a
+GPU through the graph executor, its spills and restores on the copy stream into pinned memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.engine_harness import Harness, tiny_model
+
+PAGE = 16
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    torch.manual_seed(seed)
+    return torch.randint(0, 300, (length,)).tolist()
+
+
+def generate(harness: Harness, tokens: list[int], max_tokens: int = 6) -> tuple[int, list[int]]:
+    request = harness.add(tokens, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    harness.run()
+    return request.cached_tokens, request.tokens[len(tokens):]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_conversation_evicted_to_the_host_continues_as_if_never_evicted(device: str) -> None:
+    model = tiny_model().to(device)
+    first = prompt(100, seed=1)
+    small = Harness(model, num_pages=16, page_size=PAGE, host_slots=32, graphs=True, device=device)
+    _, reply = generate(small, first)
+    for seed in range(2, 6):  # 7 pages each through a cache of 16: the first conversation's pages leave
+        generate(small, prompt(100, seed))
+    second = first + reply + prompt(20, seed=9)
+    cached, tokens = generate(small, second)
+    counters = small.scheduler.counters
+    small.close()
+    fresh = Harness(model, num_pages=64, page_size=PAGE, device=device)
+    expected_cached, expected = generate(fresh, second)
+    fresh.close()
+    assert counters["host_spills"] > 0 and counters["host_restores"] >= len(first) // PAGE
+    assert expected_cached == 0 and cached >= len(first) // PAGE * PAGE
+    assert tokens == expected
