@@ -84,7 +84,8 @@ run: install core
 
 test: install core browser
 	@# The slowest tests are listed at the end, to keep the suite within its time (CI: 2 cores, a fresh clone).
-	@# Two workers run everything but the command-line and terminal tests (tests/common), whose dashboard on a
-	@# pseudo-terminal two workers would squeeze past its deadline: those run one at a time after.
-	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q -n 2 --durations=25 --ignore=tests/common tests
-	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q --durations=10 tests/common
+	@# Kernel and engine tests are mostly CPU-bound (the Triton interpreter, in-process engines): two workers run them.
+	@# The rest drive real servers and terminals, whose timing two workers would squeeze: one at a time.
+	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q -n 2 --durations=15 tests/kernels tests/engine
+	FLARE_CORE=$(CORE) FLARE_FP32_CORE=$(FP32_CORE) $(BIN)/python -m pytest -q --durations=25 \
+	  --ignore=tests/kernels --ignore=tests/engine
