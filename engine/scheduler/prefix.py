@@ -275,7 +275,10 @@ class PrefixReuse:
         exact = None
         for depth in range(len(chain), -1, -1):
             for end in self.cache.exact_ends(chain[depth - 1] if depth else None):
-                if end <= limit and (found := self.cache.lookup(history.key_at(end))) is not None:
+                # At a block's end the key names the block's own checkpoint too, which holds a snapshot only when
+                # an endpoint fell there: one without is no place to continue a recurrent state from.
+                found = self.cache.lookup(history.key_at(end)) if end <= limit else None
+                if found is not None and found.snapshot is not None:
                     exact = found
                     break
             if exact is not None:
