@@ -29,6 +29,8 @@ from common.links import LinkKeyError, exposure_problem, load_keys, private_ipc_
 from common.manifest import Manifest, load_manifest
 from common.ranks import RANK_GRACE, engine_commands, engine_names, first_failure, replica_gpus, settle
 
+SYSTEM_ALLOCATOR = {"PYTHONMALLOC": "malloc"}  # for frontends: frontend/heap.py says why
+
 READY_TIMEOUT = 600.0
 FRONTEND_DRAIN = 5.0
 
@@ -195,8 +197,9 @@ def serve(args: argparse.Namespace, manifest: Manifest, gpus: list[str | None], 
             frontend_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.allowed_media_domains:
         frontend_args += ["--allowed-media-domains", *args.allowed_media_domains]
-    # The key travels in the environment, never on a command line (common/api_keys.py).
-    frontends = {f"frontend {i}": spawn(frontend_args, output, key_environment(key))
+    # The key travels in the environment, never on a command line (common/api_keys.py); frontends run on the C
+    # library's allocator (frontend/heap.py).
+    frontends = {f"frontend {i}": spawn(frontend_args, output, {**key_environment(key), **SYSTEM_ALLOCATOR})
                  for i in range(args.frontends)}
     stop = False
 

@@ -21,6 +21,7 @@ from frontend.api import (anthropic_messages, decisions, embeddings, models, oll
                           openai_chat, openai_completions, openai_responses, tokenize)
 from frontend.chat.grammar_check import VALIDATOR
 from frontend.decisions.prompts import Decider
+from frontend.heap import use_system_allocator
 from frontend.images.decode import ImageLimits
 from frontend.limits import BODY_TIMEOUT, HEADER_TIMEOUT
 from frontend.metrics import EngineSnapshots, frontend_gauges, serve_metrics
@@ -121,6 +122,8 @@ async def serve(args: argparse.Namespace, key: str | None, link_keys: LinkKeys |
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # started as a program: on the allocator whose freed pages go back (frontend/heap.py)
+        use_system_allocator("frontend.main")
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s frontend %(levelname)s %(message)s")
     try:

@@ -1,5 +1,5 @@
-"""The hybrid models' kernels (engine/kernels/triton/short_conv.py, gated_delta_rule.py, state_copy.py, and the gated
-attention's kv_store.py) against their torch references (the layer's own ops): on the GPU at Qwen3.5's shapes when
+"""The hybrid models' kernels (engine/kernels/triton/short_conv.py, gated_delta_rule.py, state_copy.py, the gated
+RMSNorm of rmsnorm.py, and the gated attention's kv_store.py) against their torch references (the layer's own ops): on the GPU at Qwen3.5's shapes when
 there is one, otherwise under TRITON_INTERPRET=1 on the CPU at small ones (float16 stands in for bfloat16).
 
 Every step mixes what a captured graph hands the kernels: prefill spans of lengths that are not multiples of the
@@ -18,8 +18,10 @@ pytest.importorskip("triton")
 
 from engine.kernels.triton.gated_delta_rule import gated_delta_rule, gated_delta_rule_reference  # noqa: E402
 from engine.kernels.triton.kv_store import store_kv, store_kv_reference  # noqa: E402
+from engine.kernels.triton.rmsnorm import gated_rms_norm  # noqa: E402
 from engine.kernels.triton.short_conv import short_conv, short_conv_reference  # noqa: E402
 from engine.kernels.triton.state_copy import copy_state_rows, copy_state_rows_reference  # noqa: E402
+from engine.model.linear_attention import GatedRMSNorm  # noqa: E402
 from tests.kernels.test_triton_kernels import relative_error  # noqa: E402
 
 pytestmark = [pytest.mark.gpu] if GPU else []
@@ -136,3 +138,18 @@ def test_store_kv_writes_live_slots_only() -> None:
     store_kv_reference(k, v, slot_mapping, expected[0], expected[1])
     store_kv(k, v, slot_mapping, cache[0], cache[1])
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_matches_the_layers_norm(dtype: torch.dtype) -> None:
+    _, heads, _, dv = SHAPE
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(9, heads, dv, generator=g).to(dtype).to(DEVICE)
+    product = torch.randn(9, heads * dv + 24, generator=g).to(dtype).to(DEVICE)
+    gate = product[:, 16:16 + heads * dv]  # a column slice of the fused input product
+    norm = GatedRMSNorm(dv, 1e-6).to(dtype).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(dv, generator=g) / 4)
+        expected = norm(x, gate.reshape(x.shape)).flatten(1)
+    out = gated_rms_norm(x, gate, norm.weight, norm.eps)
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -1,11 +1,13 @@
 """A hybrid model (Gated DeltaNet beside gated attention) on a GPU, against the attention-only model of its width,
 printed as tables: decode step times, prefill throughput, and a second turn restored from a snapshot.
 
-    python -m bench.lab.gpu.hybrid [--out FILE] [--only decode prefill restore] [--layers 8]
+    python -m bench.lab.gpu.hybrid [--out FILE] [--only decode prefill restore] [--layers 8] [--pair qwen3.5]
 
-Models have the shapes of `ignition synth` presets with random bf16 weights made on the GPU (bench.lab.gpu.families):
-Qwen3.5-9B (three linear-attention layers in four) and Qwen3-8B (the same hidden and MLP sizes, attention only),
-both cut to --layers decoder layers.
+Models have the shapes of `ignition synth` presets with random bf16 weights made on the GPU (bench.lab.gpu.families),
+both cut to --layers decoder layers; --pair picks the hybrid and the attention-only model of its width:
+- qwen3.5: Qwen3.5-9B (three linear-attention layers in four) against Qwen3-8B (the same hidden and MLP sizes);
+- qwen3-next: Qwen3-Next-80B-A3B (hidden 2048, 512 experts, 10 routed a token and a shared one) against
+  Qwen3-30B-A3B (hidden 2048, 128 experts, 8 routed a token).
 - decode: graph (and eager) step time at batch 1, 64 and 256 over a 512-token context, and the bytes a step reads:
   weights, KV cache, and the hybrid's recurrent-state rows (read and written once per step).
 - prefill: one prompt of 4,096 and of 32,768 tokens, graph steps of 8,192 tokens: time to its first token, tok/s.
@@ -32,7 +34,7 @@ from engine.model.recurrent_state import RecurrentState
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 
-HYBRID, ATTENTION = "qwen3.5-9b", "qwen3-8b"
+PAIRS = {"qwen3.5": ("qwen3.5-9b", "qwen3-8b"), "qwen3-next": ("qwen3-next-80b-a3b", "qwen3-30b-a3b")}
 BATCHES = [1, 64, 256]
 PREFILLS = [4096, 32768]
 STEP_TOKENS = 8192
@@ -40,13 +42,13 @@ CONTEXT_LIMIT = 32768 + 1024
 FIRST_TURN, MORE = 4000, 200
 
 
-def decode(layers: int) -> None:
-    say(f"## Decode step time, {HYBRID} vs {ATTENTION} ({layers} layers each, bf16, context {CONTEXT} tokens per "
+def decode(pair: tuple[str, str], layers: int) -> None:
+    say(f"## Decode step time, {pair[0]} vs {pair[1]} ({layers} layers each, bf16, context {CONTEXT} tokens per "
         "sequence)")
     say("| model | batch | eager ms/step | graph ms/step (wall) | graph ms/step (GPU) | tokens/s (graph) | "
         "MB read a step | of which state rows |")
     say("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for preset in (HYBRID, ATTENTION):
+    for preset in pair:
         manifest, model = preset_model(preset, layers)
         c = model.config
         times = step_times(model, manifest, BATCHES, steps=30)
@@ -91,11 +93,11 @@ def prompt_of(length: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab - 8, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def prefill(layers: int) -> None:
+def prefill(pair: tuple[str, str], layers: int) -> None:
     say(f"## Prefill of one prompt, graphs, steps of {STEP_TOKENS} tokens ({layers} layers each, bf16)")
     say("| model | prompt tokens | time to first token ms | prompt tok/s |")
     say("| --- | --- | --- | --- |")
-    for preset in (HYBRID, ATTENTION):
+    for preset in pair:
         manifest, model = preset_model(preset, layers, context_limit=CONTEXT_LIMIT)
         page_size = manifest.capacities.page_size
         pages = -(-CONTEXT_LIMIT // page_size) + 8
@@ -114,8 +116,9 @@ def prefill(layers: int) -> None:
     say()
 
 
-def restore(layers: int) -> None:
-    manifest, model = preset_model(HYBRID, layers, context_limit=CONTEXT_LIMIT)
+def restore(pair: tuple[str, str], layers: int) -> None:
+    hybrid = pair[0]
+    manifest, model = preset_model(hybrid, layers, context_limit=CONTEXT_LIMIT)
     c, page_size = model.config, manifest.capacities.page_size
     row = RecurrentState.row_bytes(c, torch.bfloat16)
     snapshots, pages = 8, 4 * -(-(FIRST_TURN + 2 * MORE) // page_size) + 16
@@ -127,7 +130,7 @@ def restore(layers: int) -> None:
     restored, request = first_token_seconds(executor, scheduler, second)
     cold, cold_request = first_token_seconds(executor, scheduler, prompt_of(len(second), 3, c.vocab_size))
     executor.close()
-    say(f"## Second turn of {len(second)} tokens, {HYBRID} ({layers} layers, bf16, graphs): restored from the first "
+    say(f"## Second turn of {len(second)} tokens, {hybrid} ({layers} layers, bf16, graphs): restored from the first "
         f"turn's snapshot vs cold")
     say("| turn | cached tokens | time to first token ms |")
     say("| --- | --- | --- |")
@@ -144,10 +147,12 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=["decode", "prefill", "restore"],
                         choices=("decode", "prefill", "restore"))
     parser.add_argument("--layers", type=int, default=8, help="decoder layers of each model (default 8)")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="qwen3.5")
     args = parser.parse_args()
+    pair = PAIRS[args.pair]
     say(f"# GPU evidence, hybrid models: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    sections = {"decode": lambda: decode(args.layers), "prefill": lambda: prefill(args.layers),
-                "restore": lambda: restore(args.layers)}
+    sections = {"decode": lambda: decode(pair, args.layers), "prefill": lambda: prefill(pair, args.layers),
+                "restore": lambda: restore(pair, args.layers)}
     run_sections(sections, args.only, args.out)
     return 0
 

@@ -48,3 +48,35 @@ def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor | None, weigh
     x32 = summed.float()
     normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight * normed, summed
+
+
+@triton.jit
+def _gated_rms_norm(x_ptr, gate_ptr, w_ptr, out_ptr, eps, stride_g, HEADS: tl.constexpr, SIZE: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)
+    c = tl.arange(0, BLOCK)
+    mask = (h < HEADS)[:, None] & (c < SIZE)[None, :]
+    at = h[:, None] * SIZE + c[None, :]
+    x = tl.load(x_ptr + row * HEADS * SIZE + at, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 1) / SIZE + eps)
+    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < SIZE, other=0.0).to(tl.float32)
+    scaled = (w[None, :] * normed).to(x_ptr.dtype.element_ty).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_g + at, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * HEADS * SIZE + at, (scaled * gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A linear-attention layer's output norm (engine/model/linear_attention.py, GatedRMSNorm) in one pass: x [T, H, D]
+    contiguous, each head normalised, times the weight [D] and SiLU of gate [T, H * D] (rows may be strided: a column
+    slice of the fused input product) -> [T, H * D] in x's dtype."""
+    tokens, heads, size = x.shape
+    assert x.is_contiguous() and gate.stride(1) == 1
+    out = torch.empty(tokens, heads * size, dtype=x.dtype, device=x.device)
+    _gated_rms_norm[(tokens,)](x, gate, weight, out, eps, gate.stride(0), HEADS=heads, SIZE=size,
+                               BLOCK_H=triton.next_power_of_2(heads), BLOCK=triton.next_power_of_2(size),
+                               num_warps=4 if heads * size <= 2048 else 8)
+    return out

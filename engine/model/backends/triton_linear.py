@@ -1,7 +1,8 @@
 """A hybrid model's Gated DeltaNet layer on the kernel path (docs/design.md, Hybrid models: linear attention and
 recurrent state): its four input projections as one product, the short conv and the gated delta rule as Triton
 kernels over the step's sequences (engine/kernels/triton/short_conv.py, gated_delta_rule.py), reading and advancing
-the state rows KernelMetadata.recurrent names, then the gated RMSNorm and the output projection. A decode step runs
+the state rows KernelMetadata.recurrent names, then the gated RMSNorm (one kernel, rmsnorm.py) and the output
+projection. A decode step runs
 the recurrent form; a step with prefill spans runs the chunked form over every sequence, its decode rows one-token
 sequences, as a captured extend graph does. Nothing waits for the host, so CUDA graphs capture it.
 """
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from engine.kernels.triton.gated_delta_rule import gated_delta_rule
+from engine.kernels.triton.rmsnorm import gated_rms_norm
 from engine.kernels.triton.short_conv import short_conv
 from engine.model.attention import KernelMetadata
 from engine.model.decoder import fuse_linears
@@ -52,4 +54,4 @@ def linear_attention(layer: GatedDeltaNet, inputs: nn.Module, x: torch.Tensor, m
         out = gated_delta_rule(mixed, a, b, layer.A_log, layer.dt_bias, delta_state, rec.rows, e.query_start,
                                e.query_len, rec.past, shape.num_key_heads)
     out = out.view(-1, heads, shape.value_head_dim)
-    return layer.out_proj(layer.norm(out, z.reshape(out.shape)).flatten(1))
+    return layer.out_proj(gated_rms_norm(out, z, layer.norm.weight, layer.norm.eps))
