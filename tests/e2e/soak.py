@@ -6,8 +6,10 @@ Traffic, from several client threads at once: chat and completions (streamed and
 a few chunks, requests cancelled by a short client timeout, long prompts (half the context), and every minute an
 overload burst of many concurrent requests (429s and 503s expected there and only there).
 Checks at the end (each printed; exit status 1 if any fails):
-- RSS of every engine and frontend process grew less than 5% between the end of the warm-up (with --attack: once
-  every attack kind has run) and the end;
+- RSS of every engine and frontend process at the end is less than 5% above its highest sample during the warm-up
+  (samples every few seconds; with --attack the warm-up lasts until every attack kind has run once). Between
+  samples a frontend's RSS moves by several percent with whatever it parsed last (a body of 500,000 stop strings
+  and a burst of small requests leave its heaps differently full): a leak grows past that band, noise stays in it;
 - every slot and page is back: no live, pending or retiring requests or pages, and free + cached pages as at start;
 - no 5xx outside the bursts;
 - the engines' counters add up to what the clients saw: admissions = completions + cancellations + failures, and
@@ -39,6 +41,7 @@ from tests.e2e.attacker import BODY_LIMIT, BODY_TIMEOUT, Attacker, report
 from tests.support.servers import Server
 
 WARMUP_SECONDS = 60.0
+WARMUP_SAMPLE_SECONDS = 5.0
 BURST_EVERY = 60.0
 BURST_SIZE = 96
 API_KEY = "soak-key"
@@ -177,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             threads.append(threading.Thread(target=attacker.run, args=(until,)))
         for thread in threads:
             thread.start()
-        time.sleep(min(WARMUP_SECONDS, args.minutes * 30))
-        if attacker is not None:
-            # Memory a frontend holds after its largest concurrent bodies is a high-water mark, not growth: the
-            # warm-up lasts until every attack kind has run once.
-            attacker.cycled.wait(timeout=max(0.0, until - time.monotonic()))
         warm = rss(server)
-        trace = [warm]  # a sample a minute: whether growth levels off, not only how much there was
+        warm_until = time.monotonic() + min(WARMUP_SECONDS, args.minutes * 30)
+        while time.monotonic() < warm_until or (attacker is not None and not attacker.cycled.is_set()
+                                                 and time.monotonic() < until):
+            time.sleep(WARMUP_SAMPLE_SECONDS)
+            warm = {name: max(size, warm.get(name, 0)) for name, size in rss(server).items()}
+        trace = [rss(server)]  # a sample a minute: whether growth levels off, not only how much there was
         for thread in threads:
             while thread.is_alive():
                 thread.join(timeout=60.0)
@@ -202,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     completed = end["flare_engine_completions_total"] - start["flare_engine_completions_total"]
     finished = sum(v for k, v in tally.counts.items() if k.endswith(": finished"))
     checks = {
-        f"RSS growth after warm-up < 5% (max {growth[largest]:.1%}, {largest} "
+        f"RSS at the end < 5% over the warm-up's highest (max {growth[largest]:.1%}, {largest} "
         f"{warm[largest] >> 20} -> {final[largest] >> 20} MiB, over {len(growth)} processes)":
             max(growth.values()) < 0.05,
         f"slots and pages back (live+pending+retiring {settled:.0f}; pages "
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
     print(f"client outcomes: {dict(sorted(tally.counts.items()))}")
     for name in sorted(warm, key=lambda n: -growth.get(n, 0))[:3]:
-        print(f"RSS MiB of {name}, a sample a minute from the warm-up's end: "
+        print(f"RSS MiB of {name}: highest in the warm-up {warm[name] >> 20}; a sample a minute from its end: "
               f"{' '.join(str(sample[name] >> 20) for sample in trace if name in sample)}")
     for text, ok in checks.items():
         print(f"{'ok  ' if ok else 'FAIL'} {text}")
