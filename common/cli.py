@@ -12,20 +12,18 @@ from pathlib import Path
 
 from common.api_keys import add_api_key_flags
 from common.chat_terminal import add_parser, chat
+from common.engine_flags import add_engine_flags
 from common.links import LinkKeyError, add_link_flags, load_keys, write_keys
 from common.manifest import POOLING_MODES
 from common.supervisor import run
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="flare", description="Flare: serve a core over HTTP.")
-    commands = parser.add_subparsers(dest="command", required=True)
+def add_run_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     run_parser = commands.add_parser("run", help="start the engine and frontends for a core")
     run_parser.add_argument("core", type=Path)
     run_parser.add_argument("--frontends", type=int, default=1)
     run_parser.add_argument("--host", default="127.0.0.1")
     run_parser.add_argument("--port", type=int, default=8000)
-    run_parser.add_argument("--device", help="cpu or cuda (default: the engine's choice)")
     run_parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one engine process each")
     run_parser.add_argument("--replicas", type=int, default=1,
                             help="engine groups of --tp ranks each, on their own GPUs; frontends route between them")
@@ -55,30 +53,14 @@ def main(argv: list[str] | None = None) -> None:
                             help="serve /v1/embeddings from any decoder core: its final hidden states pooled by the "
                                  "last token or the mean, L2-normalised (an embedding core needs none: its manifest "
                                  "says how)")
-    engine_group = run_parser.add_argument_group("engine capacities (default: sized from the device's memory on a "
-                                                 "GPU, the core's recipe on the CPU)")
-    engine_group.add_argument("--max-active", type=int, help="live request slots per engine")
-    engine_group.add_argument("--max-batched-tokens", type=int,
-                              help="prompt tokens one step may carry (default: the core's chunk on the CPU, "
-                                   "2048-8192 by memory on a GPU)")
-    engine_group.add_argument("--kv-cache-bytes", type=int, help="KV cache size in bytes")
-    engine_group.add_argument("--host-cache-bytes", type=int,
-                              help="host memory that prefix checkpoints evicted from the KV cache move to "
-                                   "(default: a quarter of the available memory on a GPU machine, 0 on the CPU)")
-    engine_group.add_argument("--disk-cache", type=Path,
-                              help="DIR that pages the host tier gives up move to, reused after a restart with the "
-                                   "same core (needs a host tier)")
-    engine_group.add_argument("--disk-cache-bytes", type=int, help="the disk tier's budget (default: half the free "
-                                                                   "space of --disk-cache)")
-    engine_group.add_argument("--kv-cache-fraction", type=float,
-                              help="on a GPU: the share of its memory that weights, KV cache and graphs may use")
-    engine_group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="override the core's dtype")
-    engine_group.add_argument("--eager", action="store_true", help="on a GPU, run eagerly instead of in graphs")
-    engine_group.add_argument("--speculative", choices=("auto", "ngram", "draft", "off"),
-                            help="speculative decoding: ngram (copy proposals), draft (the --draft model), off; "
-                                 "default auto: draft with --draft, else ngram")
-    engine_group.add_argument("--draft", type=Path, help="DRAFT_CORE: a smaller core with the same tokenizer that "
-                                                       "proposes drafts")
+    add_engine_flags(run_parser, "engine flags (each engine rank receives them)")
+    return run_parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="flare", description="Flare: serve a core over HTTP.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_run_parser(commands)
     dashboard_parser = commands.add_parser("dashboard", help="watch a running engine in the terminal")
     dashboard_parser.add_argument("--engine", required=True,
                                   help="the engine's request address, as given to flare-engine --listen")

@@ -34,11 +34,10 @@ def free_port(low: int = 10000, high: int = 20000) -> int:
             return port
 
 
-def engine_commands(core: Path, address: str, world_size: int, device: str | None,
-                    extra: list[str] = ()) -> list[list[str]]:
-    """Module and arguments of each rank; rank 0 serves the frontends at `address`. `extra` (capacities, dtype)
-    goes to every rank, which must all agree on them."""
-    common = ["--core", str(core)] + (["--device", device] if device else []) + list(extra)
+def engine_commands(core: Path, address: str, world_size: int, extra: list[str] = ()) -> list[list[str]]:
+    """Module and arguments of each rank; rank 0 serves the frontends at `address`. `extra` (device, capacities,
+    dtype) goes to every rank, which must all agree on them."""
+    common = ["--core", str(core), *extra]
     if world_size == 1:
         return [["engine.main", "--rank", "0", "--listen", address, *common]]
     group = ["--world-size", str(world_size), "--dist-address", f"127.0.0.1:{free_port()}",

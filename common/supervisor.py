@@ -24,6 +24,7 @@ from pathlib import Path
 
 from common.api_keys import ApiKeyError, api_key, key_environment
 from common.dashboard.relay import OutputRelay
+from common.engine_flags import forwarded_engine_flags
 from common.errors import CoreError
 from common.links import LinkKeyError, exposure_problem, load_keys, private_ipc_directory
 from common.manifest import Manifest, load_manifest
@@ -86,15 +87,9 @@ def stop_all(frontends: list[subprocess.Popen], replicas: list["Replica"]) -> No
             engine.kill()
 
 
-# `flare run` flags that every engine rank receives as they are.
-ENGINE_FLAGS = ("max_active", "max_batched_tokens", "kv_cache_bytes", "kv_cache_fraction", "host_cache_bytes",
-                "disk_cache", "disk_cache_bytes", "dtype", "speculative", "draft")
-
-
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in ENGINE_FLAGS
-             if getattr(args, name) is not None]
-    return flags + (["--eager"] if args.eager else []) + link_keys_flag(args) + \
+    """What every engine rank receives as given: the engine flags (common/engine_flags.py) and the link's."""
+    return forwarded_engine_flags(args) + link_keys_flag(args) + \
         (["--insecure-engine-link"] if args.insecure_engine_link else [])
 
 
@@ -185,8 +180,8 @@ def serve(args: argparse.Namespace, manifest: Manifest, gpus: list[str | None], 
     for r, visible in enumerate(gpus):
         address = replica_address(base, r, args.replicas)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": visible} if visible is not None else dict(os.environ)
-        replicas.append(Replica(r, args.replicas, address, engine_commands(args.core, address, args.tp, args.device,
-                                                                           engine_flags(args)), env, output))
+        commands = engine_commands(args.core, address, args.tp, engine_flags(args))
+        replicas.append(Replica(r, args.replicas, address, commands, env, output))
     frontend_args = ["frontend.main", "--core", str(args.core), "--host", args.host, "--port", str(args.port),
                      "--routing", args.routing, *link_keys_flag(args)]
     for replica in replicas:

@@ -18,6 +18,7 @@ import torch
 import zmq
 
 from common import protocol
+from common.engine_flags import add_engine_flags
 from common.errors import CoreError
 from common.links import LinkKeyError, LinkKeys, add_link_flags, bound, exposure_problem, frame_limit, load_keys
 from common.manifest import Manifest
@@ -40,7 +41,7 @@ from engine.parallel.step_channel import Follower, RankFailure, connect
 from engine.parallel.worker import serve
 from engine.sampling.grammar import GrammarCompiler
 from engine.scheduler.scheduler import RequestScheduler
-from engine.speculative.factory import MODES, make_proposer, target_share
+from engine.speculative.factory import make_proposer, target_share
 from engine.telemetry import EngineTelemetry
 from engine.threads import set_threads
 
@@ -54,7 +55,7 @@ def cache_identity(manifest: Manifest, dtype: torch.dtype) -> bytes:
     return hashlib.sha256(recipe).digest()
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flare-engine", description=__doc__)
     parser.add_argument("--rank", type=int, default=0, help="this process's tensor-parallel rank")
     parser.add_argument("--world-size", type=int, default=1, help="tensor-parallel ranks, one process each")
@@ -63,33 +64,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--core", type=Path, required=True, help="core directory made by `ignition export`")
     parser.add_argument("--listen", help="ZMQ address to bind on rank 0, e.g. ipc:///run/user/1000/flare/engine.sock")
     add_link_flags(parser, binds=True)
-    parser.add_argument("--device", default="auto",
-                        help="auto (default: cuda when CuPy and torch both see a GPU, else cpu), cpu or cuda")
-    parser.add_argument("--eager", action="store_true", help="on cuda, run the eager executor instead of graphs")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="override the core's dtype")
-    parser.add_argument("--max-active", type=int, help="live request slots (default: the core's capacities)")
-    parser.add_argument("--kv-cache-bytes", type=int,
-                        help="KV cache budget (default: the core's capacities on cpu, free memory on cuda)")
-    parser.add_argument("--host-cache-bytes", type=int,
-                        help="host memory that prefix checkpoints evicted from the KV cache move to (default: a "
-                             "quarter of the available memory on cuda, 0 on cpu)")
-    parser.add_argument("--disk-cache", type=Path,
-                        help="a directory that pages the host tier gives up move to, reused after a restart with the "
-                             "same core (needs a host tier)")
-    parser.add_argument("--disk-cache-bytes", type=int,
-                        help="the disk tier's budget (default: half the free space of --disk-cache)")
-    parser.add_argument("--kv-cache-fraction", type=float,
-                        help="on cuda: the share of the GPU's memory this process may fill (default 0.92)")
-    parser.add_argument("--max-batched-tokens", type=int,
-                        help="prompt tokens one step may carry (default: the core's prefill chunk size on cpu; 2048 "
-                             "to 8192 by the GPU's memory on cuda)")
     parser.add_argument("--threads", type=int,
                         help="torch CPU threads (default: OMP_NUM_THREADS, else the cores this process may use)")
-    parser.add_argument("--speculative", choices=MODES, default="auto",
-                        help="draft proposals verified in one wider step: ngram (copies from the prompt and output), "
-                             "draft (the --draft model), off; auto (default): off on a GPU (verify steps are not yet "
-                             "captured), else draft with --draft, else ngram")
-    parser.add_argument("--draft", type=Path, help="a smaller core with the same tokenizer that proposes drafts")
+    add_engine_flags(parser, "engine flags (flare run forwards them)")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = make_parser()
     args = parser.parse_args(argv)
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is outside [0, --world-size {args.world_size})")

@@ -16,7 +16,6 @@ from engine.scheduler.speculation import NgramProposer, Proposer
 
 log = logging.getLogger("flare.engine")
 
-MODES = ("auto", "ngram", "draft", "off")
 DRAFT_KV_FRACTION = 0.25  # of the target's KV budget, for the draft model's pages
 
 

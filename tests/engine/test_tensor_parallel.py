@@ -126,7 +126,7 @@ def start_ranks(core: Path, world: int, address: str, logs: Path, device: str = 
     """The engine ranks as `flare run --tp` starts them, logging to files."""
     return [subprocess.Popen([sys.executable, "-m", *command], stdout=(logs / f"rank{rank}.log").open("w"),
                              stderr=subprocess.STDOUT, start_new_session=True)
-            for rank, command in enumerate(engine_commands(core, address, world, device, extra))]
+            for rank, command in enumerate(engine_commands(core, address, world, ["--device", device, *extra]))]
 
 
 class WireClient:
