@@ -5,9 +5,9 @@ first token and leaves its own last inputs there.
 A sequence is (first step row, length, tokens before it, state row): prefill spans and decode rows (length 1) alike,
 so one launch serves any step. Each program takes one block of a sequence's tokens and of channels
 (engine/kernels/triton/step_blocks.py); a sequence's first block is the only one that reads its old state, and it
-writes the new one after its reads. A sequence of length 0 (a graph's padding) reads and writes nothing; one with no tokens
-before it starts from zeros whatever its row holds (a request's first step). Rows of no sequence are left as they
-are, so the caller hands in zeros there.
+writes the new one after its reads. A sequence of length 0 (a graph's padding) reads and writes nothing; one with no
+tokens before it starts from zeros whatever its row holds (a request's first step). Rows of no sequence are left as
+they are, so the caller hands in zeros there.
 """
 
 from __future__ import annotations
