@@ -127,13 +127,13 @@ def select_device(name: str) -> tuple[torch.device, str]:
 
 
 def retained_pages(args: argparse.Namespace, model: CausalLM, device: torch.device, page_size: int,
-                   dtype: torch.dtype, parallel: bool) -> int:
+                   dtype: torch.dtype, world_size: int) -> int:
     """The host tier's pages (docs/design.md, Host retention): none for a hybrid model (its snapshots are not
-    retained) or under tensor parallelism (each rank would need its own copies planned)."""
-    budget = host_budget(device) if args.host_cache_bytes is None else args.host_cache_bytes
-    if budget and (model.config.hybrid or parallel):
-        log.info("no host tier: %s", "a hybrid model's snapshots are not retained there" if model.config.hybrid
-                 else "not under tensor parallelism")
+    retained). Under tensor parallelism each rank keeps its shard of a page, and the default budget is shared by the
+    ranks of the machine."""
+    budget = host_budget(device) // world_size if args.host_cache_bytes is None else args.host_cache_bytes
+    if budget and model.config.hybrid:
+        log.info("no host tier: a hybrid model's snapshots are not retained there")
         return 0
     slots = budget // host_slot_bytes(model.config, page_size, dtype)
     if slots:
@@ -190,13 +190,16 @@ def main(argv: list[str] | None = None) -> None:
     # A step's rows carry their requests' images (a vision model's eager step places text by them), so one step
     # message may hold what max_active Submits held.
     channel = connect(tp, args.dist_address, keys, limit * max_active) if tp else None
+    host_slots = retained_pages(args, model, device, caps.page_size, dtype, args.world_size)
     if channel:  # every rank allocates the same pages and slots
-        num_pages, max_active = channel.setup(num_pages, max_active)
-    host_slots = retained_pages(args, model, device, caps.page_size, dtype, tp is not None)
+        num_pages, max_active, host_slots = channel.setup(num_pages, max_active, host_slots)
     identity = cache_identity(manifest, dtype)
-    disk = disk_tier(args, identity, model, caps.page_size, dtype) if host_slots else None
-    if args.disk_cache is not None and not host_slots:
-        log.warning("no disk tier: it takes what a host tier gives up, and there is none (--host-cache-bytes)")
+    disk = disk_tier(args, identity, model, caps.page_size, dtype) if host_slots and not channel else None
+    if args.disk_cache is not None and not disk:
+        # Under tensor parallelism each rank would write its own shard of every file, and a file one rank could
+        # not read would have to be refused by all.
+        log.warning("no disk tier: %s", "not under tensor parallelism" if channel else
+                    "it takes what a host tier gives up, and there is none (--host-cache-bytes)")
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
                              step_tokens, graphs=not args.eager, snapshots=snapshots or 0, host_slots=host_slots,
                              disk=(args.disk_cache, identity) if disk is not None else None)
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(channel, Follower):
             log.info("rank %d of %d: shard loaded in %.1fs, %d KV pages; following rank 0", args.rank,
                      args.world_size, time.monotonic() - started, num_pages)
-            os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size))
+            os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size, host_slots))
         executor = TensorParallelExecutor(executor, channel)
     speculative = args.speculative
     if model.config.hybrid and speculative != "off":

@@ -20,7 +20,8 @@ from engine.scheduler.plan import Plan
 log = logging.getLogger("flare.engine")
 
 
-def check_plan(plan: Plan, num_pages: int, page_size: int, max_active: int, vocab_size: int) -> str | None:
+def check_plan(plan: Plan, num_pages: int, page_size: int, max_active: int, vocab_size: int,
+               host_slots: int = 0) -> str | None:
     """Why this rank could not run the step, or None: what would fail here before the first collective."""
     for row in plan.rows:
         if not 0 <= row.slot < max_active:
@@ -35,10 +36,14 @@ def check_plan(plan: Plan, num_pages: int, page_size: int, max_active: int, voca
                    f"outside the vocabulary"
     if any(not (0 <= src < num_pages and 0 <= dst < num_pages) for src, dst in plan.copies):
         return f"a page copy names a page outside [0, {num_pages})"
+    moves = plan.spills + tuple((page, slot) for slot, page in plan.restores)  # spills (page, slot); restores reversed
+    if any(not (0 <= page < num_pages and 0 <= slot < host_slots) for page, slot in moves):
+        return f"a host-tier copy names a page outside [0, {num_pages}) or a host slot outside [0, {host_slots})"
     return None
 
 
-def serve(channel: Follower, executor: Executor, page_size: int, max_active: int, vocab_size: int) -> int:
+def serve(channel: Follower, executor: Executor, page_size: int, max_active: int, vocab_size: int,
+          host_slots: int) -> int:
     """Returns the exit status: 0 when rank 0 stopped the group cleanly, GROUP_FAILED on any failure."""
     poller = zmq.Poller()
     poller.register(channel.socket, zmq.POLLIN)
@@ -51,7 +56,8 @@ def serve(channel: Follower, executor: Executor, page_size: int, max_active: int
                     if message.fence != executor.next_fence() or not executor.can_submit():
                         raise RankFailure(f"step {message.fence} arrived out of order (next is "
                                           f"{executor.next_fence()}, two steps at most in flight)")
-                    problem = check_plan(message.plan, executor.num_pages, page_size, max_active, vocab_size)
+                    problem = check_plan(message.plan, executor.num_pages, page_size, max_active, vocab_size,
+                                         host_slots)
                     if problem:
                         raise RankFailure(f"cannot run step {message.fence}: {problem}")
                     prepared = message

@@ -215,6 +215,32 @@ def test_tiny_core_over_two_ranks_then_a_clean_stop(tiny_core: Path, tmp_path: P
 
 
 @pytest.mark.slow
+def test_two_ranks_restore_an_evicted_conversation_from_their_host_tiers(tiny_core: Path, tmp_path: Path) -> None:
+    """Each rank spills and restores its shard of the pages. The KV heads split 2 + 1, so the ranks' budgets hold
+    different page counts: all use the fewest (6 KV pages, 16 host pages)."""
+    page_bytes = 2 * 2 * 16 * 2 * 16 * 4  # rank 0's page: layers, K and V, tokens, its 2 KV heads, head size, fp32
+    address = f"ipc://{tmp_path}/engine.sock"
+    ranks = start_ranks(tiny_core, 2, address, tmp_path, extra=["--kv-cache-bytes", str(6 * page_bytes),
+                                                                  "--host-cache-bytes", str(16 * page_bytes)])
+    try:
+        client = WireClient(address)
+        first = list(range(10, 60))
+        reply = client.generate([first])["r0"][0]
+        for other in (list(range(100, 150)), list(range(150, 200)), list(range(200, 250))):
+            client.generate([other])  # 4 pages each: the first conversation's pages leave the device
+        second = first + reply + [7, 8, 9]
+        got = client.generate([second])["r0"]
+        assert client.cached["r0"] >= 48  # its whole pages, from the host tiers
+        assert got == (single_rank_tokens(tiny_core, [second], page_size=16, chunk=48)[0], "length", None)
+        client.close()
+        ranks[0].send_signal(signal.SIGTERM)
+        assert exit_statuses(ranks, 30) == [0, 0]
+    finally:
+        exit_statuses(ranks, 0.1)
+    assert "host tier: 16 pages" in (tmp_path / "rank0.log").read_text()
+
+
+@pytest.mark.slow
 def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path, tmp_path: Path) -> None:
     expected = single_rank_tokens(tiny_core, PROMPTS, page_size=16, chunk=48)
     address = f"ipc://{tmp_path}/engine.sock"
