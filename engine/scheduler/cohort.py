@@ -26,7 +26,7 @@ AT_START, AT_PAGE_TABLE, AT_OUTPUT_INDEX, AT_PROMPT_LEN = (
     Row._fields.index(name) for name in ("start", "page_table", "output_index", "prompt_len"))
 # The fields of a request's decode rows that differ between requests (the others, but for start, page table and output
 # index, are the same in every decode row: one token, sampled, from the device, with no history, prompt targets, bans,
-# label queries or drafts, as RequestScheduler._decode_row says).
+# label queries or drafts, as engine/scheduler/rows.py decode_row says).
 PER_REQUEST = tuple(Row._fields.index(name) for name in (
     "slot", "generation", "sampling", "seed", "prompt_len", "epoch", "images", "rope_shift"))
 DECODE_ROW = attrgetter("decode_row")
@@ -132,8 +132,8 @@ class DecodeCohort:
                  ) -> tuple[list[Request], list[int], list[Logprobs | None], list[tuple[Request, int]]]:
         """A completed step of this cohort's rows, whose requests hold their slots still where `live` says (None:
         all do): publication of the blocks that reach a request's `publish_from`, then each token's commit, as
-        RequestScheduler._complete_rows does row by row. Returns the live rows' requests, tokens and logprobs, and
-        the requests whose token ends them, with that token, in row order."""
+        StepCompleter.rows (engine/scheduler/completion.py) does row by row. Returns the live rows' requests, tokens
+        and logprobs, and the requests whose token ends them, with that token, in row order."""
         requests, computed = self.requests, rows.columns[AT_START] + 1
         due = np.flatnonzero(computed >= self.publish_from).tolist()
         limits, stop_ids, histories = self.limits, self.stop_ids, self.histories

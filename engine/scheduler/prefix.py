@@ -27,7 +27,7 @@ from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostEntry, HostTier
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.disk_reuse import DiskReuse
-from engine.scheduler.plan import DiskWork, Plan
+from engine.scheduler.plan import Completion, DiskWork, Plan
 from engine.scheduler.request import Request
 
 
@@ -70,6 +70,15 @@ class Restore:
     slot: int
     page: int
     reader: Request
+
+
+def copy_fields(copies: tuple[Spill | Restore | PageCopy | StateCopy, ...]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The fields of a plan that makes `copies` (PrefixReuse.planned_copies): Plan.copies, state_copies, spills and
+    restores, each in the copies' order."""
+    return {"copies": tuple((c.source, c.destination) for c in copies if isinstance(c, PageCopy)),
+            "state_copies": tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)),
+            "spills": tuple((c.page, c.slot) for c in copies if isinstance(c, Spill)),
+            "restores": tuple((c.slot, c.page) for c in copies if isinstance(c, Restore))}
 
 
 # Request.publish_from of a request whose prefixes are never published.
@@ -464,16 +473,20 @@ class PrefixReuse:
         return self.disk.awaits_load(self._history(request), request.first_computed, request.message_ends,
                                      self.page_size)
 
-    def tiers_completed(self, fence: int, unreadable: tuple[int, ...], failed: Plan | None = None) -> None:
-        """Steps up to `fence` completed: their disk work is done, the host slots they last used are free. A
-        `failed` step's spills and reads may not have happened: what they would have filled is given up."""
+    def tiers_completed(self, completion: Completion, plan: Plan) -> None:
+        """Steps up to the completion's fence completed: their disk work is done, the host slots they last used are
+        free; what the plan's spills and restores took is learned. A failed step's spills and reads may not have
+        happened: what they would have filled is given up."""
+        if completion.tier_seconds:
+            self.page_copy_seconds.append(completion.tier_seconds / (len(plan.spills) + len(plan.restores)))
         if self.host is None:
             return
-        if failed is not None:
-            for _, slot in failed.spills:
+        fence, unreadable = completion.fence, completion.unreadable
+        if completion.error is not None:
+            for _, slot in plan.spills:
                 self.host.forget(slot)
-            if failed.disk is not None:
-                unreadable = tuple(slot for _, slot in failed.disk.reads)
+            if plan.disk is not None:
+                unreadable = tuple(slot for _, slot in plan.disk.reads)
         if self.disk is not None:
             self.disk.completed(fence, unreadable)
         self.host.completed(fence)

@@ -88,7 +88,7 @@ class Request:
     grammar: object | None = None
     speculation: SpeculationState | None = None  # acceptance history and proposer state, once it has drafted
     # The fields of the last decode row planned for it in this epoch, as a list: the next one is this list with its
-    # position moved on (RequestScheduler._decode_row), copied into a Row. None at each new epoch, and while
+    # position moved on (engine/scheduler/rows.py decode_row), copied into a Row. None at each new epoch, and while
     # min_tokens bans the stop ids.
     decode_row: list | None = None
 

@@ -4,31 +4,34 @@ Policy: every decoding request advances one token per step; the remaining token 
 (`prefill_chunk_size`) goes to prompts in arrival order, so long prompts load in chunks while decode keeps flowing.
 When pages run out, the newest decoding request is preempted and later recomputed from its tokens (its sampling
 randomness depends only on seed and position, so the outcome is unchanged).
+
+Here: intake, placement, preemption, planning and commit. Beside it: the candidate steps and their values
+(candidates.py), the rows built from requests (rows.py), steady decode steps as columns (cohort.py), which requests
+draft (speculation.py), prefix reuse and the host and disk tiers (prefix.py), and what a completed step commits to its
+requests (completion.py).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from itertools import compress
-from operator import and_, is_
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from common.protocol import Logprobs
 from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostTier
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.candidates import CandidateSteps
 from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
-from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, Completion, DecodeRows, Plan, Row, fields
-from engine.scheduler.policy import Candidate, GraphCostModel, PolicyConfig, choose, decode_capacity, price
-from engine.scheduler.prefix import PageCopy, PrefixReuse, Restore, Spill, StateCopy
+from engine.scheduler.completion import StepCompleter, end_reason, validate
+from engine.scheduler.plan import SLOT, Completion, DecodeRows, Plan, Row
+from engine.scheduler.policy import GraphCostModel, PolicyConfig, decode_capacity
+from engine.scheduler.prefix import PrefixReuse, copy_fields
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.results import Finished, StepResult
+from engine.scheduler.rows import decode_row, next_row, verify_row
 
 if TYPE_CHECKING:
-    from engine.scheduler.speculation import Choice, Proposer
+    from engine.scheduler.speculation import Proposer
 
 # As module globals: looking a member up on the Enum class costs a quarter of a microsecond, once per live request
 # in the per-step loops below.
@@ -78,16 +81,16 @@ class RequestScheduler:
         self._steady: deque[tuple[int, DecodeRows, DecodeCohort, int]] = deque()
         self.policy = policy
         self.costs = GraphCostModel(policy)
+        self.candidates = CandidateSteps(policy, self.costs, page_size, prefill_chunk_size)
         self.speculation = None
         if proposer is not None:
             from engine.scheduler.speculation import Speculation
 
             self.speculation = Speculation(proposer, self.costs, self.counters)
         self._completed_fence = 0
-        # Prompt-token capacities of a step: page-aligned, doubling up to the chunk size.
-        self._chunk_capacities = [page_size << i for i in range(32) if page_size << i < prefill_chunk_size]
-        self._chunk_capacities.append(prefill_chunk_size)
         self.prefix.recompute_seconds = self._recompute_seconds
+        self.completer = StepCompleter(self.slots, self.prefix, self.pages, page_size, self.speculation,
+                                       self._try_allocate, self._finish)
 
     def _recompute_seconds(self, tokens: int) -> float:
         """What prefilling `tokens` again would take, by the learned cost of a full prefill chunk (0.0: unknown)."""
@@ -147,17 +150,14 @@ class RequestScheduler:
                 return plan
         self._cohort, self._left = None, set()  # (a step planned row by row may change its requests' rows)
         decoders = self._decode_candidates()
-        depths = self._draft_depths(decoders)
-        # A request that would draft waits for its step in flight rather than take the second frame (its proposal
-        # needs its last token) when drafting promises enough; one with a verify round in flight waits for that
-        # round's accepted length. Either waits for its own completion only: other requests fill the frame.
-        if self.speculation is not None:  # without a proposer no request ever drafts or verifies
-            done = self._completed_fence
-            decoders = [r for r in decoders if r.row_fence <= done or not self._verifying(r) and not (
-                r in depths and depths[r].worth_draining)]
+        speculation, depths, done = self.speculation, {}, self._completed_fence
+        if speculation is not None:  # without a proposer no request ever drafts or verifies
+            depths = speculation.rounds(decoders)
+            decoders = speculation.stepping(decoders, depths, done)
         prefills = self._prefill_candidates()
-        choice = self._choose(decoders, prefills, time.monotonic(), depths)
-        drafts = self._drafts(decoders, depths) if choice is not None and choice.shape[0] == "verify" else {}
+        choice = self.candidates.choose(decoders, prefills, time.monotonic(), depths, done)
+        drafts = speculation.drafts(decoders, depths, done, self.slots) \
+            if choice is not None and choice.shape[0] == "verify" else {}
         rows: list[Row] = []  # their slots are never preempted by this plan
         planned: list[Request] = []  # each row's request, for commit
         verifies = False  # some row verifies drafts
@@ -168,7 +168,7 @@ class RequestScheduler:
             start = request.scheduled
             if moved is not None and start < len(moved[AT_PAGE_TABLE]) * size and \
                     (not drafts or request not in drafts):
-                # Most steps: the previous decode row moved on by one position, on the same pages (_decode_row).
+                # Most steps: the previous decode row moved on by one position, on the same pages (rows.decode_row).
                 moved[AT_START], moved[AT_OUTPUT_INDEX] = start, start + 1 - request.prompt_len
                 rows.append(tuple.__new__(Row, moved))
                 planned.append(request)
@@ -180,7 +180,8 @@ class RequestScheduler:
             # _reserve (and the prefix cache's eviction) only when a page is missing.
             if -(-end // size) > len(request.pages) and not self._reserve(request, end, rows):
                 continue
-            rows.append(self._verify_row(request, draft) if draft else self._decode_row(request))
+            rows.append(verify_row(request, draft, size, speculation.proposer.name) if draft
+                        else decode_row(request, size))
             planned.append(request)
             verifies = verifies or bool(draft)
         decodes = len(rows)  # rows so far: decode rows, unless some verify
@@ -194,7 +195,7 @@ class RequestScheduler:
             length = self.prefix.stop_at(request, request.scheduled, length)
             if not self._reserve(request, request.scheduled + length, rows):
                 break
-            rows.append(self._row(request, length))
+            rows.append(next_row(request, length, size))
             planned.append(request)
             budget -= length
         copies = self.prefix.planned_copies()
@@ -207,11 +208,7 @@ class RequestScheduler:
         # The plan's kind as Plan.kind would find it: known from the rows made (a prefill row holds its tokens).
         kind = "verify" if verifies else "mixed" if decodes and len(rows) > decodes else "decode" if decodes \
             else "prefill"
-        plan = Plan.of_kind(kind, tuple(rows), shape=shape,
-                            copies=tuple((c.source, c.destination) for c in copies if isinstance(c, PageCopy)),
-                            state_copies=tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)),
-                            spills=tuple((c.page, c.slot) for c in copies if isinstance(c, Spill)),
-                            restores=tuple((c.slot, c.page) for c in copies if isinstance(c, Restore)), disk=disk)
+        plan = Plan.of_kind(kind, tuple(rows), shape=shape, disk=disk, **copy_fields(copies))
         self._planned = (plan, copies, self._epoch_bumps, planned)
         return plan
 
@@ -238,90 +235,6 @@ class RequestScheduler:
         plan = Plan.of_kind("decode", rows, shape=("decode", decode_capacity(len(rows))))
         self._planned = (plan, (), self._epoch_bumps, cohort.requests)
         return plan
-
-    def _choose(self, decoders: list[Request], prefills: list[Request], now: float,
-                depths: dict[Request, Choice]) -> Candidate | None:
-        """Score the step shapes on offer (PolicyConfig) and return the chosen one."""
-        config = self.policy
-        waiting = sum(r.prefill_target - r.scheduled for r in prefills)
-        done = self._completed_fence
-        drafting = [depths[r] for r in decoders if r in depths and r.row_fence <= done] if depths else []
-        batch = decode_capacity(len(decoders))
-        if decoders and waiting <= 0 and not drafting:
-            # The decode step is the only candidate: choose() takes it whatever its value, which goes unscored (a
-            # pass over every decoder saved on every steady decode step).
-            return Candidate(len(decoders), 0, 0.0, ("decode", batch))
-        candidates = []
-        decode_value = 0
-        if decoders:  # (none: a lone prompt's first step, where numpy's calls cost tens of µs of its first token)
-            # price() over every decoder at once (numpy, the same arithmetic per element), summed in order as before.
-            waited = now - np.array([r.last_commit for r in decoders], dtype=np.float64)
-            values = (config.output_token_value * (1 + price(config, config.delivery_fairness, waited))).tolist()
-            decode_value = sum(values)
-            candidates.append(Candidate(len(decoders), 0, decode_value, ("decode", batch)))
-            if drafting:
-                from engine.scheduler.speculation import width_of
-
-                value = sum(v * depths[r].expected if r in depths else v for v, r in zip(values, decoders))
-                width = width_of(max(choice.depth for choice in drafting))
-                candidates.append(Candidate(len(decoders), 0, value, ("verify", batch, width)))
-        largest = self._chunk_capacities[-1]
-        for capacity in self._chunk_capacities:
-            tokens = min(capacity, waiting)
-            if tokens <= 0:
-                break
-            value = self._prefill_value(prefills, tokens, now)
-            if decoders:
-                candidates.append(Candidate(len(decoders), tokens, decode_value + value, ("mixed", capacity)))
-            elif tokens == waiting or capacity == largest or self.costs.last_known(("prefill", capacity)) > 0:
-                # A smaller chunk of what waits is offered once its cost is known: exploring it would only delay
-                # a first token (a 67-token prompt split into 64 + 3, a cold long one into every capacity).
-                candidates.append(Candidate(0, tokens, value, ("prefill", capacity)))
-            if tokens == waiting:
-                break
-        return choose(candidates, self.costs, config)
-
-    def _prefill_value(self, prefills: list[Request], tokens: int, now: float) -> float:
-        config, value = self.policy, 0.0
-        for request in prefills:
-            if tokens <= 0:
-                break
-            take = min(tokens, request.prefill_target - request.scheduled)
-            waited = now - request.last_commit
-            value += take * (1 + price(config, config.token_fairness, waited))
-            if take == request.prefill_target - request.scheduled:
-                value += config.terminal_value + config.terminal_age_price * 1000 * waited
-            tokens -= take
-        return value
-
-    # --- speculation (engine/speculative/) ------------------------------------------------------------------------
-    def _verifying(self, request: Request) -> bool:
-        return request.speculation is not None and request.speculation.verifying
-
-    def _draft_depths(self, decoders: list[Request]) -> dict[Request, Choice]:
-        """The round of each decoding request that would draft now."""
-        if self.speculation is None or not decoders:
-            return {}
-        batch = decode_capacity(len(decoders))
-        depths = {r: self.speculation.depth(r, batch) for r in decoders if not self._verifying(r)}
-        return {r: choice for r, choice in depths.items() if choice.depth > 0}
-
-    def _drafts(self, decoders: list[Request], depths: dict[Request, Choice]) -> dict[Request, tuple]:
-        done = self._completed_fence  # others' last token is pending:
-        batch = [(r, depths[r]) for r in decoders if r in depths and r.row_fence <= done]
-        live = {(r.slot, r.generation) for r in self.slots if r is not None}
-        proposals = self.speculation.propose(batch, live)
-        return {request: draft for (request, _), draft in zip(batch, proposals) if draft}
-
-    def _verify_row(self, request: Request, draft: tuple[int, ...]) -> Row:
-        start = request.scheduled  # the last committed token's position: it comes first, its KV unwritten yet
-        end = start + 1 + len(draft)
-        return Row(slot=request.slot, generation=request.generation, start=start, length=1 + len(draft),
-                   tokens=(request.tokens[-1],) + draft, page_table=tuple(request.pages[: -(-end // self.page_size)]),
-                   sample=True, output_index=start + 1 - request.prompt_len, sampling=request.sampling,
-                   seed=request.seed, prompt_len=request.prompt_len, epoch=request.epoch, draft=draft,
-                   proposer=self.speculation.proposer.name, rope_shift=request.rope_shift(start, end),
-                   images=request.images)  # a vision model's eager step places text after images by them
 
     def commit(self, plan: Plan, fence: int) -> None:
         """Validate, then make the plan's reservations binding; a stale plan changes nothing."""
@@ -446,256 +359,49 @@ class RequestScheduler:
             self._left.add(request)
         self._epoch_bumps += 1
 
-    def _decode_row(self, request: Request) -> Row:
-        """A decode row. Between two decode steps of one epoch only its position and page table move: the
-        previous decode row is moved on. Rebuilt whole on the epoch's first, after a verify round's rewind (pages
-        went back), and while min_tokens bans the stop ids (`banned` depends on the position: such a row is not
-        kept to move on). Its other position-dependent fields are constant past the prompt: no prompt targets,
-        label queries or image spans lie there, so `scores` is () and `rope_shift` is the shift after the last
-        image."""
-        fields = request.decode_row
-        if fields is None:
-            row = self._row(request, 1)
-            request.decode_row = None if row.banned else list(row)
-            return row
-        end = request.scheduled + 1
-        pages = -(-end // self.page_size)
-        if len(fields[AT_PAGE_TABLE]) != pages:
-            fields[AT_PAGE_TABLE] = tuple(request.pages[:pages])
-        fields[AT_START], fields[AT_OUTPUT_INDEX] = end - 1, end - request.prompt_len
-        return tuple.__new__(Row, fields)
-
-    def _row(self, request: Request, length: int) -> Row:
-        start = request.scheduled
-        end = start + length
-        prefill = request.phase is PREFILL
-        samples = (not prefill or end == request.prefill_target) and not request.scored
-        targets = ()
-        if prefill and request.sampling.prompt_logprobs is not None:
-            targets = tuple(request.tokens[start + 1:min(end + 1, request.prompt_len)])
-        return Row(
-            slot=request.slot, generation=request.generation, start=start, length=length,
-            tokens=tuple(request.tokens[start:end]) if prefill else None,
-            page_table=tuple(request.pages[: -(-end // self.page_size)]),
-            sample=samples, output_index=end - request.prompt_len, sampling=request.sampling, seed=request.seed,
-            prompt_len=request.prompt_len, history=tuple(request.tokens[:start]) if request.fresh else None,
-            prompt_targets=targets, epoch=request.epoch, images=request.images,
-            rope_shift=request.rope_shift(start, end),
-            banned=tuple(sorted(request.stop_ids)) if end - request.prompt_len < request.sampling.min_tokens else (),
-            scores=tuple((p, ids) for p, ids in request.label_queries if start <= p < end),
-            pool=request.pooling if request.pooling == "mean" or end == request.prefill_target and prefill else "")
-
     # --- completion ---------------------------------------------------------------------------------------------
     def complete(self, completion: Completion, plan: Plan) -> StepResult:
-        sampled = self._validate(completion, plan)
-        fence, error, slots = completion.fence, completion.error, self.slots
+        """The step of `plan` completed: its fence, cost, pages and tiers here, its rows' news by StepCompleter."""
+        sampled = validate(completion, plan, self._completed_fence)
+        fence, error = completion.fence, completion.error
         steady = self._steady
         while steady and steady[0][0] < fence:  # (plans whose completions never came: the engine stopped them)
             steady.popleft()
         cohort = steady.popleft() if steady and steady[0][1] is plan.rows else None
         self._completed_fence = fence
-        if completion.tier_seconds:
-            self.prefix.page_copy_seconds.append(completion.tier_seconds / (len(plan.spills) + len(plan.restores)))
         if error is None and plan.rows:
             self.costs.observe(plan.shape, completion.duration)
             if self.speculation is not None:
                 self.speculation.earn(completion.duration)
         self.pages.advance_completed(fence)
         self.prefix.advance_completed(fence)
-        self.prefix.tiers_completed(fence, completion.unreadable, plan if error is not None else None)
-        result = StepResult()
+        self.prefix.tiers_completed(completion, plan)
+        result, completer = StepResult(), self.completer
         if error is None and plan.kind != "verify":
-            ending = self._complete_steady(cohort, completion, fence, result) if cohort is not None else \
-                self._complete_rows(plan.rows, completion, fence, result)
+            if cohort is not None:
+                _, rows, members, epoch_bumps = cohort
+                ending = completer.cohort(rows, members, epoch_bumps != self._epoch_bumps, completion, fence, result)
+            else:
+                ending = completer.rows(plan.rows, completion, fence, result)
             self._retire(fence)
-            self._complete_prompt_logprobs(completion)
-            self._complete_scores(completion, plan, result)
+            completer.prompt_news(completion, plan, result)
             for request, token in ending:
-                result.finished.append(self._finish(request, self._end_reason(request, token)))
+                result.finished.append(self._finish(request, end_reason(request, token)))
             return result
-        for row in plan.rows:
-            request = slots[row.slot]
-            if request is None or request.generation != row.generation:
-                continue
-            if row.draft:
-                request.speculation.verifying = False  # its accepted positions are published with its tokens below
-            elif error is None:
-                computed = row.start + row.length
-                if computed >= request.publish_from:
-                    self.prefix.publish(request, computed, fence, self._try_allocate)
+        completer.settle(plan.rows, fence, error is not None)
         self._retire(fence)
         if error is not None:
-            for row in plan.rows:
-                request = slots[row.slot]
-                if request is not None and request.generation == row.generation:
-                    result.finished.append(self._finish(request, "error", error))
+            completer.fail(plan.rows, error, result)
             return result
-        self._complete_prompt_logprobs(completion)
-        self._complete_scores(completion, plan, result)
-        logprobs = completion.logprobs or (None,) * len(completion.tokens)
-        accepted = completion.accepted or (0,) * len(completion.tokens)
-        now = time.monotonic()  # every token of the step is committed now
-        for row, token, lp, k in zip(sampled, completion.tokens, logprobs, accepted):
-            request = slots[row.slot]
-            if request is None or request.generation != row.generation or request.phase is FINISHED:
-                continue  # the request ended while this step was in flight
-            if not row.draft:
-                reason = self._commit_token(request, token, lp, result, now)
-            else:
-                emitted, reason = self._emit(request, row.draft[:k] + (token,), lp, result, now)
-                self.speculation.observe(request, row.proposer, len(row.draft), min(k, emitted), emitted <= k)
-                # Only accepted positions hold KV worth keeping or publishing; the rejected ones give back pages.
-                self.prefix.publish(request, min(row.start + 1 + k, len(request.tokens)), fence, self._try_allocate)
-                if reason is None:
-                    self._rewind(request, fence)
-            if reason is not None:
-                result.finished.append(self._finish(request, reason))
+        completer.prompt_news(completion, plan, result)
+        completer.rounds(sampled, completion, fence, result)
         return result
-
-    def _complete_rows(self, rows: tuple[Row, ...], completion: Completion, fence: int,
-                       result: StepResult) -> list[tuple[Request, int]]:
-        """A step without drafts or error, in one loop over its rows without a call per row: each row's request
-        publishes the blocks it completed (PrefixReuse.publish, for a few rows a step), and a sampling row commits
-        its token as _commit_token does. The rows' requests that ended while the step was in flight are left out
-        (looked for after the loop, only when there are some). Returns the requests whose token ends them, with
-        that token, in row order: they end once the step's other news is in."""
-        tokens = completion.tokens
-        now = time.monotonic()  # every token of the step is committed now
-        requests = list(map(self.slots.__getitem__, map(SLOT, rows)))
-        # Each row's token, None for a row that samples nothing (a decode step's rows all sample).
-        if len(tokens) == len(rows):
-            row_tokens = tokens
-        else:
-            sampled = iter(tokens)
-            row_tokens = [next(sampled) if row.sample else None for row in rows]
-        stale = False  # some row's request ended (or its slot holds a new one) while the step was in flight
-        ending: list[tuple[Request, int]] = []
-        for row, request, token in zip(rows, requests, row_tokens):
-            if request is None or request.generation != row.generation:
-                stale = True
-                continue
-            computed = row.start + row.length
-            if computed >= request.publish_from:  # (a block completed, or a message end may be pending)
-                self.prefix.publish(request, computed, fence, self._try_allocate)
-            if token is None:
-                continue
-            history = request.tokens
-            history.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
-            request.last_commit = now
-            if token in request.stop_ids or len(history) - request.prompt_len >= request.max_outputs:
-                ending.append((request, token))
-        logprobs = completion.logprobs or (None,) * len(tokens)
-        committed = requests
-        if stale or row_tokens is not tokens:  # the news: the sampling rows whose request is still the row's
-            live = [request is not None and request.generation == row.generation
-                    for row, request in zip(rows, requests)]
-            committed = list(compress(requests, map(and_, live, map(SAMPLE, rows))))
-            if stale:
-                kept = list(compress(live, map(SAMPLE, rows)))  # per sampling row
-                tokens, logprobs = compress(tokens, kept), compress(logprobs, kept)
-        result.requests, result.token_ids, result.logprobs = committed, list(tokens), list(logprobs)
-        result.distinct = True
-        return ending
-
-    def _complete_steady(self, steady: tuple[int, DecodeRows, DecodeCohort, int], completion: Completion,
-                         fence: int, result: StepResult) -> list[tuple[Request, int]]:
-        """_complete_rows for a step of a cohort's rows (DecodeCohort.complete): its requests are the cohort's,
-        which all hold their slots still unless some request was placed, preempted or ended since it was planned."""
-        _, rows, cohort, epoch_bumps = steady
-        live = None
-        if epoch_bumps != self._epoch_bumps:
-            # A row is stale when its request left its slot (ended): the request in a slot is the row's placement
-            # (the row's generation) exactly when it is the row's request, since a request is placed again only
-            # after a preemption, which waits for its steps in flight.
-            live = list(map(is_, map(self.slots.__getitem__, fields(rows, SLOT)), cohort.requests))
-        result.requests, result.token_ids, result.logprobs, ending = cohort.complete(
-            rows, live, completion.tokens, completion.logprobs or (None,) * len(completion.tokens),
-            lambda request, computed: self.prefix.publish(request, computed, fence, self._try_allocate))
-        result.distinct = True
-        return ending
 
     def _retire(self, fence: int) -> None:
         """Requests that ended with steps in flight are gone once the last of those steps completed."""
         if self._retiring:
             for request in [r for r in self._retiring if r.last_fence <= fence]:
                 self._retiring.discard(request)
-
-    def _complete_prompt_logprobs(self, completion: Completion) -> None:
-        for slot, generation, logprobs in completion.prompt_logprobs:
-            request = self.slots[slot]
-            if request is not None and request.generation == generation:
-                request.prompt_logprobs.append(logprobs)
-
-    def _emit(self, request: Request, tokens: tuple[int, ...], lp: Logprobs | None, result: StepResult,
-              now: float) -> tuple[int, str | None]:
-        """Commit tokens in order up to the first that ends the request: (tokens committed, finish reason)."""
-        for count, token in enumerate(tokens, 1):
-            if (reason := self._commit_token(request, token, lp, result, now)) is not None:
-                return count, reason
-        return len(tokens), None
-
-    def _commit_token(self, request: Request, token: int, lp: Logprobs | None, result: StepResult,
-                      now: float) -> str | None:
-        """Commit one output token; the finish reason when it ends the request."""
-        request.tokens.append(token)  # (its prefix keys catch up when the prefix cache next reads them)
-        request.last_commit = now
-        result.requests.append(request)
-        result.token_ids.append(token)
-        result.logprobs.append(lp)
-        return self._end_reason(request, token)
-
-    @staticmethod
-    def _end_reason(request: Request, token: int) -> str | None:
-        """Why `token`, just committed, ends the request; None when it does not."""
-        if token in request.stop_ids:
-            return "stop"
-        # (request.outputs, without a property call per token)
-        return "length" if len(request.tokens) - request.prompt_len >= request.max_outputs else None
-
-    def _rewind(self, request: Request, fence: int) -> None:
-        """After a verify round: the next step feeds the last committed token; pages past it go back."""
-        request.scheduled = len(request.tokens) - 1
-        request.decode_row = None  # moving a row on assumes its pages only grew since; here they shrink
-        keep = -(-len(request.tokens) // self.page_size)
-        self.pages.release(request.pages[keep:], fence)
-        del request.pages[keep:]
-
-    def _complete_scores(self, completion: Completion, plan: Plan, result: StepResult) -> None:
-        """A scored prefill keeps the label logits it read, an embedding what its rows pooled, and either ends with
-        the step that computed its prompt: it never holds a slot for decoding. Logits are kept by position, so a
-        recomputed chunk reads them again."""
-        if plan.kind == "decode":
-            return  # no prompt rows, so no label queries
-        for slot, generation, position, logits in completion.scores:
-            request = self.slots[slot]
-            if request is not None and request.generation == generation:
-                request.label_logits[position] = logits
-        for slot, generation, start, vector in completion.pooled:
-            request = self.slots[slot]
-            if request is not None and request.generation == generation:
-                # A mean's sum starts over with a row at position 0 (a recompute after a preemption starts there).
-                request.pooled = vector if start == 0 or request.pooling == "last" else request.pooled + vector
-        for row in plan.rows:
-            if row.tokens is None:
-                continue  # a decode row: a scored request ends before any (docs/design.md, Beyond plain decoding)
-            request = self.slots[row.slot]
-            if request is not None and request.generation == row.generation and request.scored \
-                    and row.start + row.length == request.prefill_target:
-                result.finished.append(self._finish(request, "stop"))
-
-    def _validate(self, completion: Completion, plan: Plan) -> list[Row]:
-        """A completion must follow the last one and fit its plan; anything else is a broken executor. Returns the
-        plan's sampled rows, which the completion's columns follow."""
-        if completion.fence <= self._completed_fence:
-            raise ValueError(f"completion fence {completion.fence} after {self._completed_fence}")
-        if not (len(completion.slots) == len(completion.generations) == len(completion.tokens)):
-            raise ValueError("completion columns differ in length")
-        rows = plan.rows
-        sampled = rows if type(rows) is DecodeRows else list(compress(rows, map(SAMPLE, rows)))  # (all sample)
-        if completion.error is None and (list(fields(sampled, SLOT)) != list(completion.slots)
-                                         or list(fields(sampled, GENERATION)) != list(completion.generations)):
-            raise ValueError("completion rows differ from the plan's sampled rows")
-        return sampled
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> Finished:
         self.constrained -= request.grammar is not None and request.phase is not FINISHED

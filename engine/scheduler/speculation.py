@@ -1,5 +1,5 @@
-"""The scheduler's side of speculation: which requests draft and how deep, what their proposals are, and what each
-verify round taught (docs/speculative.md).
+"""The scheduler's side of speculation: which requests draft and how deep, which of them wait for their step in
+flight, what their proposals are, and what each verify round taught (docs/speculative.md).
 
 A request drafts when its own acceptance history says a verify round of width W = depth + 1 yields more tokens per
 second than a plain decode step: expected tokens (engine/speculative/acceptance.py) over the learned duration of
@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.scheduler.policy import GraphCostModel
+from engine.scheduler.policy import GraphCostModel, decode_capacity
 from engine.scheduler.request import Request, SpeculationState
 from engine.speculative.acceptance import MAX_DEPTH, AcceptanceStats, expected_tokens
 
@@ -54,6 +54,11 @@ def state_of(request: Request) -> SpeculationState:
     if request.speculation is None:
         request.speculation = SpeculationState()
     return request.speculation
+
+
+def verifying(request: Request) -> bool:
+    """Whether the request's verify round is in flight."""
+    return request.speculation is not None and request.speculation.verifying
 
 
 def eligible(request: Request) -> bool:
@@ -129,6 +134,32 @@ class Speculation:
         drain = (probe > 0 or cost == 0 or decode == 0 or self.proposer.name not in state_of(request).observed
                  or expected * decode > decode + cost)
         return Choice(depth, expected, probe, drain)
+
+    def rounds(self, decoders: list[Request]) -> dict[Request, Choice]:
+        """The round of each decoding request that would draft now."""
+        if not decoders:
+            return {}
+        batch = decode_capacity(len(decoders))
+        depths = {r: self.depth(r, batch) for r in decoders if not verifying(r)}
+        return {r: choice for r, choice in depths.items() if choice.depth > 0}
+
+    @staticmethod
+    def stepping(decoders: list[Request], depths: dict[Request, Choice], done: int) -> list[Request]:
+        """The decoders that take a row in the next step, with steps up to `done` completed. A request that would
+        draft waits for its step in flight rather than take the second frame (its proposal needs its last token)
+        when drafting promises enough; one with a verify round in flight waits for that round's accepted length.
+        Either waits for its own completion only: other requests fill the frame."""
+        return [r for r in decoders if r.row_fence <= done or not verifying(r) and not (
+            r in depths and depths[r].worth_draining)]
+
+    def drafts(self, decoders: list[Request], depths: dict[Request, Choice], done: int,
+               slots: list[Request | None]) -> dict[Request, tuple[int, ...]]:
+        """The proposals for the rounds of `depths` of the decoders with no step in flight (another's last token is
+        pending), for those that got one; `slots`: the live requests, whose per-slot proposer state is kept."""
+        batch = [(r, depths[r]) for r in decoders if r in depths and r.row_fence <= done]
+        live = {(r.slot, r.generation) for r in slots if r is not None}
+        proposals = self.propose(batch, live)
+        return {request: draft for (request, _), draft in zip(batch, proposals) if draft}
 
     def propose(self, batch: list[tuple[Request, Choice]], live: set[tuple[int, int]]) -> list[tuple[int, ...]]:
         """Proposals for the chosen rounds; a probe's cost comes out of the budget now that it runs."""

@@ -20,6 +20,7 @@ from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostTier
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Phase, Request
+from engine.scheduler.rows import next_row
 from engine.scheduler.scheduler import RequestScheduler, StalePlan
 
 PAGES, PAGE, SLOTS = 24, 4, 4
@@ -63,7 +64,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert not self.scheduler.in_flight(request) and row.tokens[0] == request.tokens[-1]
                 assert row.start == len(request.tokens) - 1
             if row.tokens is None:  # a decode row, moved on from the request's previous one: as if built anew
-                assert row == self.scheduler._row(request, 1)
+                assert row == next_row(request, 1, PAGE)
         self.fence += 1
         self.scheduler.commit(plan, self.fence)
         for row in plan.rows:
