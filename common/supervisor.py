@@ -30,7 +30,7 @@ from common.links import LinkKeyError, exposure_problem, load_keys, private_ipc_
 from common.manifest import Manifest, load_manifest
 from common.ranks import RANK_GRACE, engine_commands, engine_names, first_failure, replica_gpus, settle
 
-SYSTEM_ALLOCATOR = {"PYTHONMALLOC": "malloc"}  # for frontends: frontend/heap.py says why
+SYSTEM_ALLOCATOR = {"PYTHONMALLOC": "malloc", "MALLOC_ARENA_MAX": "2"}  # for frontends: frontend/heap.py says why
 
 READY_TIMEOUT = 600.0
 FRONTEND_DRAIN = 5.0

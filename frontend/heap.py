@@ -9,8 +9,9 @@ nothing is done there.
 
 A body of many small values (500,000 stop strings) leaves Python's own small-object arenas fragmented: an arena goes
 back to the system only once all of it is free, and a few long-lived objects allocated meanwhile keep most of them.
-So frontends run with PYTHONMALLOC=malloc, where malloc_trim reaches those pages too: `flare run` starts them so, and
-a frontend started on its own starts itself again so.
+So frontends run with PYTHONMALLOC=malloc, where malloc_trim reaches those pages too, and with two malloc arenas
+(MALLOC_ARENA_MAX) instead of one per thread that ever allocated, each keeping its own free pages: `flare run`
+starts them so, and a frontend started on its own starts itself again so.
 """
 
 from __future__ import annotations

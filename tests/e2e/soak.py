@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         checks |= attack_checks
         print(table)
     print(f"client outcomes: {dict(sorted(tally.counts.items()))}")
-    for name in sorted(warm, key=lambda n: -growth.get(n, 0))[:3]:
+    for name in sorted(warm, key=lambda n: -growth.get(n, 0)):
         print(f"RSS MiB of {name}: highest in the warm-up {warm[name] >> 20}; a sample a minute from its end: "
               f"{' '.join(str(sample[name] >> 20) for sample in trace if name in sample)}")
     for text, ok in checks.items():
