@@ -1,19 +1,26 @@
 """A linear whose weight stays FP8 on the kernel path (docs/design.md, Models and kernels): e4m3 values and fp32
-scales as the FP8 kernels read them (engine/kernels/triton/fp8_linear.py), run by the weight-only kernel for steps of
-up to WEIGHT_ONLY_ROWS tokens (decode batches) and by the FP8 GEMM with per-token activation scales above (prefill).
+scales as the FP8 kernels read them (engine/kernels/triton/fp8_linear.py, gemv.py), each step on the kernel its
+number of tokens calls for (GEMV_ROWS, DEQUANTIZED_ROWS below). A step of one token takes few_rows.py's fused GEMVs
+where the model allows them.
 The loader swaps it in for a core's FP8 linears on a GPU (engine/model/loader.py); on the CPU an FP8 core is
 dequantized instead, and this module runs only under the Triton interpreter, in tests."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from engine.model.fp8 import BLOCK_SCALE, CHANNEL_SCALE, VALUES, rows_expanded
 
-# Steps of up to this many tokens take the weight-only kernel: reading the weight once dominates there, and the
-# activations keep their precision; the GEMM above (to be tuned on the GPU with bench measurements).
-WEIGHT_ONLY_ROWS = 16
+# Which kernel a step of T tokens takes (bench/lab/gpu/fp8.py's sweep on an H200): up to GEMV_ROWS, the GEMV; up to
+# DEQUANTIZED_ROWS, the weight tiles dequantized onto the tensor cores (read once for every row, the activations as
+# they are: up to 13% faster than bf16's cuBLAS there, and past 16 rows slower than the FP8 products); above, the
+# activations quantized per token and e4m3 products: cuBLASLt's for a scale per output row (at 512-8,192 rows
+# 1.2-1.4x the Triton GEMM's speed), the Triton GEMM for block scales.
+GEMV_ROWS = 1
+DEQUANTIZED_ROWS = 16
 
 
 class Fp8Linear(nn.Module):
@@ -52,17 +59,22 @@ class Fp8Linear(nn.Module):
                    None if first.bias is None else torch.cat([p.bias for p in parts]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.triton.fp8_linear import fp8_gemm, fp8_weight_only, gemm_block_k
+        from engine.kernels.triton.fp8_linear import (fp8_dequantized_gemm, fp8_gemm, fp8_scaled_mm,
+                                                      gemm_block_k)
+        from engine.kernels.triton.gemv import fp8_config, gemv
 
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        weight_only = rows.shape[0] <= WEIGHT_ONLY_ROWS or \
-            gemm_block_k(self.scale_k or self.in_features, self.in_features) is None
-        if weight_only:
+        tiled = gemm_block_k(self.scale_k or self.in_features, self.in_features) is not None
+        if rows.shape[0] <= GEMV_ROWS or not tiled:
             # Under the CPU's interpreter (tests) a program costs far more than its rows: fewer, larger ones.
-            out = fp8_weight_only(rows, self.values, self.scale, self.scale_k, self.bias,
-                                  block_n=8 if rows.is_cuda else 64)
+            out = gemv(rows, self.values, self.bias, scale=self.scale, scale_k=self.scale_k,
+                       config=None if rows.is_cuda else replace(fp8_config(*self.values.shape), block_n=64))
+        elif rows.shape[0] <= DEQUANTIZED_ROWS:
+            out = fp8_dequantized_gemm(rows, self.values, self.scale, self.scale_k, self.bias)
+        elif self.scale_k is None and rows.is_cuda:
+            out = fp8_scaled_mm(rows, self.values, self.scale, self.bias)
         else:
             out = fp8_gemm(rows, self.values, self.scale, self.scale_k, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)

@@ -190,18 +190,28 @@ def latency(timings: list[tuple[float, float, str]]) -> str:
     return f"{statistics.median(times):.0f} / {p99:.0f} (n={len(times)})"
 
 
-def report(attacker: Attacker, timings: list[tuple[float, float, str]],
-           bursts: list[tuple[float, float]]) -> tuple[str, dict[str, bool]]:
+def worst(probes: list[tuple[float, float]]) -> str:
+    """The slowest /health answer in ms of (sent, seconds) probes, and how many."""
+    return f"{1000 * max(seconds for _, seconds in probes):.0f} (n={len(probes)})" if probes else "no probes"
+
+
+def report(attacker: Attacker, timings: list[tuple[float, float, str]], bursts: list[tuple[float, float]],
+           warm: float, probes: list[tuple[float, float]]) -> tuple[str, dict[str, bool]]:
     """The Markdown table of the attack kinds against the honest requests, and the checks: no 5xx to the attacker,
     honest requests finished during every kind, none failed with a 5xx outside the bursts or a dropped connection.
-    Latencies count the honest requests sent once the server finished its first (the first ones wait for the
-    engine's first steps), outside the overload bursts."""
-    first = min(end for _, end, _ in timings)
-    honest = [t for t in timings if t[0] >= first and not overlaps(t[0], t[1], bursts)]
+    Latencies count the honest requests sent after the warm-up (which ends at `warm`: before it, the first long
+    prompt is prefilled from scratch, where later ones find it cached), outside the overload bursts; the slowest
+    five are listed with the attacks beside them. `probes`: (sent, seconds) of /health probes, the slowest of those
+    after the warm-up and outside the bursts shown for each kind and for the quiet windows."""
+    honest = [t for t in timings if t[0] >= warm and not overlaps(t[0], t[1], bursts)]
     attacked = [(start, end) for _, start, end in attacker.windows]
+    probes = [(sent, seconds) for sent, seconds in probes
+              if sent >= warm and not overlaps(sent, sent + seconds, bursts)]
     baseline = latency([t for t in honest if not overlaps(t[0], t[1], attacked)])
+    quiet_probes = worst([p for p in probes if not overlaps(p[0], p[0] + p[1], attacked)])
     rows = ["| attack | sent: responses | server still serving (honest finished / failed) | honest latency during it, "
-            "median / p99 ms | baseline (quiet windows), median / p99 ms |", "|---|---|---|---|---|"]
+            "median / p99 ms | slowest /health during it, ms | baseline (quiet windows): latency median / p99, "
+            "slowest /health, ms |", "|---|---|---|---|---|---|"]
     server_errors, starved = {}, []
     for kind, counts in attacker.responses.items():
         windows = [(start, end) for k, start, end in attacker.windows if k == kind]
@@ -214,7 +224,15 @@ def report(attacker: Attacker, timings: list[tuple[float, float, str]],
             starved.append(kind)
         responses = ", ".join(f"{r} ×{n}" for r, n in counts.most_common())
         serving = f"{'yes' if finished and not failed else 'NO'} ({finished} / {failed})" if windows else "not run"
-        rows.append(f"| {kind} | {attacker.sent[kind]}: {responses} | {serving} | {latency([t for t in honest if t in during])} | {baseline} |")
+        health = worst([p for p in probes if overlaps(p[0], p[0] + p[1], windows)])
+        rows.append(f"| {kind} | {attacker.sent[kind]}: {responses} | {serving} | "
+                    f"{latency([t for t in honest if t in during])} | {health} | {baseline}, {quiet_probes} |")
+    origin = min(start for start, _, _ in timings)
+    slowest = sorted((t for t in honest if t[2].endswith(": finished")), key=lambda t: t[0] - t[1])[:5]
+    for start, end, outcome in slowest:
+        kinds = sorted({k for k, w_start, w_end in attacker.windows if start < w_end and w_start < end})
+        rows.append(f"slow honest request: {outcome} from {start - origin:.0f} s for {1000 * (end - start):.0f} ms, "
+                    f"beside {', '.join(kinds) or 'no attack'}")
     checks = {f"no 5xx or dropped connection for the attacker ({server_errors or 'none'})": not server_errors,
               f"honest requests finished and none failed during every attack kind ({starved or 'all'})": not starved}
     return "\n".join(rows), checks

@@ -16,7 +16,8 @@ Checks at the end (each printed; exit status 1 if any fails):
   completions >= the requests clients saw finish (a cut stream may still finish in the engine before its abort lands).
 With --attack, an attacker runs beside the honest clients (tests/e2e/attacker.py) and the checks add: no 5xx to the
 attacker, and honest requests finished during every attack kind's windows; a table compares the honest clients'
-latency during each kind with the quiet windows between them.
+latency after the warm-up, and the slowest /health probe (one every half second), during each kind with the quiet
+windows between them, and the slowest honest requests are listed with the attacks beside them.
 Not part of CI (it takes minutes); needs psutil (installed with the ignition extra's accelerate).
 """
 
@@ -54,6 +55,7 @@ class Tally:
         self.in_burst = threading.Event()
         self.timings: list[tuple[float, float, str]] = []  # start, end, outcome of every honest request
         self.bursts: list[tuple[float, float]] = []
+        self.probes: list[tuple[float, float]] = []  # sent, seconds of every /health probe
 
     def add(self, key: str) -> None:
         with self.lock:
@@ -121,6 +123,16 @@ def client_loop(base_url: str, model: str, until: float, tally: Tally, long_prom
         one_request(client, model, rng.choice(kinds), tally, long_prompt)
 
 
+def health_loop(base_url: str, until: float, tally: Tally) -> None:
+    """/health twice a second: how long a probe of the frontend's event loop waits while the server works."""
+    with httpx.Client(timeout=60) as client:
+        while time.monotonic() < until:
+            sent = time.monotonic()
+            client.get(f"{base_url}/health")
+            tally.probes.append((sent, time.monotonic() - sent))
+            time.sleep(max(0.0, 0.5 - (time.monotonic() - sent)))
+
+
 def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
     while time.monotonic() + BURST_EVERY < until:
@@ -138,12 +150,21 @@ def burst_loop(base_url: str, model: str, until: float, tally: Tally) -> None:
         tally.bursts.append((start, time.monotonic()))
 
 
+def process_name(process: psutil.Process) -> str:
+    """`-m module` for Flare's processes; a worker started by `-c` code (multiprocessing's) is named by its parent."""
+    def module(args: list[str]) -> str:
+        return args[args.index("-m") + 1] if "-m" in args[:-1] else " ".join(args[1:3])
+
+    args = process.cmdline()
+    return module(args) if "-m" in args[:-1] else f"a worker of {module(process.parent().cmdline())}"
+
+
 def rss(server: Server) -> dict[str, int]:
     """RSS by process, each named by its command line's module and pid (workers replaced meanwhile are left out)."""
     sizes = {}
     for child in psutil.Process(server.process.pid).children(recursive=True):
         try:
-            sizes[f"{' '.join(child.cmdline()[1:3])} ({child.pid})"] = child.memory_info().rss
+            sizes[f"{process_name(child)} ({child.pid})"] = child.memory_info().rss
         except psutil.Error:  # exited, or exited and not yet reaped
             pass
     return sizes
@@ -174,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         threads = [threading.Thread(target=client_loop, args=(server.base_url, model, until, tally, long_prompt, i))
                    for i in range(args.clients)]
         threads.append(threading.Thread(target=burst_loop, args=(server.base_url, model, until, tally)))
+        threads.append(threading.Thread(target=health_loop, args=(server.base_url, until, tally)))
         if args.attack:
             addresses = [replica_address(server.engine_address, r, args.replicas) for r in range(args.replicas)]
             attacker = Attacker(server.base_url, addresses, args.core, API_KEY, model, tally.in_burst)
@@ -186,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  and time.monotonic() < until):
             time.sleep(WARMUP_SAMPLE_SECONDS)
             warm = {name: max(size, warm.get(name, 0)) for name, size in rss(server).items()}
+        warm_end = time.monotonic()
         trace = [rss(server)]  # a sample a minute: whether growth levels off, not only how much there was
         for thread in threads:
             while thread.is_alive():
@@ -216,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         f"completions {completed:.0f} >= requests finished at clients {finished}": completed >= finished,
     }
     if attacker is not None:
-        table, attack_checks = report(attacker, tally.timings, tally.bursts)
+        table, attack_checks = report(attacker, tally.timings, tally.bursts, warm_end, tally.probes)
         checks |= attack_checks
         print(table)
     print(f"client outcomes: {dict(sorted(tally.counts.items()))}")

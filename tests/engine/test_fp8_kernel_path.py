@@ -1,8 +1,8 @@
 """An FP8 core on the kernel path: its linears stay FP8 (engine/model/fp8_linear.py), fused as the Triton backend
 fuses them, and run the FP8 kernels; on the CPU under the Triton interpreter, against the same core dequantized (the
-torch reference, fp32). Steps of up to WEIGHT_ONLY_ROWS tokens take the weight-only kernel: the activations as they
-are, so greedy tokens equal the reference's. Longer steps take the FP8 GEMM, which rounds the activations to e4m3
-per token: its logits equal the reference's with each FP8 linear's input rounded so (in this tiny random model that
+torch reference, fp32). Steps of up to DEQUANTIZED_ROWS tokens take the GEMV or the dequantizing GEMM: the
+activations as they are, so greedy tokens equal the reference's. Longer steps take the FP8 GEMM, which rounds the
+activations to e4m3 per token: its logits equal the reference's with each FP8 linear's input rounded so (in this tiny random model that
 rounding alone moves the logits by a quarter). On a GPU: the captured graphs give the eager executor's tokens."""
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ pytest.importorskip("triton")
 
 from engine.kernels.triton.fp8_linear import quantize_rows_reference  # noqa: E402
 from engine.model.backends.select import use_backend  # noqa: E402
-from engine.model.fp8_linear import WEIGHT_ONLY_ROWS, Fp8Linear  # noqa: E402
+from engine.model.fp8_linear import DEQUANTIZED_ROWS, Fp8Linear  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
 from tests.engine.test_tensor_parallel import write_tiny_core  # noqa: E402
 from tests.support.engine_harness import Harness  # noqa: E402
 from tests.support.fp8_checkpoints import as_fp8  # noqa: E402
 
 CONTEXT = 1024
-SHORT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # a prompt step within WEIGHT_ONLY_ROWS
-LONG = list(range(20, 44))  # one over it: the GEMM
+SHORT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # a prompt step within DEQUANTIZED_ROWS, then steps of one row
+LONG = list(range(20, 44))  # one over it: the FP8 GEMM
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def greedy(model: torch.nn.Module, prompt: list[int], device: str = "cpu") -> li
 
 
 def last_logits(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
-    harness = Harness(model)
+    harness = Harness(model, chunk=len(prompt))  # one step of the whole prompt
     request = harness.add(prompt, label_queries=[(len(prompt) - 1, tuple(range(model.config.vocab_size)))])
     harness.run()
     harness.close()
@@ -64,7 +64,7 @@ def test_fp8_kernels_run_the_fused_fp8_linears_with_the_dequantized_cores_tokens
     assert isinstance(mlp.gate_up, Fp8Linear) and mlp.gate_up.scale_k == 32
     assert isinstance(attn.o_proj, Fp8Linear) and attn.o_proj.values.dtype == torch.float8_e4m3fn
     _, reference = load_model(fp8_core, torch.device("cpu"))
-    assert len(SHORT) <= WEIGHT_ONLY_ROWS < len(LONG)
+    assert len(SHORT) <= DEQUANTIZED_ROWS < len(LONG)
     assert greedy(model, SHORT) == greedy(reference, SHORT)
     for layer in reference.model.layers:  # the GEMM's activations: each row rounded to e4m3 with its own scale
         for linear in (*layer.self_attn.children(), *layer.mlp.children()):
@@ -83,9 +83,9 @@ def per_token_e4m3(module: torch.nn.Module, inputs: tuple[torch.Tensor]) -> tupl
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 def test_fp8_graphs_give_the_eager_executors_tokens(fp8_core: Path) -> None:
-    """One prompt of two whole prefill chunks, then decode steps of one row: every step takes the same kernel
-    eager and in its graph (an extend step of WEIGHT_ONLY_ROWS tokens or fewer would not: eager it runs the
-    weight-only kernel, in its graph, padded to 64 rows, the GEMM)."""
+    """One prompt of two whole prefill chunks, then decode steps of one row: every step takes the same kernels
+    eager and in its graph (a step just under DEQUANTIZED_ROWS tokens would not where its graph pads it past them:
+    eager the dequantizing GEMM, in its graph the FP8 GEMM)."""
     from tests.engine.test_graph_executor import CHUNK, gpu_harness
 
     prompt = list(range(10, 10 + 2 * CHUNK))

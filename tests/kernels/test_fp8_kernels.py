@@ -13,9 +13,11 @@ import torch
 GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
 
-from engine.kernels.triton.fp8_linear import (fp8_gemm, fp8_gemm_reference, fp8_weight_only,  # noqa: E402
+from engine.kernels.triton.fp8_linear import (DequantizedConfig, GemmConfig, fp8_dequantized_gemm,  # noqa: E402
+                                              fp8_gemm, fp8_gemm_reference, fp8_scaled_mm,
                                               fp8_weight_only_reference, gemm_block_k, quantize_rows,
                                               quantize_rows_reference)
+from engine.kernels.triton.gemv import gemv  # noqa: E402
 from engine.model.fp8 import rows_expanded  # noqa: E402
 from tests.support.fp8_checkpoints import block_quantized, channel_quantized  # noqa: E402
 
@@ -55,11 +57,44 @@ def test_weight_only_product_equals_its_reference(n: int, k: int, block: tuple[i
     x = torch.randn(rows, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
     values, scale, x, bias = (t.to(DEVICE) for t in (values, scale, x, bias))
-    out = fp8_weight_only(x, values, scale, scale_k, bias)
+    out = gemv(x, values, bias, scale=scale, scale_k=scale_k)
     assert out.dtype == dtype and out.shape == (rows, n)
     expected = fp8_weight_only_reference(x, values, scale, scale_k, bias)
     assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
     assert relative_error(out, x.float() @ dense.to(DEVICE).T + bias.float()) < 0.05
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, block", SHAPES)
+@pytest.mark.parametrize("rows", [5, 70])
+def test_dequantizing_gemm_equals_the_weight_only_reference(n: int, k: int, block: tuple[int, int] | None, rows: int,
+                                                            dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(n + k + rows)
+    dense, values, scale, scale_k = weight(n, k, block, generator)
+    if scale_k is not None and gemm_block_k(scale_k, k) is None:
+        pytest.skip("scale blocks that take no K tile run the GEMV")
+    x = torch.randn(rows, k, generator=generator).to(dtype)
+    bias = torch.randn(n, generator=generator).to(dtype)
+    values, scale, x, bias = (t.to(DEVICE) for t in (values, scale, x, bias))
+    config = None if GPU else DequantizedConfig(32, 16, 64, 4, 2)  # rows over two row tiles under the interpreter
+    out = fp8_dequantized_gemm(x, values, scale, scale_k, bias, config)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    expected = fp8_weight_only_reference(x, values, scale, scale_k, bias)
+    assert relative_error(out, expected) < (1e-5 if dtype == torch.float32 else 1e-2)
+    assert relative_error(out, x.float() @ dense.to(DEVICE).T + bias.float()) < 0.05
+
+
+@pytest.mark.skipif(not GPU, reason="cuBLASLt's FP8 product runs on a GPU")
+@pytest.mark.parametrize("rows", [5, 700])
+def test_cublaslt_product_with_row_wise_scales_equals_the_gemms_reference(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    dense, values, scale, _ = weight(4096, 14336, None, generator)
+    x = (torch.randn(rows, 14336, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).bfloat16()
+    bias = torch.randn(4096, generator=generator).bfloat16()
+    values, scale, x, bias = (t.to(DEVICE) for t in (values, scale, x, bias))
+    out = fp8_scaled_mm(x, values, scale, bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 4096)
+    assert relative_error(out, fp8_gemm_reference(x, values, scale, None, bias)) < 1e-2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,7 +107,7 @@ def test_fp8_gemm_with_per_token_activation_scales_equals_its_reference(
     x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
     x[1] = 0  # a row of zeros: zeros out
     values, scale, x = (t.to(DEVICE) for t in (values, scale, x))
-    out = fp8_gemm(x, values, scale, scale_k, block_m=32, block_n=32)
+    out = fp8_gemm(x, values, scale, scale_k, config=GemmConfig(32, 32, 4, 2, group_m=2))
     assert out.dtype == dtype and out.shape == (rows, n) and not out[1].any()
     assert relative_error(out, fp8_gemm_reference(x, values, scale, scale_k)) < \
         (1e-5 if dtype == torch.float32 else 1e-2)

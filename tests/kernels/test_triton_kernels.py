@@ -22,6 +22,8 @@ from engine.kernels.triton.page_table import apply_patches, apply_patches_refere
 from engine.kernels.triton.penalties import process_logits, process_logits_reference  # noqa: E402
 from engine.kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
 from engine.kernels.triton.rotary import head_rms_norm_reference, rope_and_store, rope_and_store_reference, rope_table  # noqa: E402
+from engine.model.fp8 import rows_expanded  # noqa: E402
+from tests.support.fp8_checkpoints import block_quantized, channel_quantized  # noqa: E402
 
 # On a GPU these are GPU tests (`pytest -m gpu` selects them); on the CPU they run in CI under the interpreter.
 pytestmark = [pytest.mark.gpu] if GPU else []
@@ -234,7 +236,9 @@ def test_silu_and_mul_matches_reference(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fusion", ["plain", "norm", "silu_mul", "bias_residual"])
-def test_gemv_matches_reference(dtype: torch.dtype, fusion: str) -> None:
+@pytest.mark.parametrize("fp8", [None, "channel", "block"])
+def test_gemv_matches_reference(dtype: torch.dtype, fusion: str, fp8: str | None) -> None:
+    """fp8: the weight as e4m3 values with a scale per output row, or per block of 16 rows and 32 columns."""
     g = torch.Generator().manual_seed(12)
     # (N, K): the 8B's q/k/v and down on the GPU; on the CPU, N not a multiple of BLOCK_N and K of BLOCK_K too
     shapes = [(6144, 4096), (4096, 14336)] if GPU else [(40, 64), (24, 80)]
@@ -245,6 +249,12 @@ def test_gemv_matches_reference(dtype: torch.dtype, fusion: str) -> None:
                                                   in ((rows, width), (n_out, k_in), (n_out,), (k_in,), (rows, n_out)))
         weight /= k_in ** 0.5
         kwargs = dict(norm=(norm_weight, 1e-6) if fusion == "norm" else None, silu_mul=fusion == "silu_mul")
+        if fp8 == "channel":
+            weight, scale = channel_quantized(weight.float())
+            kwargs.update(scale=scale.to(DEVICE))
+        elif fp8 == "block":
+            weight, scale = block_quantized(weight.float(), (16, 32))
+            kwargs.update(scale=rows_expanded(scale, n_out, 16).to(DEVICE), scale_k=32)
         if fusion == "bias_residual":
             kwargs.update(bias=bias, residual=residual)
         ref = gemv_reference(x, weight, **kwargs)

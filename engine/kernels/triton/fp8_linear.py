@@ -5,9 +5,8 @@ The kernels read the weight scales as [N, S]: one row per output row, S = 1 per 
 blocks of bk columns (a block checkpoint's [N / bn, K / bk] scales repeated over each block's bn rows at load, so that
 the parts of a fused q/k/v or gate/up product concatenate whatever their rows: 1/32 of the weight's bytes at bk = 128).
 
-- `fp8_weight_only`: the decode path. Each program reads BLOCK_N weight rows over the whole of K, dequantizes them in
-  registers (a block scale per element, a channel scale once at the end) and multiplies by the activations as they
-  are (bf16 or fp32), accumulating in fp32: a step of one token reads one byte a weight, half of bf16's.
+- the decode path is the GEMV's (engine/kernels/triton/gemv.py): weights dequantized in registers, the activations as
+  they are (bf16 or fp32), fp32 sums; `fp8_weight_only_reference` is its reference here.
 - `fp8_gemm`: prefill and large batches. The activations are quantized per token (`quantize_rows`: scale =
   max|x| / 448 of the row, values rounded to nearest), then e4m3 x e4m3 products accumulate in fp32 tile by tile;
   each K tile lies inside one scale block (BLOCK_K divides bk), so its partial product takes its block's scale, and
@@ -16,38 +15,13 @@ the parts of a fused q/k/v or gate/up product concatenate whatever their rows: 1
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 E4M3_MAX = 448.0
-
-
-@triton.jit
-def _weight_only(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, n_out, k_in, stride_x, stride_w, stride_s, stride_o,
-                 scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = (n % n_out).to(tl.int64)  # wrapped rows: no mask on N
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for start in range(0, k_in, BLOCK_K):
-        cols = start + k
-        inside = cols < k_in
-        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=inside[None, :], other=0.0)
-        w = w.to(tl.float32)
-        if not PER_CHANNEL:
-            w = w * tl.load(s_ptr + rows[:, None] * stride_s + (cols // scale_k)[None, :], mask=inside[None, :],
-                            other=0.0)
-        a = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-        acc += w * a[None, :]
-    y = tl.sum(acc, 1)
-    if PER_CHANNEL:
-        y = y * tl.load(s_ptr + rows * stride_s)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + n, y.to(out_ptr.dtype.element_ty), mask=n < n_out)
 
 
 @triton.jit
@@ -82,19 +56,30 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.co
 
 @triton.jit
 def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, stride_a, stride_w, stride_s,
-          stride_o, scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+          stride_o, scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Programs in groups of GROUP_M row tiles walk the column tiles together: a weight tile read from memory serves
+    # the group's rows from the L2 cache.
+    tiles_m, tiles_n = tl.cdiv(m_rows, BLOCK_M), tl.cdiv(n_out, BLOCK_N)
+    pid = tl.program_id(0)
+    group = pid // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    m = (first_m + (pid % group_m)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = ((pid % (GROUP_M * tiles_n)) // group_m) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     m_safe = (m % m_rows).to(tl.int64)  # wrapped rows and columns: no masks on M and N in the loop
     n_safe = (n % n_out).to(tl.int64)
+    a_ptrs = a_ptr + m_safe[:, None] * stride_a + k[None, :]
+    b_ptrs = w_ptr + n_safe[None, :] * stride_w + k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, k_in, BLOCK_K):
-        cols = start + k
-        inside = cols < k_in
-        a = tl.load(a_ptr + m_safe[:, None] * stride_a + cols[None, :], mask=inside[None, :], other=0.0)
-        b = tl.load(w_ptr + n_safe[None, :] * stride_w + cols[:, None], mask=inside[:, None], other=0.0)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(k < k_in - start)[:, None], other=0.0)
         # Hopper's FP8 MMA keeps its sums in fewer bits than fp32 unless told how many products to add that way
         # (Triton's default there: all of them); a tile's worth, then into the fp32 accumulator.
         part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
@@ -102,6 +87,8 @@ def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, s
             acc += part
         else:
             acc += part * tl.load(s_ptr + n_safe * stride_s + start // scale_k)[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     if PER_CHANNEL:
         acc = acc * tl.load(s_ptr + n_safe * stride_s)[None, :]
     acc = acc * tl.load(sa_ptr + m_safe)[:, None]
@@ -109,6 +96,79 @@ def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, s
         acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
     out = out_ptr + m.to(tl.int64)[:, None] * stride_o + n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < m_rows)[:, None] & (n < n_out)[None, :])
+
+
+@triton.jit
+def _dequantized_gemm(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, stride_x, stride_w, stride_s,
+                      stride_o, scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # The row tile is the grid's fastest dimension: the row tiles of one weight tile run side by side, and it is
+    # read from memory once.
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m_safe = (m % m_rows).to(tl.int64)
+    n_safe = (n % n_out).to(tl.int64)
+    x_ptrs = x_ptr + m_safe[:, None] * stride_x + k[None, :]
+    w_ptrs = w_ptr + n_safe[None, :] * stride_w + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, k_in, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            a = tl.load(x_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(k < k_in - start)[:, None], other=0.0)
+        w = w.to(a.dtype)  # exact: e4m3's values are 16-bit and fp32 values too
+        if IEEE:
+            part = tl.dot(a, w, input_precision="ieee")
+        else:
+            part = tl.dot(a, w)
+        if PER_CHANNEL:
+            acc += part
+        else:
+            acc += part * tl.load(s_ptr + n_safe * stride_s + start // scale_k)[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if PER_CHANNEL:
+        acc = acc * tl.load(s_ptr + n_safe * stride_s)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
+    out = out_ptr + m.to(tl.int64)[:, None] * stride_o + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < m_rows)[:, None] & (n < n_out)[None, :])
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """BLOCK_M x BLOCK_N output tiles, GROUP_M row tiles walking the columns together."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+# By the rows of a step: (most rows, config), the first that takes them (bench/lab/gpu/fp8.py's sweep on an H200).
+GEMM_CONFIGS = [(128, GemmConfig(64, 64, 4, 4)), (4096, GemmConfig(64, 128, 4, 4)),
+                (None, GemmConfig(128, 128, 8, 4))]
+
+
+def gemm_config(rows: int) -> GemmConfig:
+    return next(config for most, config in GEMM_CONFIGS if most is None or rows <= most)
+
+
+@dataclass(frozen=True)
+class DequantizedConfig:
+    """fp8_dequantized_gemm's BLOCK_M x BLOCK_N tiles (BLOCK_M at most: a step of fewer rows takes fewer, from 16)
+    over BLOCK_K columns a load (at most a scale block's)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+DEQUANTIZED_CONFIG = DequantizedConfig(16, 32, 256, 4, 4)  # fp32 rows fit its shared memory too
 
 
 def _checked(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None) -> tuple[int, int, int]:
@@ -124,26 +184,13 @@ def _checked(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k
 def gemm_block_k(scale_k: int, k_in: int) -> int | None:
     """The K tile of fp8_gemm for scale blocks of `scale_k` columns: the largest power of two up to 128 dividing them
     (at least 32, the smallest K of an 8-bit tl.dot), or None where none does (such a product takes
-    fp8_weight_only)."""
+    the GEMV)."""
     if scale_k >= k_in:
         return 128
     block = 128
     while block >= 32 and scale_k % block:
         block //= 2
     return block if block >= 32 else None
-
-
-def fp8_weight_only(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
-                    bias: torch.Tensor | None = None, block_n: int = 8, block_k: int = 256) -> torch.Tensor:
-    """x [T, K] (any float dtype) times the FP8 weight [N, K]^T (+ bias), in x's dtype; `scale` [N, S] covers
-    `scale_k` columns an entry (None: one scale per row)."""
-    n_out, k_in, scale_k = _checked(x, values, scale, scale_k)
-    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-    _weight_only[(x.shape[0], triton.cdiv(n_out, block_n))](
-        x, values, scale, bias if bias is not None else scale, out, n_out, k_in, x.stride(0), values.stride(0),
-        scale.stride(0), out.stride(0), scale_k, PER_CHANNEL=scale_k >= k_in, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k)
-    return out
 
 
 def quantize_rows(x: torch.Tensor, block_k: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,19 +203,50 @@ def quantize_rows(x: torch.Tensor, block_k: int = 256) -> tuple[torch.Tensor, to
 
 
 def fp8_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
-             bias: torch.Tensor | None = None, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
     """x [T, K] quantized per token, times the FP8 weight [N, K]^T (+ bias), in x's dtype; the scale blocks' columns
-    must take a K tile (gemm_block_k)."""
+    must take a K tile (gemm_block_k). config: gemm_config(T) when not given."""
     n_out, k_in, scale_k = _checked(x, values, scale, scale_k)
     block_k = gemm_block_k(scale_k, k_in)
     assert block_k is not None, f"scale blocks of {scale_k} columns take no K tile"
+    config = config or gemm_config(x.shape[0])
     a, a_scale = quantize_rows(x)
     out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-    _gemm[(triton.cdiv(x.shape[0], block_m), triton.cdiv(n_out, block_n))](
+    grid = (triton.cdiv(x.shape[0], config.block_m) * triton.cdiv(n_out, config.block_n),)
+    _gemm[grid](
         a, a_scale, values, scale, bias if bias is not None else scale, out, x.shape[0], n_out, k_in, a.stride(0),
         values.stride(0), scale.stride(0), out.stride(0), scale_k, PER_CHANNEL=scale_k >= k_in,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        HAS_BIAS=bias is not None, EVEN_K=k_in % block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
+
+
+def fp8_dequantized_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
+                         bias: torch.Tensor | None = None, config: DequantizedConfig | None = None) -> torch.Tensor:
+    """x [T, K] (16-bit or fp32, as it is) times the FP8 weight [N, K]^T (+ bias), in x's dtype: the weight tiles
+    dequantized to x's dtype in registers, on the tensor cores (fp32 exactly, not as tf32), fp32 sums. For decode
+    batches: the weight read once for all their rows, no activation quantization. Scale blocks must take a K tile
+    (gemm_block_k)."""
+    n_out, k_in, scale_k = _checked(x, values, scale, scale_k)
+    config = config or DEQUANTIZED_CONFIG
+    block_k = min(config.block_k, gemm_block_k(scale_k, k_in) if scale_k < k_in else config.block_k)
+    block_m = min(config.block_m, max(16, triton.next_power_of_2(x.shape[0])))
+    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
+    _dequantized_gemm[(triton.cdiv(x.shape[0], block_m), triton.cdiv(n_out, config.block_n))](
+        x, values, scale, bias if bias is not None else scale, out, x.shape[0], n_out, k_in, x.stride(0),
+        values.stride(0), scale.stride(0), out.stride(0), scale_k, PER_CHANNEL=scale_k >= k_in,
+        HAS_BIAS=bias is not None, EVEN_K=k_in % block_k == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def fp8_scaled_mm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_gemm's product for one scale per output row, by cuBLASLt (torch._scaled_mm with row-wise scales): the
+    activations quantized per token as fp8_gemm quantizes them."""
+    n_out, k_in, _ = _checked(x, values, scale, None)
+    a, a_scale = quantize_rows(x)
+    return torch._scaled_mm(a, values.T, scale_a=a_scale[:, None], scale_b=scale.T, bias=bias, out_dtype=x.dtype)
 
 
 def dequantized(values: torch.Tensor, scale: torch.Tensor, scale_k: int | None) -> torch.Tensor:

@@ -14,18 +14,26 @@ from engine.kernels.triton.rmsnorm import add_rms_norm
 from engine.model.attention import KernelMetadata
 from engine.model.backends.triton_layers import attend, moe
 from engine.model.decoder import MLP, CausalLM, DecoderLayer
+from engine.model.fp8_linear import Fp8Linear
 
 
 def runs_few_rows(layer: DecoderLayer) -> bool:
-    """Llama-style norms around each branch, plain (not tensor-parallel, not quantized) q/k/v and o, and a SiLU
-    MLP of plain products or a mixture of experts: the layers whose norms and adds the GEMVs fold in (not a
-    hybrid's linear attention)."""
+    """Llama-style norms around each branch, plain (not tensor-parallel, not GGUF-quantized; bf16 or FP8) q/k/v and
+    o, and a SiLU MLP of plain products or a mixture of experts: the layers whose norms and adds the GEMVs fold in
+    (not a hybrid's linear attention)."""
     if layer.linear:
         return False
     attn, mlp = layer.self_attn, layer.mlp
     plain = [attn.qkv, attn.o_proj] + ([mlp.gate_up, mlp.down_proj] if isinstance(mlp, MLP) else [])
-    return not layer.sandwich and all(type(p) is nn.Linear for p in plain) and \
+    return not layer.sandwich and all(type(p) in (nn.Linear, Fp8Linear) for p in plain) and \
         not (isinstance(mlp, MLP) and mlp.gelu)
+
+
+def weights(linear: nn.Linear | Fp8Linear) -> dict[str, torch.Tensor | int | None]:
+    """gemv's weight arguments for a linear: its weight and bias, and an FP8 weight's scales."""
+    if isinstance(linear, Fp8Linear):
+        return {"weight": linear.values, "bias": linear.bias, "scale": linear.scale, "scale_k": linear.scale_k}
+    return {"weight": linear.weight, "bias": linear.bias}
 
 
 def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor, positions: torch.Tensor,
@@ -36,12 +44,12 @@ def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor
     stream = model.embed(input_ids)  # a tensor of this step's own: the epilogues write into it
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = gemv(stream, attn.qkv.weight, attn.qkv.bias, norm=(layer.input_layernorm.kernel_weight(), eps))
+        qkv = gemv(stream, **weights(attn.qkv), norm=(layer.input_layernorm.kernel_weight(), eps))
         out = attend(attn, qkv, rope_positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
-        gemv(out.flatten(1), attn.o_proj.weight, attn.o_proj.bias, residual=stream)
+        gemv(out.flatten(1), **weights(attn.o_proj), residual=stream)
         norm = (layer.post_attention_layernorm.kernel_weight(), eps)
         if isinstance(mlp, MLP):
-            gemv(gemv(stream, mlp.gate_up.weight, norm=norm), mlp.down_proj.weight, silu_mul=True,
+            gemv(gemv(stream, **weights(mlp.gate_up), norm=norm), **weights(mlp.down_proj), silu_mul=True,
                  residual=stream)
         else:
             moe(mlp, add_rms_norm(stream, None, *norm)[0], residual=stream)
