@@ -2,6 +2,10 @@
 through attack kinds, each for a window of ATTACK_SECONDS followed by QUIET_SECONDS of quiet, and records per kind
 what it sent, what came back, and the windows, so that the soak can tell how honest clients fared during each.
 
+Alone, `python -m tests.e2e.attacker --core DIR` starts a server of one frontend and one engine, sends each kind one
+request at a time for a window while a client probes /health every 10 ms, and prints how long the probes took:
+whether one hostile request in flight stalls the frontend for everyone else.
+
 The kinds: malformed ZeroMQ frames on the engine's own socket (two frames, one frame of the wrong message type,
 undecodable bytes, a frame over the link's bound), a body over --body-limit, a prompt of many MiB, bodies trickled a
 byte at a time, grammars past their bounds (chained rules, counted repetition, a 5,000-branch anyOf), a flood of stop
@@ -10,7 +14,9 @@ strings, an Authorization header that is not UTF-8, and cross-origin text/plain 
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import socket
 import statistics
 import threading
@@ -24,7 +30,10 @@ from urllib.parse import urlsplit
 import httpx
 import zmq
 
+from tests.support.servers import Server
+
 from common import protocol as wire
+from common.supervisor import replica_address
 from common.links import frame_limit
 from common.manifest import load_manifest
 
@@ -236,3 +245,59 @@ def report(attacker: Attacker, timings: list[tuple[float, float, str]], bursts: 
     checks = {f"no 5xx or dropped connection for the attacker ({server_errors or 'none'})": not server_errors,
               f"honest requests finished and none failed during every attack kind ({starved or 'all'})": not starved}
     return "\n".join(rows), checks
+
+
+def probed(base_url: str, until: float) -> list[float]:
+    """Seconds of /health probes sent every 10 ms until `until`."""
+    times = []
+    with httpx.Client(timeout=60) as client:
+        while time.monotonic() < until:
+            sent = time.monotonic()
+            client.get(f"{base_url}/health")
+            times.append(time.monotonic() - sent)
+            time.sleep(max(0.0, 0.01 - (time.monotonic() - sent)))
+    return times
+
+
+def health_while_attacked(core: Path) -> str:
+    """The Markdown table of /health probe times during each kind, one hostile request at a time, and with none."""
+    api_key = "attacker-key"
+    server = Server(core, "--body-limit", str(BODY_LIMIT), "--body-timeout", str(BODY_TIMEOUT),
+                    env={**os.environ, "FLARE_API_KEY": api_key})
+    try:
+        model = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {api_key}"}
+                          ).json()["data"][0]["id"]
+        address = replica_address(server.engine_address, 0, 1)
+        attacker = Attacker(server.base_url, [address], core, api_key, model, threading.Event())
+        rows = ["| attack (one request at a time) | sent: responses | /health probes | median ms | slowest ms |",
+                "| --- | --- | --- | --- | --- |"]
+        for kind, attack in [("none", None), *attacker.kinds.items()]:
+            until = time.monotonic() + ATTACK_SECONDS
+            results: Counter[str] = Counter()
+
+            def send(attack: Callable[[], str] | None = attack) -> None:
+                while attack is not None and time.monotonic() < until:
+                    results[attack()] += 1
+            sender = threading.Thread(target=send)
+            sender.start()
+            times = probed(server.base_url, until)
+            sender.join()
+            answers = ", ".join(f"{r} ×{n}" for r, n in results.most_common()) or "-"
+            rows.append(f"| {kind} | {sum(results.values())}: {answers} | {len(times)} | "
+                        f"{1000 * statistics.median(times):.1f} | {1000 * max(times):.1f} |")
+        attacker.context.destroy(linger=0)
+        return "\n".join(rows)
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.e2e.attacker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--core", type=Path, required=True)
+    print(health_while_attacked(parser.parse_args(argv).core))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
