@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import msgspec
 from aiohttp import web
 
 from common.errors import (BodyTooLarge, EngineUnavailable, FlareError, FrontendBusy, InvalidRequest, NotFound,
@@ -108,16 +108,19 @@ async def read_json(request: web.Request) -> dict:
     return parse_json(raw)
 
 
+# msgspec's decoder: a third faster than json's on bodies of many small values, which hold the interpreter's lock
+# (and so the event loop) for as long as they parse, even on the worker pool. Floats as json reads them (1e400 is
+# inf, for the field's own check to name).
+BODY_DECODER = msgspec.json.Decoder(float_hook=float)
+
+
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
-                             f"{exc.colno}") from None
-    except ValueError as exc:  # an integer literal of thousands of digits
+        body = BODY_DECODER.decode(raw)
+    except msgspec.ValidationError as exc:  # an integer literal of thousands of digits
         raise InvalidRequest(f"the request body holds a number out of range: {str(exc)[:80]}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise InvalidRequest("the request body is nested too deeply") from None
     if not isinstance(body, dict):
@@ -191,7 +194,7 @@ def check_api_key(request: web.Request, api_key: str) -> None:
 async def health(request: web.Request) -> web.Response:
     frontend = frontend_of(request)
     if frontend.client.connected and not frontend.draining:
-        replicas = [{"connected": r.client.connected, "load": r.load(), "routed": r.routed, "cached_blocks": len(r.keys)}
-                    for r in frontend.client.replicas]
+        replicas = [{"connected": r.client.connected, "load": r.load(), "routed": r.routed,
+                     "cached_blocks": len(r.keys)} for r in frontend.client.replicas]
         return json_response({"status": "ok", "replicas": replicas})
     raise EngineUnavailable("the engine is unreachable" if not frontend.client.connected else "draining")
