@@ -56,8 +56,11 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.co
 
 @triton.jit
 def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, stride_a, stride_w, stride_s,
-          stride_o, scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+          stride_o, scale_k, E4M3_A: tl.constexpr, IEEE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+          HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """E4M3_A: the activations are e4m3 with a scale per row (sa_ptr), multiplied by the weight as e4m3; otherwise
+    they are as they are (16-bit or fp32: IEEE, not as tf32) and each weight tile is dequantized to their dtype."""
     # Programs in groups of GROUP_M row tiles walk the column tiles together: a weight tile read from memory serves
     # the group's rows from the L2 cache.
     tiles_m, tiles_n = tl.cdiv(m_rows, BLOCK_M), tl.cdiv(n_out, BLOCK_N)
@@ -80,9 +83,14 @@ def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, s
         else:
             a = tl.load(a_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=(k < k_in - start)[:, None], other=0.0)
-        # Hopper's FP8 MMA keeps its sums in fewer bits than fp32 unless told how many products to add that way
-        # (Triton's default there: all of them); a tile's worth, then into the fp32 accumulator.
-        part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+        if E4M3_A:
+            # Hopper's FP8 MMA keeps its sums in fewer bits than fp32 unless told how many products to add that
+            # way (Triton's default there: all of them); a tile's worth, then into the fp32 accumulator.
+            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+        elif IEEE:
+            part = tl.dot(a, b.to(a.dtype), input_precision="ieee")  # exact: e4m3 values are fp32 values
+        else:
+            part = tl.dot(a, b.to(a.dtype))  # and 16-bit values
         if PER_CHANNEL:
             acc += part
         else:
@@ -91,47 +99,8 @@ def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, s
         b_ptrs += BLOCK_K
     if PER_CHANNEL:
         acc = acc * tl.load(s_ptr + n_safe * stride_s)[None, :]
-    acc = acc * tl.load(sa_ptr + m_safe)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
-    out = out_ptr + m.to(tl.int64)[:, None] * stride_o + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < m_rows)[:, None] & (n < n_out)[None, :])
-
-
-@triton.jit
-def _dequantized_gemm(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, stride_x, stride_w, stride_s,
-                      stride_o, scale_k, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-                      IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # The row tile is the grid's fastest dimension: the row tiles of one weight tile run side by side, and it is
-    # read from memory once.
-    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    m_safe = (m % m_rows).to(tl.int64)
-    n_safe = (n % n_out).to(tl.int64)
-    x_ptrs = x_ptr + m_safe[:, None] * stride_x + k[None, :]
-    w_ptrs = w_ptr + n_safe[None, :] * stride_w + k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, k_in, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            a = tl.load(x_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=(k < k_in - start)[:, None], other=0.0)
-        w = w.to(a.dtype)  # exact: e4m3's values are 16-bit and fp32 values too
-        if IEEE:
-            part = tl.dot(a, w, input_precision="ieee")
-        else:
-            part = tl.dot(a, w)
-        if PER_CHANNEL:
-            acc += part
-        else:
-            acc += part * tl.load(s_ptr + n_safe * stride_s + start // scale_k)[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    if PER_CHANNEL:
-        acc = acc * tl.load(s_ptr + n_safe * stride_s)[None, :]
+    if E4M3_A:
+        acc = acc * tl.load(sa_ptr + m_safe)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
     out = out_ptr + m.to(tl.int64)[:, None] * stride_o + n[None, :]
@@ -211,13 +180,22 @@ def fp8_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k
     assert block_k is not None, f"scale blocks of {scale_k} columns take no K tile"
     config = config or gemm_config(x.shape[0])
     a, a_scale = quantize_rows(x)
-    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(x.shape[0], config.block_m) * triton.cdiv(n_out, config.block_n),)
-    _gemm[grid](
-        a, a_scale, values, scale, bias if bias is not None else scale, out, x.shape[0], n_out, k_in, a.stride(0),
-        values.stride(0), scale.stride(0), out.stride(0), scale_k, PER_CHANNEL=scale_k >= k_in,
-        HAS_BIAS=bias is not None, EVEN_K=k_in % block_k == 0, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+    return _launch(a, a_scale, values, scale, scale_k, bias, x.dtype, config.block_m, config.block_n, block_k,
+                   config.group_m, config.num_warps, config.num_stages)
+
+
+def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, values: torch.Tensor, scale: torch.Tensor, scale_k: int,
+            bias: torch.Tensor | None, dtype: torch.dtype, block_m: int, block_n: int, block_k: int, group_m: int,
+            num_warps: int, num_stages: int) -> torch.Tensor:
+    """_gemm over a [T, K]: e4m3 with `a_scale` per row, or as it is (a_scale None)."""
+    (rows, k_in), n_out = a.shape, values.shape[0]
+    out = torch.empty(rows, n_out, dtype=dtype, device=a.device)
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n_out, block_n),)
+    _gemm[grid](a, a_scale if a_scale is not None else scale, values, scale, bias if bias is not None else scale, out,
+                rows, n_out, k_in, a.stride(0), values.stride(0), scale.stride(0), out.stride(0), scale_k,
+                E4M3_A=a_scale is not None, IEEE=a.dtype == torch.float32, PER_CHANNEL=scale_k >= k_in,
+                HAS_BIAS=bias is not None, EVEN_K=k_in % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
+                BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -231,13 +209,8 @@ def fp8_dequantized_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Ten
     config = config or DEQUANTIZED_CONFIG
     block_k = min(config.block_k, gemm_block_k(scale_k, k_in) if scale_k < k_in else config.block_k)
     block_m = min(config.block_m, max(16, triton.next_power_of_2(x.shape[0])))
-    out = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
-    _dequantized_gemm[(triton.cdiv(x.shape[0], block_m), triton.cdiv(n_out, config.block_n))](
-        x, values, scale, bias if bias is not None else scale, out, x.shape[0], n_out, k_in, x.stride(0),
-        values.stride(0), scale.stride(0), out.stride(0), scale_k, PER_CHANNEL=scale_k >= k_in,
-        HAS_BIAS=bias is not None, EVEN_K=k_in % block_k == 0, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
-        BLOCK_N=config.block_n, BLOCK_K=block_k, num_warps=config.num_warps, num_stages=config.num_stages)
-    return out
+    return _launch(x, None, values, scale, scale_k, bias, x.dtype, block_m, config.block_n, block_k, 8,
+                   config.num_warps, config.num_stages)
 
 
 def fp8_scaled_mm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
