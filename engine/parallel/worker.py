@@ -39,6 +39,8 @@ def check_plan(plan: Plan, num_pages: int, page_size: int, max_active: int, voca
     moves = plan.spills + tuple((page, slot) for slot, page in plan.restores)  # spills (page, slot); restores reversed
     if any(not (0 <= page < num_pages and 0 <= slot < host_slots) for page, slot in moves):
         return f"a host-tier copy names a page outside [0, {num_pages}) or a host slot outside [0, {host_slots})"
+    if plan.state_spills or plan.state_restores:  # (a hybrid model has no host tier under tensor parallelism)
+        return "a host-tier copy names a snapshot row, and this rank keeps none"
     return None
 
 
