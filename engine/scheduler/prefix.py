@@ -337,7 +337,8 @@ class PrefixReuse:
         self.host.pin(entry.slot)  # until the snapshot's restore is sent
         self.pending_snapshot_restores.append(SnapshotRestore(entry.snapshot, self.slot_rows + transit, entry.slot,
                                                               request))
-        self.pending_state.append(StateCopy(self.slot_rows + transit, request.slot, transit, request, None, True))
+        self.pending_state.append(StateCopy(self.slot_rows + transit, request.slot, transit, request, None,
+                                            transit=True))
         self.counters["host_snapshot_restores"] += 1
         self.counters["host_bytes_in"] += self.snapshot_bytes
 
