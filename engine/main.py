@@ -129,15 +129,12 @@ def select_device(name: str) -> tuple[torch.device, str]:
 def retained_pages(args: argparse.Namespace, model: CausalLM, device: torch.device, page_size: int,
                    dtype: torch.dtype, world_size: int) -> tuple[int, int]:
     """The host tier's pages and snapshot rows (a hybrid model's; docs/design.md, Host retention). Under tensor
-    parallelism each rank keeps its shard of a page, and the default budget is shared by the ranks of the machine;
-    a hybrid model has no host tier there."""
+    parallelism each rank keeps its shard of a page (and of a snapshot row), and the default budget is shared by the
+    ranks of the machine."""
     budget = host_budget(device) // world_size if args.host_cache_bytes is None else args.host_cache_bytes
     rows = host_snapshot_rows(model.config, dtype, budget) if model.config.hybrid else 0
-    if budget and model.config.hybrid and (world_size > 1 or not rows):
-        # Under tensor parallelism the ranks would have to agree on snapshot rows too, and check the state rows a
-        # step names, as they do pages.
-        log.info("no host tier: %s", "a hybrid model's snapshots are not retained under tensor parallelism"
-                 if world_size > 1 else "the budget holds no recurrent-state snapshot row")
+    if budget and model.config.hybrid and not rows:
+        log.info("no host tier: the budget holds no recurrent-state snapshot row")
         return 0, 0
     row_bytes = rows * RecurrentState.row_bytes(model.config, dtype)
     slots = (budget - row_bytes) // host_slot_bytes(model.config, page_size, dtype)
@@ -197,7 +194,10 @@ def main(argv: list[str] | None = None) -> None:
     channel = connect(tp, args.dist_address, keys, limit * max_active) if tp else None
     host_slots, host_snapshots = retained_pages(args, model, device, caps.page_size, dtype, args.world_size)
     if channel:  # every rank allocates the same pages and slots
-        num_pages, max_active, host_slots = channel.setup(num_pages, max_active, host_slots)
+        num_pages, max_active, host_slots, host_snapshots = channel.setup(num_pages, max_active, host_slots,
+                                                                          host_snapshots)
+        if model.config.hybrid and not host_snapshots:  # (some rank's budget holds no snapshot row)
+            host_slots = 0
     identity = cache_identity(manifest, dtype)
     disk = disk_tier(args, identity, model, caps.page_size, dtype) \
         if host_slots and not channel and not model.config.hybrid else None
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(channel, Follower):
             log.info("rank %d of %d: shard loaded in %.1fs, %d KV pages; following rank 0", args.rank,
                      args.world_size, time.monotonic() - started, num_pages)
-            os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size, host_slots))
+            os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size, host_slots,
+                           max_active + (snapshots or 0), host_snapshots))
         executor = TensorParallelExecutor(executor, channel)
     speculative = args.speculative
     if model.config.hybrid and speculative != "off":
