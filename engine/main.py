@@ -34,7 +34,7 @@ from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.tier_copies import host_slot_bytes, slot_shape
 from engine.model.decoder import CausalLM
 from engine.model.loader import DTYPES, load_model
-from engine.model.recurrent_state import RecurrentState, snapshot_rows
+from engine.model.recurrent_state import RecurrentState, host_snapshot_rows, snapshot_rows
 from engine.parallel.executor import TensorParallelExecutor
 from engine.parallel.group import join, rank_device
 from engine.parallel.step_channel import Follower, RankFailure, connect
@@ -127,19 +127,21 @@ def select_device(name: str) -> tuple[torch.device, str]:
 
 
 def retained_pages(args: argparse.Namespace, model: CausalLM, device: torch.device, page_size: int,
-                   dtype: torch.dtype, world_size: int) -> int:
-    """The host tier's pages (docs/design.md, Host retention): none for a hybrid model (its snapshots are not
-    retained). Under tensor parallelism each rank keeps its shard of a page, and the default budget is shared by the
+                   dtype: torch.dtype, world_size: int) -> tuple[int, int]:
+    """The host tier's pages and snapshot rows (a hybrid model's; docs/design.md, Host retention). Under tensor
+    parallelism each rank keeps its shard of a page (and of a snapshot row), and the default budget is shared by the
     ranks of the machine."""
     budget = host_budget(device) // world_size if args.host_cache_bytes is None else args.host_cache_bytes
-    if budget and model.config.hybrid:
-        log.info("no host tier: a hybrid model's snapshots are not retained there")
-        return 0
-    slots = budget // host_slot_bytes(model.config, page_size, dtype)
+    rows = host_snapshot_rows(model.config, dtype, budget) if model.config.hybrid else 0
+    if budget and model.config.hybrid and not rows:
+        log.info("no host tier: the budget holds no recurrent-state snapshot row")
+        return 0, 0
+    row_bytes = rows * RecurrentState.row_bytes(model.config, dtype)
+    slots = (budget - row_bytes) // host_slot_bytes(model.config, page_size, dtype)
     if slots:
-        log.info("host tier: %d pages (%.2f GiB)", slots, slots * host_slot_bytes(model.config, page_size, dtype)
-                 / (1 << 30))
-    return slots
+        log.info("host tier: %d pages%s (%.2f GiB)", slots, f" and {rows} snapshot rows" if rows else "",
+                 (slots * host_slot_bytes(model.config, page_size, dtype) + row_bytes) / (1 << 30))
+    return slots, rows if slots else 0
 
 
 def disk_tier(args: argparse.Namespace, identity: bytes, model: CausalLM, page_size: int,
@@ -190,25 +192,32 @@ def main(argv: list[str] | None = None) -> None:
     # A step's rows carry their requests' images (a vision model's eager step places text by them), so one step
     # message may hold what max_active Submits held.
     channel = connect(tp, args.dist_address, keys, limit * max_active) if tp else None
-    host_slots = retained_pages(args, model, device, caps.page_size, dtype, args.world_size)
+    host_slots, host_snapshots = retained_pages(args, model, device, caps.page_size, dtype, args.world_size)
     if channel:  # every rank allocates the same pages and slots
-        num_pages, max_active, host_slots = channel.setup(num_pages, max_active, host_slots)
+        num_pages, max_active, host_slots, host_snapshots = channel.setup(num_pages, max_active, host_slots,
+                                                                          host_snapshots)
+        if model.config.hybrid and not host_snapshots:  # (some rank's budget holds no snapshot row)
+            host_slots = 0
     identity = cache_identity(manifest, dtype)
-    disk = disk_tier(args, identity, model, caps.page_size, dtype) if host_slots and not channel else None
+    disk = disk_tier(args, identity, model, caps.page_size, dtype) \
+        if host_slots and not channel and not model.config.hybrid else None
     if args.disk_cache is not None and not disk:
         # Under tensor parallelism each rank would write its own shard of every file, and a file one rank could
-        # not read would have to be refused by all.
+        # not read would have to be refused by all. A hybrid model's files would have to hold its snapshots too.
         log.warning("no disk tier: %s", "not under tensor parallelism" if channel else
+                    "a hybrid model's snapshots are not written to files" if model.config.hybrid else
                     "it takes what a host tier gives up, and there is none (--host-cache-bytes)")
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
                              step_tokens, graphs=not args.eager, snapshots=snapshots or 0, host_slots=host_slots,
-                             disk=(args.disk_cache, identity) if disk is not None else None)
+                             disk=(args.disk_cache, identity) if disk is not None else None,
+                             host_snapshots=host_snapshots)
     if channel:
         channel.start()
         if isinstance(channel, Follower):
             log.info("rank %d of %d: shard loaded in %.1fs, %d KV pages; following rank 0", args.rank,
                      args.world_size, time.monotonic() - started, num_pages)
-            os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size, host_slots))
+            os._exit(serve(channel, executor, caps.page_size, max_active, model.config.vocab_size, host_slots,
+                           max_active + (snapshots or 0), host_snapshots))
         executor = TensorParallelExecutor(executor, channel)
     speculative = args.speculative
     if model.config.hybrid and speculative != "off":
@@ -225,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = RequestScheduler(max_active, caps.queue_capacity, num_pages, caps.page_size, step_tokens,
                                  identity, proposer=proposer,
                                  snapshots=snapshots, snapshot_bytes=RecurrentState.row_bytes(model.config, dtype),
-                                 host=HostTier(host_slots) if host_slots else None,
+                                 host=HostTier(host_slots, host_snapshots) if host_slots else None,
                                  page_bytes=host_slot_bytes(model.config, caps.page_size, dtype), disk=disk)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,

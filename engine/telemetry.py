@@ -158,12 +158,13 @@ class EngineTelemetry:
 
     @staticmethod
     def _tier_gauges(scheduler: RequestScheduler) -> dict[str, float]:
-        """The host and disk tiers (docs/design.md, Host retention): pages held, and a host page copy's recent
-        median seconds (a restore's time per page)."""
+        """The host and disk tiers (docs/design.md, Host retention): pages (and a hybrid model's snapshots) held,
+        and a host page copy's recent median seconds (a restore's time per page)."""
         prefix = scheduler.prefix
         copies = prefix.page_copy_seconds
         return {"host_pages": len(prefix.host), "disk_pages": len(prefix.disk.disk) if prefix.disk else 0,
-                "host_page_copy_seconds": statistics.median(copies) if copies else 0.0}
+                "host_page_copy_seconds": statistics.median(copies) if copies else 0.0,
+                **({"host_snapshots": prefix.host.snapshots} if prefix.hybrid else {})}
 
     @staticmethod
     def _snapshot_gauges(scheduler: RequestScheduler) -> dict[str, float]:

@@ -52,6 +52,7 @@ class RetiredResources:
     snapshots: tuple[int, ...] = ()
     key: bytes = b""  # the evicted checkpoint's (its page may move to the host tier: engine/cache/host_tier.py)
     length: int = 0
+    parent: bytes = b""  # its parent's key (b"": none)
 
 
 @dataclass
@@ -158,8 +159,8 @@ class PrefixCheckpointCache:
         return ready
 
     def take_journal(self) -> tuple[list[bytes], list[bytes]]:
-        """(stored, evicted) keys since the last call."""
-        journal = (self._stored, self._evicted)
+        """(stored, evicted) keys since the last call; a key evicted then published again is stored, not evicted."""
+        journal = (self._stored, [key for key in self._evicted if key not in self])
         self._stored, self._evicted = [], []
         return journal
 
@@ -222,4 +223,4 @@ class PrefixCheckpointCache:
                 del self._exact_ends[parent]
             snapshots = (checkpoint.snapshot,)
         return RetiredResources([checkpoint.page], checkpoint.last_use_fence, snapshots, checkpoint.key,
-                                checkpoint.length)
+                                checkpoint.length, checkpoint.parent.key if checkpoint.parent is not None else b"")

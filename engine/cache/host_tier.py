@@ -4,10 +4,14 @@ Metadata only, as the device's PrefixCheckpointCache is: a key (the same BLAKE2b
 identity) maps to a host slot that holds one page of K and V for every layer; the executor owns the slots' memory
 (engine/executor/tier_copies.py) and carries out the copies the plans name (docs/design.md, Host retention).
 
-Entries give way least recently used first, keeping `reserve` slots free or on their way to be, so that a step's
-evictions find slots. A slot given up is reusable once the step committed after that completes: the executor may
-still write it to disk then (a demotion), or copy it to the device for a restore sent earlier. A slot that a planned
-restore reads is pinned until that restore is committed.
+A hybrid model's exact checkpoint keeps its recurrent-state snapshot beside its page, in a host snapshot row: the
+entry holds both and gives both up at once (pages alone are no place to continue a recurrent state from), and the
+tier indexes such entries by their parent's key (`exact_ends`), as the device's cache does.
+
+Entries give way least recently used first, keeping a reserve of slots (and of snapshot rows) free or on their way to
+be, so that a step's evictions find them. A slot given up is reusable once the step committed after that completes:
+the executor may still write it to disk then (a demotion), or copy it to the device for a restore sent earlier. A slot
+that a planned restore reads is pinned (its entry, snapshot row included, stays) until that restore is committed.
 """
 
 from __future__ import annotations
@@ -21,17 +25,42 @@ from dataclasses import dataclass
 class HostEntry:
     slot: int
     length: int  # tokens the checkpoint covers (a block's end, or an exact checkpoint's message end)
+    snapshot: int | None = None  # a hybrid model's snapshot row at exactly `length`
+    parent: bytes = b""  # the key of the block before the checkpoint's own (b"": none), for exact_ends
+
+
+class _Rows:
+    """Slots (or snapshot rows) of the tier: free, given up since the last committed step, or retiring until the
+    step committed after that completes."""
+
+    def __init__(self, count: int) -> None:
+        self.reserve = max(count // 8, 1)
+        self.free = list(range(count - 1, -1, -1))
+        self.dropping: list[int] = []
+        self.retiring: list[tuple[int, int]] = []  # heap of (fence, slot)
+
+    def short(self) -> bool:
+        return len(self.free) + len(self.dropping) + len(self.retiring) <= self.reserve
+
+    def committed(self, fence: int) -> None:
+        for slot in self.dropping:
+            heapq.heappush(self.retiring, (fence, slot))
+        self.dropping = []
+
+    def completed(self, fence: int) -> None:
+        while self.retiring and self.retiring[0][0] <= fence:
+            self.free.append(heapq.heappop(self.retiring)[1])
 
 
 class HostTier:
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, snapshots: int = 0) -> None:
+        """`snapshots`: a hybrid model's snapshot rows."""
         self.slots = slots
-        self.reserve = max(slots // 8, 1)
-        self._free = list(range(slots - 1, -1, -1))
+        self._slots = _Rows(slots)
+        self._rows = _Rows(snapshots)
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
         self._pins: dict[int, int] = {}  # slot -> planned restores that read it
-        self._dropping: list[int] = []  # slots given up since the last committed step
-        self._retiring: list[tuple[int, int]] = []  # heap of (fence, slot): reusable once the fence completes
+        self._exact_ends: dict[bytes, dict[bytes, int]] = {}  # entries with a snapshot, by parent key
         self.dropped: list[tuple[bytes, HostEntry]] = []  # entries given up, for the disk tier and announcements
 
     def __len__(self) -> int:
@@ -43,6 +72,10 @@ class HostTier:
     def keys(self) -> list[bytes]:
         return list(self._entries)
 
+    @property
+    def snapshots(self) -> int:
+        return sum(map(len, self._exact_ends.values()))
+
     def get(self, key: bytes) -> HostEntry | None:
         """The entry of `key`, now the most recently used."""
         entry = self._entries.get(key)
@@ -50,20 +83,34 @@ class HostTier:
             self._entries.move_to_end(key)
         return entry
 
+    def exact_ends(self, parent: bytes) -> list[int]:
+        """The lengths of the entries with a snapshot whose parent key is `parent` (b"": the root)."""
+        return list(self._exact_ends.get(parent, {}).values())
+
     def take_slot(self) -> int | None:
         """A free slot (least recently used entries give way to keep the reserve); None when none is free."""
-        while len(self._free) + len(self._dropping) + len(self._retiring) <= self.reserve and self._drop_oldest():
+        while self._slots.short() and self._drop_oldest():
             pass
-        return self._free.pop() if self._free else None
+        return self._slots.free.pop() if self._slots.free else None
 
-    def store(self, key: bytes, length: int) -> int | None:
-        """A slot for `key`'s page; None when none is free, or the key is held already."""
+    def store(self, key: bytes, length: int, snapshot: bool = False, parent: bytes = b"") -> HostEntry | None:
+        """An entry for `key`'s page (and, with `snapshot`, a snapshot row); None when no slot (or row) is free,
+        or the key is held already."""
         if key in self._entries or not self.slots:
             return None
+        if snapshot:
+            while self._rows.short() and self._drop_oldest(with_snapshot=True):
+                pass
+            if not self._rows.free:
+                return None
         slot = self.take_slot()
-        if slot is not None:
-            self._entries[key] = HostEntry(slot, length)
-        return slot
+        if slot is None:
+            return None
+        entry = HostEntry(slot, length, self._rows.free.pop() if snapshot else None, parent)
+        self._entries[key] = entry
+        if snapshot:
+            self._exact_ends.setdefault(parent, {})[key] = length
+        return entry
 
     def adopt(self, key: bytes, length: int, slot: int) -> None:
         """A slot taken (take_slot) and filled from disk becomes `key`'s entry."""
@@ -74,33 +121,41 @@ class HostTier:
 
     def give_back(self, slot: int) -> None:
         """A slot taken and not filled (its file was unreadable), or filled twice."""
-        self._dropping.append(slot)
+        self._slots.dropping.append(slot)
 
     def forget(self, slot: int) -> None:
         """The entry in `slot`, whose page never arrived (its step failed), is given up."""
         key = next((k for k, e in self._entries.items() if e.slot == slot), None)
         if key is not None:
-            del self._entries[key]
-            self._dropping.append(slot)
+            self._remove(key)
 
-    def _drop_oldest(self) -> bool:
-        victim = next((k for k, e in self._entries.items() if e.slot not in self._pins), None)
+    def _drop_oldest(self, with_snapshot: bool = False) -> bool:
+        victim = next((k for k, e in self._entries.items()
+                       if e.slot not in self._pins and (e.snapshot is not None or not with_snapshot)), None)
         if victim is None:
             return False
-        entry = self._entries.pop(victim)
-        self._dropping.append(entry.slot)
-        self.dropped.append((victim, entry))
+        self.dropped.append((victim, self._remove(victim)))
         return True
+
+    def _remove(self, key: bytes) -> HostEntry:
+        entry = self._entries.pop(key)
+        self._slots.dropping.append(entry.slot)
+        if entry.snapshot is not None:
+            self._rows.dropping.append(entry.snapshot)
+            ends = self._exact_ends[entry.parent]
+            del ends[key]
+            if not ends:
+                del self._exact_ends[entry.parent]
+        return entry
 
     def committed(self, fence: int) -> None:
         """A step was committed: the slots given up before it are reusable once it completes."""
-        for slot in self._dropping:
-            heapq.heappush(self._retiring, (fence, slot))
-        self._dropping = []
+        self._slots.committed(fence)
+        self._rows.committed(fence)
 
     def completed(self, fence: int) -> None:
-        while self._retiring and self._retiring[0][0] <= fence:
-            self._free.append(heapq.heappop(self._retiring)[1])
+        self._slots.completed(fence)
+        self._rows.completed(fence)
 
     def pin(self, slot: int) -> None:
         self._pins[slot] = self._pins.get(slot, 0) + 1

@@ -20,7 +20,7 @@ from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
 from engine.executor.pooling import eager_pooled
-from engine.executor.tier_copies import HostPages
+from engine.executor.tier_copies import HostPages, moves
 from engine.model.decoder import CausalLM
 from engine.model.image_features import Tower
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -132,8 +132,8 @@ class EagerExecutor:
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:
         tier_seconds = 0.0
-        if self.host_pages is not None and (plan.spills or plan.restores):
-            self.host_pages.copy(self.kv_cache, plan.spills, plan.restores)
+        if self.host_pages is not None and moves(plan):
+            self.host_pages.copy(self.kv_cache, self.state, plan)
             if not self.kv_cache.is_cuda:  # (on a GPU the copies are queued, not done: not timed here)
                 tier_seconds = time.perf_counter() - started
         self._copy_pages(plan.copies)

@@ -42,15 +42,16 @@ def gpu_step_tokens(device: torch.device, core_chunk: int) -> int:
 
 def make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,
                   context_limit: int, prefill_chunk: int, graphs: bool, snapshots: int = 0,
-                  host_slots: int = 0, disk: tuple[Path, bytes] | None = None) -> Executor:
+                  host_slots: int = 0, disk: tuple[Path, bytes] | None = None, host_snapshots: int = 0) -> Executor:
     """Captured graphs on CUDA unless told otherwise; the eager executor elsewhere. `snapshots`: a hybrid model's
     state rows beyond the slots'; `host_slots`: the host tier's pages (engine/executor/tier_copies.py), pinned on a
-    GPU; `disk`: the disk tier's directory and the core's cache identity."""
+    GPU, and `host_snapshots` its snapshot rows (a hybrid model's); `disk`: the disk tier's directory and the core's
+    cache identity."""
     executor = _make_executor(model, num_pages, page_size, max_active, device, context_limit, prefill_chunk, graphs,
                               snapshots)
     if host_slots:
         executor.host_pages = HostPages(model.config, host_slots, page_size, model.model.embed_tokens.weight.dtype,
-                                        pinned=device.type == "cuda", disk=disk)
+                                        pinned=device.type == "cuda", disk=disk, snapshots=host_snapshots)
     return executor
 
 

@@ -49,7 +49,7 @@ from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_v
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
 from engine.executor.pooling import assemble as assemble_pooled
 from engine.executor.pooling import pool_index, pool_rows, pools
-from engine.executor.tier_copies import HostPages
+from engine.executor.tier_copies import HostPages, moves
 from engine.executor.vision_graphs import VisionGraphs, vision_capacities
 from engine.model.backends.triton import KernelTower
 from engine.model.decoder import CausalLM
@@ -379,10 +379,9 @@ class GraphExecutor:
         self._eager.host_pages = pages
 
     def _launch(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
-        if self.host_pages is not None and (plan.spills or plan.restores):
+        if self.host_pages is not None and moves(plan):
             with torch.cuda.stream(self._model_stream):
-                self._tier_events[fence] = self.host_pages.copy(self.kv_cache, plan.spills, plan.restores,
-                                                                self._copy_stream)
+                self._tier_events[fence] = self.host_pages.copy(self.kv_cache, self.state, plan, self._copy_stream)
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
         verify = plan.kind == "verify"

@@ -1,9 +1,11 @@
 """HostPages: the host tier's memory, and the spills and restores a plan names (docs/design.md, Host retention).
 
 A slot holds one KV page of every layer, contiguous ([layers, 2, page_size, kv_heads, head_dim]), so that a slot is
-one block of bytes to move. On a GPU the slots are pinned and the copies run on the copy stream: behind what the model
-stream has queued so far (the step that last used the pages), and ahead of the step's forward, which waits for them.
-Spills go first: an evicted page may be handed out by the very step whose forward writes it.
+one block of bytes to move; a hybrid model's host snapshot row, a recurrent-state row of every linear layer
+(engine/model/recurrent_state.py), contiguous too. On a GPU both are pinned and the copies run on the copy stream:
+behind what the model stream has queued so far (the step that last used the pages and rows), and ahead of the step's
+forward, which waits for them. Spills go first: an evicted page or snapshot row may be handed out by the very step
+whose forward (or state copies) writes it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 
 from engine.cache import disk_files
 from engine.model.config import DecoderConfig
-from engine.scheduler.plan import DiskWork
+from engine.model.recurrent_state import RecurrentState
+from engine.scheduler.plan import DiskWork, Plan
 
 log = logging.getLogger("flare.engine")
 
@@ -29,12 +32,21 @@ def host_slot_bytes(config: DecoderConfig, page_size: int, dtype: torch.dtype) -
     return torch.Size(slot_shape(config, page_size)).numel() * dtype.itemsize
 
 
+def moves(plan: Plan) -> bool:
+    """Whether the plan copies anything to or from the host tier (a snapshot's spill goes with its page's)."""
+    return bool(plan.spills or plan.restores or plan.state_restores)
+
+
 class HostPages:
     def __init__(self, config: DecoderConfig, slots: int, page_size: int, dtype: torch.dtype, pinned: bool,
-                 disk: tuple[Path, bytes] | None = None) -> None:
-        """`disk`: the disk tier's directory and the core's cache identity, which its files carry."""
+                 disk: tuple[Path, bytes] | None = None, snapshots: int = 0) -> None:
+        """`disk`: the disk tier's directory and the core's cache identity, which its files carry; `snapshots`: a
+        hybrid model's host snapshot rows."""
         self.page_size = page_size
         self.slots = torch.empty((slots, *slot_shape(config, page_size)), dtype=dtype, pin_memory=pinned)
+        conv, delta = RecurrentState.row_shapes(config) if snapshots else ((0,), (0,))
+        self.conv = torch.empty((snapshots, *conv), dtype=dtype, pin_memory=pinned and snapshots > 0)
+        self.delta = torch.empty((snapshots, *delta), dtype=torch.float32, pin_memory=pinned and snapshots > 0)
         self.directory = disk[0] if disk is not None else None
         self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size)) if disk else None
 
@@ -60,28 +72,33 @@ class HostPages:
     def _bytes(self, slot: int) -> memoryview:
         return memoryview(self.slots[slot].view(torch.uint8).numpy()).cast("B")
 
-    def copy(self, kv_cache: torch.Tensor, spills: tuple[tuple[int, int], ...],
-             restores: tuple[tuple[int, int], ...], stream: torch.cuda.Stream | None = None
-             ) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
-        """Spills (device page, host slot), then restores (host slot, device page); on `stream` when given, ordered
-        after the current stream's work so far and before its next, between the two timing events returned."""
+    def copy(self, kv_cache: torch.Tensor, state: RecurrentState | None, plan: Plan,
+             stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """The plan's spills (device page, host slot; device state row, host snapshot row), then its restores (host
+        slot, device page; host snapshot row, device state row); on `stream` when given, ordered after the current
+        stream's work so far and before its next, between the two timing events returned."""
         if stream is None:
-            self._copy(kv_cache, spills, restores)
+            self._copy(kv_cache, state, plan)
             return None
         current = torch.cuda.current_stream(kv_cache.device)
         stream.wait_stream(current)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(stream):
             start.record(stream)
-            self._copy(kv_cache, spills, restores)
+            self._copy(kv_cache, state, plan)
             end.record(stream)
         current.wait_stream(stream)
         return start, end
 
-    def _copy(self, kv_cache: torch.Tensor, spills: tuple[tuple[int, int], ...],
-              restores: tuple[tuple[int, int], ...]) -> None:
+    def _copy(self, kv_cache: torch.Tensor, state: RecurrentState | None, plan: Plan) -> None:
         size, async_ = self.page_size, kv_cache.is_cuda
-        for page, slot in spills:
+        for page, slot in plan.spills:
             self.slots[slot].copy_(kv_cache[:, :, page * size:(page + 1) * size], non_blocking=async_)
-        for slot, page in restores:
+        for row, host_row in plan.state_spills:
+            self.conv[host_row].copy_(state.conv[:, row], non_blocking=async_)
+            self.delta[host_row].copy_(state.delta[:, row], non_blocking=async_)
+        for slot, page in plan.restores:
             kv_cache[:, :, page * size:(page + 1) * size].copy_(self.slots[slot], non_blocking=async_)
+        for host_row, row in plan.state_restores:
+            state.conv[:, row].copy_(self.conv[host_row], non_blocking=async_)
+            state.delta[:, row].copy_(self.delta[host_row], non_blocking=async_)

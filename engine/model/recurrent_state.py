@@ -18,14 +18,20 @@ from engine.model.config import DecoderConfig
 
 class RecurrentState:
     def __init__(self, c: DecoderConfig, rows: int, dtype: torch.dtype, device: torch.device) -> None:
-        linear = c.linear
-        assert linear is not None, "only a hybrid model has recurrent state"
-        layers = sum(c.layer_linear)
+        assert c.linear is not None, "only a hybrid model has recurrent state"
         # The conv's inputs in the activations' dtype (what the conv reads); the delta rule's state in float32,
         # as the reference computes it whatever the weights' dtype.
-        self.conv = torch.zeros(layers, rows, linear.conv_dim, linear.conv_kernel - 1, dtype=dtype, device=device)
-        self.delta = torch.zeros(layers, rows, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim,
-                                 dtype=torch.float32, device=device)
+        (layers, *conv), (_, *delta) = self.row_shapes(c)
+        self.conv = torch.zeros(layers, rows, *conv, dtype=dtype, device=device)
+        self.delta = torch.zeros(layers, rows, *delta, dtype=torch.float32, device=device)
+
+    @staticmethod
+    def row_shapes(c: DecoderConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A row's conv inputs and delta-rule state, every linear layer's: ([layers, conv dim, kernel - 1],
+        [layers, value heads, key dim, value dim]); the state stores rows second, after the layers."""
+        linear, layers = c.linear, sum(c.layer_linear)
+        return ((layers, linear.conv_dim, linear.conv_kernel - 1),
+                (layers, linear.num_value_heads, linear.key_head_dim, linear.value_head_dim))
 
     def copy_rows(self, copies: tuple[tuple[int, int], ...]) -> None:
         """(source, destination) row copies in order (Plan.state_copies): a snapshot of a slot may precede a
@@ -58,6 +64,13 @@ def snapshot_rows(c: DecoderConfig, dtype: torch.dtype, slots: int, budget_bytes
     of the cache budget (the KV pages get the rest)."""
     row = RecurrentState.row_bytes(c, dtype)
     return min(SNAPSHOTS_PER_SLOT * slots, int(budget_bytes * SNAPSHOT_SHARE) // row) if row else 0
+
+
+def host_snapshot_rows(c: DecoderConfig, dtype: torch.dtype, budget_bytes: int) -> int:
+    """How many snapshot rows a hybrid model's host tier keeps (docs/design.md, Host retention): the same share of
+    its budget as the device's rows take at most of the cache's (the pages get the rest)."""
+    row = RecurrentState.row_bytes(c, dtype)
+    return int(budget_bytes * SNAPSHOT_SHARE) // row if row else 0
 
 
 @dataclass(frozen=True)

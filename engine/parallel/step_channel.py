@@ -46,12 +46,14 @@ class _Message(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
 class Hello(_Message, tag="hello"):
     num_pages: int  # KV pages this rank's budget holds
     host_slots: int  # host-tier pages its host budget holds
+    host_snapshots: int = 0  # and a hybrid model's host snapshot rows
 
 
 class Setup(_Message, tag="setup"):
     num_pages: int
     max_active: int
     host_slots: int
+    host_snapshots: int = 0
 
 
 # After setup, Ready and Commit of fence 0 are the start barrier: every rank has built its executor.
@@ -127,14 +129,17 @@ class Leader:
         self._inbox: dict[tuple[type, int], dict[int, _Message]] = {}  # (kind, fence) -> rank -> message
         self._failed: dict[int, str] = {}
 
-    def setup(self, num_pages: int, max_active: int, host_slots: int) -> tuple[int, int, int]:
-        """Wait for every rank's Hello; all ranks use the fewest KV and host-tier pages any of them holds (a rank's
-        pages are its shard of the KV heads, which need not split evenly), and rank 0's slots."""
+    def setup(self, num_pages: int, max_active: int, host_slots: int, host_snapshots: int = 0
+              ) -> tuple[int, int, int, int]:
+        """Wait for every rank's Hello; all ranks use the fewest KV and host-tier pages (and host snapshot rows) any
+        of them holds (a rank's pages are its shard of the KV heads, which need not split evenly), and rank 0's
+        slots."""
         hellos = self._gather(Hello, 0, SETUP_TIMEOUT)
         num_pages = min([num_pages] + [hello.num_pages for hello in hellos.values()])
         host_slots = min([host_slots] + [hello.host_slots for hello in hellos.values()])
-        self._send_all(Setup(num_pages, max_active, host_slots))
-        return num_pages, max_active, host_slots
+        host_snapshots = min([host_snapshots] + [hello.host_snapshots for hello in hellos.values()])
+        self._send_all(Setup(num_pages, max_active, host_slots, host_snapshots))
+        return num_pages, max_active, host_slots, host_snapshots
 
     def start(self) -> None:
         """Wait until every rank has built its executor, then start the heartbeat."""
@@ -270,11 +275,13 @@ class Follower:
         self._heard = time.monotonic()
         self._sent = 0.0
 
-    def setup(self, num_pages: int, max_active: int, host_slots: int) -> tuple[int, int, int]:
-        """Offer this rank's KV and host-tier pages; rank 0 answers with the pages and slots every rank uses."""
-        self.send(Hello(num_pages, host_slots))
+    def setup(self, num_pages: int, max_active: int, host_slots: int, host_snapshots: int = 0
+              ) -> tuple[int, int, int, int]:
+        """Offer this rank's KV and host-tier pages (and host snapshot rows); rank 0 answers with the pages, slots
+        and rows every rank uses."""
+        self.send(Hello(num_pages, host_slots, host_snapshots))
         setup = self._await(Setup)
-        return setup.num_pages, setup.max_active, setup.host_slots
+        return setup.num_pages, setup.max_active, setup.host_slots, setup.host_snapshots
 
     def start(self) -> None:
         """Say this rank's executor is built; wait until rank 0 starts the group."""

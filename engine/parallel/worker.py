@@ -21,8 +21,10 @@ log = logging.getLogger("flare.engine")
 
 
 def check_plan(plan: Plan, num_pages: int, page_size: int, max_active: int, vocab_size: int,
-               host_slots: int = 0) -> str | None:
-    """Why this rank could not run the step, or None: what would fail here before the first collective."""
+               host_slots: int = 0, state_rows: int = 0, host_snapshots: int = 0) -> str | None:
+    """Why this rank could not run the step, or None: what would fail here before the first collective.
+    `state_rows`: a hybrid model's recurrent-state rows (its slots' and snapshots'), `host_snapshots` its host
+    snapshot rows."""
     for row in plan.rows:
         if not 0 <= row.slot < max_active:
             return f"slot {row.slot} is outside [0, {max_active})"
@@ -39,11 +41,15 @@ def check_plan(plan: Plan, num_pages: int, page_size: int, max_active: int, voca
     moves = plan.spills + tuple((page, slot) for slot, page in plan.restores)  # spills (page, slot); restores reversed
     if any(not (0 <= page < num_pages and 0 <= slot < host_slots) for page, slot in moves):
         return f"a host-tier copy names a page outside [0, {num_pages}) or a host slot outside [0, {host_slots})"
+    rows = plan.state_spills + tuple((row, host) for host, row in plan.state_restores)  # (state row, host row)
+    if any(not (0 <= row < state_rows and 0 <= host < host_snapshots) for row, host in rows):
+        return f"a host-tier copy names a state row outside [0, {state_rows}) or a host snapshot row outside " \
+               f"[0, {host_snapshots})"
     return None
 
 
 def serve(channel: Follower, executor: Executor, page_size: int, max_active: int, vocab_size: int,
-          host_slots: int) -> int:
+          host_slots: int, state_rows: int = 0, host_snapshots: int = 0) -> int:
     """Returns the exit status: 0 when rank 0 stopped the group cleanly, GROUP_FAILED on any failure."""
     poller = zmq.Poller()
     poller.register(channel.socket, zmq.POLLIN)
@@ -57,7 +63,7 @@ def serve(channel: Follower, executor: Executor, page_size: int, max_active: int
                         raise RankFailure(f"step {message.fence} arrived out of order (next is "
                                           f"{executor.next_fence()}, two steps at most in flight)")
                     problem = check_plan(message.plan, executor.num_pages, page_size, max_active, vocab_size,
-                                         host_slots)
+                                         host_slots, state_rows, host_snapshots)
                     if problem:
                         raise RankFailure(f"cannot run step {message.fence}: {problem}")
                     prepared = message

@@ -137,6 +137,10 @@ class Plan:
     # device page) into requests' private pages.
     spills: tuple[tuple[int, int], ...] = ()
     restores: tuple[tuple[int, int], ...] = ()
+    # A hybrid model's snapshots with them: spills (device state row, host snapshot row) with the spills, restores
+    # (host snapshot row, device state row) with the restores, into a snapshot row that a state copy then reads.
+    state_spills: tuple[tuple[int, int], ...] = ()
+    state_restores: tuple[tuple[int, int], ...] = ()
     disk: DiskWork | None = None
     shape: tuple = ("", 0)  # (kind, capacity[, width]) whose cost the policy learns from this step's duration
     # Grammar masks (engine/sampling/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row

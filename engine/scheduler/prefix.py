@@ -11,7 +11,9 @@ end or its prompt end has the next step copy the slot's state row to a snapshot 
 and so does the request's end, at the position its submitted steps consumed (the terminal endpoint); the exact
 checkpoint is published with that snapshot and a private copy of its partial page (at a block boundary, the block's
 own checkpoint takes the snapshot: its page is complete). A later request restores the deepest snapshot whose prefix
-its prompt extends into its own slot row and continues from exactly there.
+its prompt extends into its own slot row and continues from exactly there. With a host tier, an evicted checkpoint's
+snapshot moves to a host snapshot row with its page, and comes back through a device snapshot row in transit
+(SnapshotRestore, then a StateCopy into the slot's row: docs/design.md, Host retention).
 """
 
 from __future__ import annotations
@@ -19,67 +21,17 @@ from __future__ import annotations
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache, RetiredResources
 from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostEntry, HostTier
 from engine.cache.page_allocator import PageAllocator
+from engine.scheduler.copies import Copy, PageCopy, Restore, SnapshotRestore, Spill, StateCopy
 from engine.scheduler.disk_reuse import DiskReuse
 from engine.scheduler.plan import Completion, DiskWork, Plan
 from engine.scheduler.request import Request
-
-
-@dataclass(frozen=True)
-class PageCopy:
-    """A KV page copy the next step makes before its forward."""
-
-    source: int
-    destination: int
-    made: Checkpoint | None  # the exact checkpoint the copy creates (None: a reusing request's private copy)
-    reader: Request  # the request whose page table holds the source (or that reuses it)
-    source_checkpoint: Checkpoint | None  # the source's owner when the cache owns it: pinned until the copy is sent
-
-
-@dataclass(frozen=True)
-class StateCopy:
-    """A recurrent-state row copy the next step makes before its forward (after its page copies): a snapshot of a
-    slot's row, or the restore of a snapshot into a slot's row."""
-
-    source: int  # state rows (Plan.state_copies)
-    destination: int
-    snapshot: int  # the snapshot id written or read
-    reader: Request  # the request whose slot row is read or written
-    source_checkpoint: Checkpoint | None  # a restore's checkpoint: pinned until the copy is sent
-
-
-@dataclass(frozen=True)
-class Spill:
-    """An evicted checkpoint's page copied to a host slot (docs/design.md, Host retention). The next step makes it
-    first, before anything may write the page (it was released at its last use and may be handed out at once)."""
-
-    page: int
-    slot: int
-
-
-@dataclass(frozen=True)
-class Restore:
-    """A host slot copied into a request's private page before the next step's forward (after its spills)."""
-
-    slot: int
-    page: int
-    reader: Request
-
-
-def copy_fields(copies: tuple[Spill | Restore | PageCopy | StateCopy, ...]) -> dict[str, tuple[tuple[int, int], ...]]:
-    """The fields of a plan that makes `copies` (PrefixReuse.planned_copies): Plan.copies, state_copies, spills and
-    restores, each in the copies' order."""
-    return {"copies": tuple((c.source, c.destination) for c in copies if isinstance(c, PageCopy)),
-            "state_copies": tuple((c.source, c.destination) for c in copies if isinstance(c, StateCopy)),
-            "spills": tuple((c.page, c.slot) for c in copies if isinstance(c, Spill)),
-            "restores": tuple((c.slot, c.page) for c in copies if isinstance(c, Restore))}
-
 
 # Request.publish_from of a request whose prefixes are never published.
 NEVER = 2 ** 62
@@ -92,8 +44,8 @@ class PrefixReuse:
         """`snapshots`: a hybrid model's snapshot rows (state rows `slots` onwards); its requests carry a recurrent
         state that pages of KV cannot rebuild (engine/model/recurrent_state.py), so only an exact checkpoint with a
         snapshot is a start, and with no snapshot rows nothing is reused or published. `snapshot_bytes`: a
-        snapshot row's size (reported in /metrics). `host`: the host tier that evicted pages move to (not a hybrid
-        model's: its snapshots are not retained there), of `page_bytes` a page; `disk`, the disk tier below it."""
+        snapshot row's size (reported in /metrics). `host`: the host tier that evicted pages (and snapshots) move
+        to, of `page_bytes` a page; `disk`, the disk tier below it."""
         self.hybrid = snapshots is not None
         self.enabled = not self.hybrid or snapshots > 0
         self.snapshot_ids = PageAllocator(snapshots or 0)
@@ -111,12 +63,13 @@ class PrefixReuse:
         self.pending_copies: list[PageCopy] = []
         # Private pages of ended requests that a pending copy still reads: released once that copy is submitted.
         self.held_for_copies: set[int] = set()
-        self.host = host if snapshots is None else None
+        self.host = host
         self.page_bytes = page_bytes
         self.pending_spills: list[Spill] = []
         self.pending_restores: list[Restore] = []
+        self.pending_snapshot_restores: list[SnapshotRestore] = []
         self.disk = DiskReuse(disk, self.host, self.cache, counters, page_bytes) \
-            if disk is not None and self.host is not None else None
+            if disk is not None and self.host is not None and not self.hybrid else None
         self._host_gone: list[bytes] = []  # keys the host tier gave up, without a disk tier (for announcements)
         # Seconds a host page copy took in recent steps (spills and restores alike), and what recomputing a number
         # of prompt tokens would take by the learned step costs (0.0: not known yet). Set by the scheduler.
@@ -150,14 +103,30 @@ class PrefixReuse:
 
     def _retire(self, retired: list[RetiredResources]) -> None:
         for resources in retired:
-            if self.host is not None and (slot := self.host.store(resources.key, resources.length)) is not None:
-                self.pending_spills.append(Spill(resources.pages[0], slot))
-                self.counters["host_spills"] += 1
-                self.counters["host_bytes_out"] += self.page_bytes
+            if self.host is not None:
+                self._spill(resources)
             self.pages.release(resources.pages, resources.fence)
             if resources.snapshots:
                 self.snapshot_ids.release(list(resources.snapshots), resources.fence)
                 self.counters["snapshot_evictions"] += len(resources.snapshots)
+
+    def _spill(self, resources: RetiredResources) -> None:
+        """The evicted checkpoint's page to a host slot, and its snapshot (a hybrid model's) to a host snapshot row,
+        unless the copy that writes that snapshot is not sent yet: a step makes its spills before its state copies."""
+        snapshot = resources.snapshots[0] if resources.snapshots else None
+        if snapshot is not None and any(c.snapshot == snapshot and c.source_checkpoint is None and not c.transit
+                                        for c in self.pending_state):
+            snapshot = None
+        entry = self.host.store(resources.key, resources.length, snapshot is not None, resources.parent)
+        if entry is None:
+            return
+        state = (self.slot_rows + snapshot, entry.snapshot) if snapshot is not None else None
+        self.pending_spills.append(Spill(resources.pages[0], entry.slot, state))
+        self.counters["host_spills"] += 1
+        self.counters["host_bytes_out"] += self.page_bytes
+        if state is not None:
+            self.counters["host_snapshot_spills"] += 1
+            self.counters["host_bytes_out"] += self.snapshot_bytes
 
     def take_journal(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
         """(stored, hosted, evicted) keys since the last call, for the routing announcements: a key the device
@@ -167,6 +136,8 @@ class PrefixReuse:
             return stored, [], evicted
         hosted = [key for key in evicted if key in self.host]
         gone = [key for key in evicted if key not in self.host]
+        if self.disk is None:
+            self._host_dropped()
         dropped = self.disk.gone if self.disk is not None else self._host_gone
         held = self.disk.held() if self.disk is not None and dropped else set()
         gone += [key for key in dropped if key not in self.cache and key not in self.host and key not in held]
@@ -275,44 +246,101 @@ class PrefixReuse:
 
     def _restore(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         """A hybrid model's reuse: the deepest exact checkpoint with a snapshot that the prompt extends (a message
-        end, a prompt end or a terminal endpoint of an earlier request), its blocks' pages shared, its partial page
-        copied, its snapshot restored into the request's slot row."""
+        end, a prompt end or a terminal endpoint of an earlier request), on the device or the host: its blocks'
+        pages shared (or restored from the host), its partial page copied (or restored), its snapshot restored into
+        the request's slot row (from the host through a snapshot row in transit)."""
         history, size = self._history(request), self.page_size
         limit = request.first_computed
         chain = self.cache.lookup_run(history.block_keys, limit // size)
         self.counters["prefix_lookups"] += 1
-        exact = None
-        for depth in range(len(chain), -1, -1):
-            for end in self.cache.exact_ends(chain[depth - 1] if depth else None):
+        hosted = self._host_run(history.block_keys[len(chain): limit // size])
+        if hosted and not self._restore_pays(len(hosted)):
+            hosted = []
+            self.counters["host_declined"] += 1
+        exact, entry = self._deepest_exact(history, chain, len(hosted), limit)
+        length = exact.length if exact is not None else entry.length if entry is not None else 0
+        blocks, restored = chain[: length // size], hosted[: max(length // size - len(chain), 0)]
+        if self.host is not None and len(chain) * size < limit:
+            self.counters["host_hits" if entry is not None or restored else "host_misses"] += 1
+        # What the allocations below may evict (they spill to the host, whose entries may give way in turn) is pinned.
+        held = exact if exact is not None else blocks[-1] if blocks else None
+        used = restored + ([entry] if entry is not None else [])
+        if held is not None:
+            self.cache.pin(held)
+        for pinned in used:
+            self.host.pin(pinned.slot)
+        wanted = len(restored) + (length % size != 0)
+        pages = (allocate(wanted) if wanted else []) if length else None
+        transit = self._allocate_snapshot() if entry is not None and pages is not None else None
+        if pages is not None and entry is not None and transit is None:  # no snapshot row to restore through
+            self.pages.release(pages, 0)
+            pages = None
+        if pages is None:
+            self.counters["prefix_misses"] += 1
+        else:
+            self._plan_restore(request, exact, entry, restored, pages, transit)
+            self.counters["prefix_hits"] += 1
+            self.counters["reused_tokens"] += length
+            request.cache_pages = {c.page for c in blocks}
+            request.pages = [c.page for c in blocks] + pages
+            request.block_chain = list(blocks)
+            request.published_ends = request.scheduled = length
+            if held is not None:
+                self._pin(request, held)
+            if not request.started:
+                request.cached_tokens = length
+        if held is not None:
+            self.cache.unpin(held, 0)
+        for pinned in used:
+            self.host.unpin(pinned.slot)
+
+    def _deepest_exact(self, history: PrefixHistory, chain: list[Checkpoint], hosted: int, limit: int
+                       ) -> tuple[Checkpoint | None, HostEntry | None]:
+        """The deepest exact checkpoint with a snapshot that the prompt extends up to `limit`, on the device or on
+        the host (the device's first at a length), whose blocks the device's `chain` and the `hosted` host blocks
+        after it hold."""
+        size = self.page_size
+        for depth in range(len(chain) + hosted, -1, -1):
+            ends = set(self.cache.exact_ends(chain[depth - 1] if depth else None)) if depth <= len(chain) else set()
+            if self.host is not None:
+                ends.update(self.host.exact_ends(history.block_keys[depth - 1] if depth else b""))
+            for end in sorted(ends, reverse=True):
+                if end > limit or end // size > len(chain) + hosted:
+                    continue
                 # At a block's end the key names the block's own checkpoint too, which holds a snapshot only when
                 # an endpoint fell there: one without is no place to continue a recurrent state from.
-                found = self.cache.lookup(history.key_at(end)) if end <= limit else None
+                key = history.key_at(end)
+                found = self.cache.lookup(key) if end // size <= len(chain) else None
                 if found is not None and found.snapshot is not None:
-                    exact = found
-                    break
+                    return found, None
+                entry = self.host.get(key) if self.host is not None else None
+                if entry is not None and entry.snapshot is not None:
+                    return None, entry
+        return None, None
+
+    def _plan_restore(self, request: Request, exact: Checkpoint | None, entry: HostEntry | None,
+                      restored: list[HostEntry], pages: list[int], transit: int | None) -> None:
+        """The copies of a hybrid request's restore: host blocks into its fresh `pages`, then the partial page of
+        the exact checkpoint (from the device's `exact` or the host's `entry`) into the last, and the snapshot."""
+        for hosted, page in zip(restored, pages):
+            self._restore_page(hosted, page, request)
+        if len(pages) > len(restored):
             if exact is not None:
-                break
-        aligned = exact is not None and exact.length % size == 0  # a block's own checkpoint: no partial page
-        page = [] if aligned else allocate(1) if exact is not None else None
-        if page is None:
-            self.counters["prefix_misses"] += 1
+                self._copy(PageCopy(exact.page, pages[-1], None, request, exact))
+            else:
+                self._restore_page(entry, pages[-1], request)
+        if exact is not None:
+            self.cache.pin(exact)  # for the state copy, until it is sent
+            self.pending_state.append(StateCopy(self.slot_rows + exact.snapshot, request.slot, exact.snapshot,
+                                                request, exact))
             return
-        if not aligned:
-            self._copy(PageCopy(exact.page, page[0], None, request, exact))
-        self.cache.pin(exact)  # for the state copy, until it is sent
-        self.pending_state.append(StateCopy(self.slot_rows + exact.snapshot, request.slot, exact.snapshot, request,
-                                            exact))
-        blocks = chain[: exact.length // size]
-        self.counters["prefix_hits"] += 1
-        self.counters["reused_tokens"] += exact.length
-        request.cache_pages = {c.page for c in blocks}
-        request.pages = [c.page for c in blocks] + page
-        request.block_chain = list(blocks)
-        request.published_ends = exact.length
-        self._pin(request, exact)
-        request.scheduled = exact.length
-        if not request.started:
-            request.cached_tokens = exact.length
+        self.host.pin(entry.slot)  # until the snapshot's restore is sent
+        self.pending_snapshot_restores.append(SnapshotRestore(entry.snapshot, self.slot_rows + transit, entry.slot,
+                                                              request))
+        self.pending_state.append(StateCopy(self.slot_rows + transit, request.slot, transit, request, None,
+                                            transit=True))
+        self.counters["host_snapshot_restores"] += 1
+        self.counters["host_bytes_in"] += self.snapshot_bytes
 
     def awaits_snapshot(self, request: Request) -> bool:
         """Whether a hybrid request had better wait before it takes a slot: an exact checkpoint that its prompt
@@ -455,16 +483,21 @@ class PrefixReuse:
     @property
     def pending(self) -> bool:
         return bool(self.pending_copies or self.pending_state or self.pending_spills or self.pending_restores
-                    or self.host is not None and self.host.dropped or self.disk is not None and self.disk.pending)
+                    or self.pending_snapshot_restores or self.host is not None and self.host.dropped
+                    or self.disk is not None and self.disk.pending)
 
     def planned_disk(self) -> DiskWork | None:
         """The disk tier's work for the next plan (DiskReuse); without one, what the host gave up is gone."""
         if self.disk is not None:
             return self.disk.planned()
-        if self.host is not None and self.host.dropped:
-            self._host_gone.extend(key for key, _ in self.host.dropped)
-            self.host.dropped = []
+        if self.host is not None:
+            self._host_dropped()
         return None
+
+    def _host_dropped(self) -> None:
+        """Without a disk tier, what the host gave up is gone."""
+        self._host_gone.extend(key for key, _ in self.host.dropped)
+        self.host.dropped = []
 
     def awaits_load(self, request: Request) -> bool:
         """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk."""
@@ -477,7 +510,7 @@ class PrefixReuse:
         """Steps up to the completion's fence completed: their disk work is done, the host slots they last used are
         free; what the plan's spills and restores took is learned. A failed step's spills and reads may not have
         happened: what they would have filled is given up."""
-        if completion.tier_seconds:
+        if completion.tier_seconds and (plan.spills or plan.restores):  # (a snapshot's copy counts with its page)
             self.page_copy_seconds.append(completion.tier_seconds / (len(plan.spills) + len(plan.restores)))
         if self.host is None:
             return
@@ -491,19 +524,20 @@ class PrefixReuse:
             self.disk.completed(fence, unreadable)
         self.host.completed(fence)
 
-    def planned_copies(self) -> tuple[Spill | Restore | PageCopy | StateCopy, ...]:
+    def planned_copies(self) -> tuple[Copy, ...]:
         """The copies the next plan makes: spills, restores, page copies then state copies, in the order the
         executor makes them; they stay pending until that plan is committed."""
-        return (*self.pending_spills, *self.pending_restores, *self.pending_copies, *self.pending_state)
+        return (*self.pending_spills, *self.pending_restores, *self.pending_snapshot_restores, *self.pending_copies,
+                *self.pending_state)
 
-    def copies_committed(self, copies: tuple[Spill | Restore | PageCopy | StateCopy, ...], fence: int,
+    def copies_committed(self, copies: tuple[Copy, ...], fence: int,
                          disk: DiskWork | None = None) -> None:
         self.committed_fence = fence
         if self.host is not None:
             self.host.committed(fence)
             if self.disk is not None:
                 self.disk.committed(disk, fence)
-        if self.pending_spills or self.pending_restores:
+        if self.pending_spills or self.pending_restores or self.pending_snapshot_restores:
             copies = self._tier_copies_committed(copies, fence)
         states = [c for c in copies if isinstance(c, StateCopy)]
         if states:
@@ -520,24 +554,27 @@ class PrefixReuse:
                 self.held_for_copies.discard(copy.source)
                 self.pages.release([copy.source], fence)
 
-    def _tier_copies_committed(self, copies: tuple[Spill | Restore | PageCopy | StateCopy, ...],
-                               fence: int) -> tuple[PageCopy | StateCopy, ...]:
+    def _tier_copies_committed(self, copies: tuple[Copy, ...], fence: int) -> tuple[PageCopy | StateCopy, ...]:
         """Spills and restores sent with the step of `fence`: a restore's slot may be reused from now on (the
         executor copies in order), and its pages are the reader's until that step completes. The other copies."""
         sent = {id(c) for c in copies}
         self.pending_spills = [c for c in self.pending_spills if id(c) not in sent]
         self.pending_restores = [c for c in self.pending_restores if id(c) not in sent]
+        self.pending_snapshot_restores = [c for c in self.pending_snapshot_restores if id(c) not in sent]
         for copy in copies:
-            if isinstance(copy, Restore):
+            if isinstance(copy, (Restore, SnapshotRestore)):
                 self.host.unpin(copy.slot)
                 copy.reader.copy_fence = max(copy.reader.copy_fence, fence)
-        return tuple(c for c in copies if not isinstance(c, (Spill, Restore)))
+        return tuple(c for c in copies if not isinstance(c, (Spill, Restore, SnapshotRestore)))
 
     def _states_committed(self, copies: list[StateCopy], fence: int) -> None:
         self.pending_state = [c for c in self.pending_state if c not in copies]
         for copy in copies:
             copy.reader.copy_fence = max(copy.reader.copy_fence, fence)  # the copy uses the reader's slot row
-            if copy.source_checkpoint is not None:
+            if copy.transit:  # the row a host snapshot came through is free once this step completes
+                self.snapshot_ids.release([copy.snapshot], fence)
+                self.counters["snapshot_restores"] += 1
+            elif copy.source_checkpoint is not None:
                 self.cache.unpin(copy.source_checkpoint, fence)
                 self.counters["snapshot_restores"] += 1
             else:
@@ -554,9 +591,16 @@ class PrefixReuse:
         for restore in [c for c in self.pending_restores if c.reader is request]:
             self.pending_restores.remove(restore)  # not sent: moot now (its page is private, released below)
             self.host.unpin(restore.slot)
-        for state in [c for c in self.pending_state if c.reader is request and c.source_checkpoint is not None]:
+        for restore in [c for c in self.pending_snapshot_restores if c.reader is request]:
+            self.pending_snapshot_restores.remove(restore)  # not sent: moot now (its row in transit, below)
+            self.host.unpin(restore.slot)
+        restoring = [c for c in self.pending_state if c.reader is request and (c.source_checkpoint or c.transit)]
+        for state in restoring:
             self.pending_state.remove(state)  # a restore not sent: moot now
-            self.cache.unpin(state.source_checkpoint, request.last_fence)
+            if state.transit:
+                self.snapshot_ids.release([state.snapshot], self.committed_fence)
+            else:
+                self.cache.unpin(state.source_checkpoint, request.last_fence)
         for snapshot in request.snapshots.values():  # taken (or to be) but not published
             self._drop_snapshot(snapshot)
         request.snapshots = {}

@@ -23,9 +23,10 @@ from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.candidates import CandidateSteps
 from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
 from engine.scheduler.completion import StepCompleter, end_reason, validate
+from engine.scheduler.copies import copy_fields
 from engine.scheduler.plan import SLOT, Completion, DecodeRows, Plan, Row
 from engine.scheduler.policy import GraphCostModel, PolicyConfig, decode_capacity
-from engine.scheduler.prefix import PrefixReuse, copy_fields
+from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.results import Finished, StepResult
 from engine.scheduler.rows import decode_row, next_row, verify_row

@@ -5,7 +5,9 @@ greedy tokens over HTTP equal transformers' `generate` (fp32, CPU), with prompts
 the recurrent state carries from chunk to chunk, and several requests at once, each in its own state row (with
 `--speculative ngram` asked for: drafting stays off, and the log says why); a second turn restores the first turn's
 exact checkpoint, and a request restored then cancelled leaves it for the next; structured output holds; decisions
-equal transformers' DecisionPipeline, the questions after the first restoring the state's snapshot.
+equal transformers' DecisionPipeline, the questions after the first restoring the state's snapshot. With a device
+too small to keep a conversation's exact checkpoint while others run, a host tier keeps it, its snapshot included,
+and the conversation's next turn continues from there with transformers' tokens.
 """
 
 from __future__ import annotations
@@ -45,6 +47,49 @@ def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     server.stop()
     # Speculative decoding, though asked for, stays off, and `flare run`'s log says why.
     assert "speculative decoding off: " + request.param in server.process.stdout.read()
+
+
+# The tiny Qwen3.5 core's sizes (fp32): a page (the attention layer's K and V, 16 tokens of 2 heads of 32) and a
+# recurrent-state row (3 linear layers: the conv's last 3 inputs of 128 channels, and 4 heads of 16 x 16).
+PAGE_BYTES, ROW_BYTES = 2 * 16 * 2 * 32 * 4, 3 * (128 * 3 + 4 * 16 * 16) * 4
+# The device: 2 snapshot rows (a quarter of the budget at most), 2 slots' rows, and 16 pages of the rest; the host:
+# 12 snapshot rows (a quarter of its budget), and 74 pages of the rest.
+DEVICE_BYTES, HOST_BYTES = 4 * ROW_BYTES + 16 * PAGE_BYTES, 48 * ROW_BYTES
+
+
+@pytest.fixture(scope="module")
+def evicting(tmp_path_factory: pytest.TempPathFactory):
+    """(a Qwen3.5 server whose device holds two snapshot rows and 16 pages, with a host tier, transformers' model)."""
+    server, reference = served_checkpoint("qwen3_5", tmp_path_factory.mktemp("evicting"), HYBRIDS,
+                                          ("--max-active", "2", "--kv-cache-bytes", str(DEVICE_BYTES),
+                                           "--host-cache-bytes", str(HOST_BYTES)))
+    yield server, reference
+    server.stop()
+    assert "host tier: 74 pages and 12 snapshot rows" in server.process.stdout.read()
+
+
+def ids(length: int, offset: int) -> list[int]:
+    """A prompt of token ids (below the special ones), different for each offset."""
+    return [(offset * 37 + i * 11) % 500 + 1 for i in range(length)]
+
+
+def test_a_turn_evicted_to_the_host_tier_continues_from_its_snapshot(evicting) -> None:
+    """The first turn's exact checkpoints (its prompt end and its terminal endpoint) leave the device as three other
+    conversations take its two snapshot rows and its pages: their pages and snapshots move to the host, and the next
+    turn restores them, so its cached tokens cover the first turn and its tokens equal transformers'."""
+    server, reference = evicting
+    first_prompt = ids(60, 0)
+    first_tokens = complete(server, first_prompt, max_tokens=8).choices[0].model_extra["token_ids"]
+    for offset in (1, 2, 3):
+        complete(server, ids(60, offset), max_tokens=8)
+    before = wait_for(server.base_url, lambda m: m.get("flare_engine_host_snapshot_spills_total", 0) >= 2)
+    assert before["flare_engine_host_snapshot_spills_total"] >= 2 and before["flare_engine_host_snapshots"] >= 2
+    prompt = first_prompt + first_tokens + ids(12, 4)
+    second = complete(server, prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens == len(first_prompt) + len(first_tokens) - 1
+    assert second.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt)
+    after = wait_for(server.base_url, lambda m: m["flare_engine_host_snapshot_restores_total"] > 0)
+    assert after["flare_engine_host_snapshot_restores_total"] == 1 and after["flare_engine_host_restores_total"] > 1
 
 
 def test_greedy_tokens_equal_transformers_generate_under_concurrency(hybrid) -> None:

@@ -48,3 +48,32 @@ def test_a_conversation_evicted_to_the_host_continues_as_if_never_evicted(device
     assert counters["host_spills"] > 0 and counters["host_restores"] >= len(first) // PAGE
     assert expected_cached == 0 and cached >= len(first) // PAGE * PAGE
     assert tokens == expected
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_hybrid_conversation_evicted_to_the_host_continues_from_its_restored_snapshot(device: str) -> None:
+    """A hybrid model's exact checkpoint leaves the device with its snapshot (two snapshot rows there): its page and
+    its snapshot row move to the host, and the next turn restores both (the snapshot through a snapshot row in
+    transit) and continues with the tokens of a full computation; on a GPU through the graph executor, the snapshot
+    rows pinned and copied on the copy stream, the transit row's copy into the slot's row in the step's frame."""
+    model = tiny_model(family="qwen3_5").to(device)
+    if device == "cuda":
+        use_backend(model, "triton", 256)
+    first = prompt(100, seed=1)
+    small = Harness(model, num_pages=16, page_size=PAGE, max_active=2, snapshots=2, host_slots=32, host_snapshots=10,
+                    graphs=True, device=device)
+    _, reply = generate(small, first)
+    for seed in range(2, 5):  # their snapshots and pages push the first conversation's out to the host
+        generate(small, prompt(100, seed))
+    second = first + reply + prompt(20, seed=9)
+    small.scheduler.prefix.page_copy_seconds.clear()  # (as above: restore whatever the copies cost)
+    cached, tokens = generate(small, second)
+    counters = small.scheduler.counters
+    small.close()
+    fresh = Harness(model, num_pages=64, page_size=PAGE, snapshots=0, device=device)
+    expected_cached, expected = generate(fresh, second)
+    fresh.close()
+    assert counters["host_snapshot_spills"] > 0 and counters["host_snapshot_restores"] == 1
+    assert expected_cached == 0 and cached == len(first) + len(reply) - 1  # the first turn's terminal endpoint
+    assert tokens == expected

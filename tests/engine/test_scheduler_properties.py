@@ -166,6 +166,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         expected: Counter[int] = Counter()
         holders = [r.pinned for r in self.requests if r.phase is not Phase.FINISHED]
         holders += [c.source_checkpoint for c in self.scheduler.prefix.pending_copies]
+        holders += [c.source_checkpoint for c in self.scheduler.prefix.pending_state]  # (a hybrid's restores)
         assert all(r.pinned is None for r in self.requests if r.phase is Phase.FINISHED)
         for node in holders:
             while node is not None:
@@ -190,8 +191,9 @@ class HostTierSchedulerMachine(SchedulerMachine):
     @invariant()
     def every_host_slot_in_exactly_one_place(self) -> None:
         host, disk = self.scheduler.prefix.host, self.scheduler.prefix.disk
-        places = host._free + host._dropping + [slot for _, slot in host._retiring]
-        places += [entry.slot for entry in host._entries.values()] + [slot for slot, _ in disk._loading.values()]
+        places = host._slots.free + host._slots.dropping + [slot for _, slot in host._slots.retiring]
+        places += [entry.slot for entry in host._entries.values()]
+        places += [slot for slot, _ in disk._loading.values()] if disk is not None else []
         assert sorted(places) == list(range(host.slots)), places
 
     @rule(pages=st.integers(1, PAGES))
@@ -203,7 +205,7 @@ class HostTierSchedulerMachine(SchedulerMachine):
     @invariant()
     def host_slots_are_pinned_by_pending_restores_only(self) -> None:
         prefix = self.scheduler.prefix
-        assert prefix.host._pins == Counter(r.slot for r in prefix.pending_restores)
+        assert prefix.host._pins == Counter(r.slot for r in prefix.pending_restores + prefix.pending_snapshot_restores)
         assert all(r.reader.phase is not Phase.FINISHED and r.page in r.reader.pages for r in prefix.pending_restores)
         slots = [entry.slot for entry in prefix.host._entries.values()]
         assert len(slots) == len(set(slots))
@@ -215,7 +217,77 @@ class HostTierSchedulerMachine(SchedulerMachine):
         self.announced.update(stored)
         self.announced.update(hosted)
         self.announced.difference_update(evicted)
-        assert self.announced == set(prefix.cache.ready_keys()) | set(prefix.host.keys()) | prefix.disk.held()
+        held = prefix.disk.held() if prefix.disk is not None else set()
+        assert self.announced == set(prefix.cache.ready_keys()) | set(prefix.host.keys()) | held
+
+
+class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
+    """The same rules for a hybrid model's exact checkpoints (snapshot rows on the device and the host): every
+    snapshot row, on the device and the host, is in exactly one place, whatever is cancelled or evicted while its
+    spill or restore is planned, and none is free while a step in flight uses it."""
+
+    SNAPSHOTS, HOST_SNAPSHOTS = 3, 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, snapshots=self.SNAPSHOTS,
+                                          host=HostTier(12, self.HOST_SNAPSHOTS))
+        self.row_use: dict[int, int] = {}  # device state row -> the last fence that used it
+        self.cancelled_restores = 0
+        self.host_row_use: dict[int, int] = {}
+
+    def plan_and_commit(self) -> None:
+        super().plan_and_commit()
+        if self.in_flight and self.in_flight[-1][0] == self.fence:
+            self._record_rows(self.in_flight[-1][1])
+
+    def stale_plan_is_refused(self, index: int) -> None:
+        committed = self.fence
+        super().stale_plan_is_refused(index)
+        if self.fence > committed:  # a plan of copies only went out
+            self._record_rows(self.in_flight[-1][1])
+
+    def _record_rows(self, plan: Plan) -> None:
+        for source, destination in plan.state_copies:
+            self.row_use[source] = self.row_use[destination] = self.fence
+        for row, host_row in plan.state_spills + tuple((row, host) for host, row in plan.state_restores):
+            self.row_use[row] = self.host_row_use[host_row] = self.fence
+
+    @precondition(lambda self: len(self.in_flight) < 2)
+    @rule()
+    def cancel_a_restore_before_it_is_sent(self) -> None:
+        """Plan, and cancel a request whose snapshot restore from the host that plan was to send: what the restore
+        held (its host entry, its snapshot row in transit, its pages) is given back."""
+        self.scheduler.plan()
+        restoring = [c.reader for c in self.scheduler.prefix.pending_snapshot_restores]
+        if restoring:
+            self.scheduler.cancel(restoring[0])
+            self.cancelled_restores += 1
+
+    @rule(snapshots=st.integers(1, SNAPSHOTS))
+    def evict_snapshots(self, snapshots: int) -> None:
+        prefix = self.scheduler.prefix
+        prefix._retire(prefix.cache.evict(0, snapshots))
+
+    @invariant()
+    def every_snapshot_row_in_exactly_one_place(self) -> None:
+        prefix = self.scheduler.prefix
+        ids = prefix.snapshot_ids
+        places = list(ids._free) + [i for _, _, rows in ids._retiring for i in rows]
+        places += [c.snapshot for c in prefix.cache._by_key.values() if c.snapshot is not None]
+        places += [i for r in self.requests if r.phase is not Phase.FINISHED for i in r.snapshots.values()]
+        places += [c.snapshot for c in prefix.pending_state if c.transit]
+        assert sorted(places) == list(range(self.SNAPSHOTS)), places
+        rows = prefix.host._rows
+        places = rows.free + rows.dropping + [row for _, row in rows.retiring]
+        places += [e.snapshot for e in prefix.host._entries.values() if e.snapshot is not None]
+        assert sorted(places) == list(range(self.HOST_SNAPSHOTS)), places
+
+    @invariant()
+    def no_free_snapshot_row_is_still_in_use(self) -> None:
+        prefix = self.scheduler.prefix
+        assert all(self.row_use.get(SLOTS + i, 0) <= self.completed for i in prefix.snapshot_ids._free)
+        assert all(self.host_row_use.get(row, 0) <= self.completed for row in prefix.host._rows.free)
 
 
 class RandomProposer:
@@ -250,3 +322,6 @@ test_speculative_scheduler_state_machine = SpeculativeSchedulerMachine.TestCase
 HostTierSchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
                                                       derandomize=True)
 test_host_tier_scheduler_state_machine = HostTierSchedulerMachine.TestCase
+HybridHostTierSchedulerMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                                            derandomize=True)
+test_hybrid_host_tier_scheduler_state_machine = HybridHostTierSchedulerMachine.TestCase

@@ -15,7 +15,7 @@ from engine.executor.factory import make_executor
 from engine.executor.tier_copies import host_slot_bytes
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
-from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT
+from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT, RecurrentState
 from engine.sampling.grammar import mask_words
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
@@ -62,17 +62,20 @@ def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> Causa
 class Harness:
     def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
                  chunk: int = 48, proposer: object = None, snapshots: int | None = None,
-                 device: str = "cpu", host_slots: int = 0, graphs: bool = False) -> None:
+                 device: str = "cpu", host_slots: int = 0, graphs: bool = False, host_snapshots: int = 0) -> None:
         """`snapshots`: a hybrid model's snapshot rows (None: as many as the engine would keep; 0: none); `device`:
-        the model's; `host_slots`: a host tier's pages; `graphs`: the graph executor (on a GPU)."""
+        the model's; `host_slots`: a host tier's pages, `host_snapshots` its snapshot rows; `graphs`: the graph
+        executor (on a GPU)."""
         if snapshots is None and model.config.hybrid:
             snapshots = SNAPSHOTS_PER_SLOT * max_active
         self.executor = make_executor(model, num_pages, page_size, max_active, torch.device(device), 512, chunk,
-                                      graphs, snapshots or 0, host_slots)
+                                      graphs, snapshots or 0, host_slots, host_snapshots=host_snapshots)
         dtype = model.model.embed_tokens.weight.dtype
+        host = HostTier(host_slots, host_snapshots) if host_slots else None
         self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer,
-                                          snapshots=snapshots, host=HostTier(host_slots) if host_slots else None,
-                                          page_bytes=host_slot_bytes(model.config, page_size, dtype))
+                                          snapshots=snapshots, host=host,
+                                          page_bytes=host_slot_bytes(model.config, page_size, dtype),
+                                          snapshot_bytes=RecurrentState.row_bytes(model.config, dtype))
         self._ids = itertools.count()
         self.steps = 0
 

@@ -1,0 +1,103 @@
+"""A hybrid model's exact checkpoints in the host tier, at the scheduler's level (each step completed as soon as it is
+committed, no model; docs/design.md, Host retention): an evicted checkpoint's snapshot moves to a host snapshot row
+with its page, and a prompt that extends it restores both, the snapshot through a device snapshot row in transit; the
+host's snapshot rows are bounded, the least recently used given up with their pages; a request cancelled before its
+restore is sent gives back all it held. (Through the model: tests/engine/test_host_tier_steps.py.)"""
+
+from __future__ import annotations
+
+from common.protocol import SamplingParams
+from engine.cache.host_tier import HostTier
+from engine.scheduler.plan import Completion, Plan
+from engine.scheduler.request import Phase, Request
+from engine.scheduler.scheduler import RequestScheduler
+
+PAGE, CHUNK, PAGES, SLOTS, SNAPSHOTS = 4, 16, 16, 2, 2
+PAGE_BYTES, SNAPSHOT_BYTES = 10, 100
+FIRST = list(range(1, 11))  # two complete blocks and a partial one
+
+
+def scheduler(host_snapshots: int = 4) -> RequestScheduler:
+    return RequestScheduler(SLOTS, 4, PAGES, PAGE, CHUNK, snapshots=SNAPSHOTS, snapshot_bytes=SNAPSHOT_BYTES,
+                            host=HostTier(32, host_snapshots), page_bytes=PAGE_BYTES)
+
+
+def add(scheduler: RequestScheduler, tokens: list[int]) -> Request:
+    request = Request(f"r{len(scheduler._by_id)}", b"f", len(tokens), list(tokens),
+                      SamplingParams(temperature=0.0, max_tokens=2), 0, frozenset(), 2, 0.0)
+    scheduler.add(request)
+    return request
+
+
+def step(scheduler: RequestScheduler, plan: Plan) -> None:
+    fence = scheduler._completed_fence + 1
+    scheduler.commit(plan, fence)
+    sampled = [row for row in plan.rows if row.sample]
+    scheduler.complete(Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
+                                  (7,) * len(sampled), 0.01), plan)
+
+
+def run(scheduler: RequestScheduler) -> list[Plan]:
+    """Every step until nothing is left to do (the copies that requests' ends left included)."""
+    plans = []
+    while (plan := scheduler.plan()) is not None:
+        step(scheduler, plan)
+        plans.append(plan)
+    return plans
+
+
+def evicted(scheduler: RequestScheduler, tokens: list[int]) -> Request:
+    """A request of `tokens` to its end, then every checkpoint evicted from the device (spilled as the next step's
+    copies): its exact checkpoints' pages and snapshots are on the host only."""
+    request = add(scheduler, tokens)
+    run(scheduler)
+    scheduler.prefix.free_pages(PAGES)
+    run(scheduler)
+    return request
+
+
+def test_an_evicted_exact_checkpoint_is_restored_with_its_snapshot() -> None:
+    s = scheduler()
+    first = evicted(s, FIRST)
+    assert s.prefix.cache.snapshots == 0 and s.prefix.host.snapshots == 2  # the prompt end's and the terminal's
+    assert s.counters["host_snapshot_spills"] == 2
+    second = add(s, first.tokens + [5, 6])
+    plans = run(s)
+    assert second.phase is Phase.FINISHED and second.cached_tokens == len(FIRST) + 1  # the terminal endpoint: 11
+    restoring = plans[0]
+    assert len(restoring.restores) == 3 and len(restoring.state_restores) == 1  # two blocks, the partial page
+    (host_row, transit), = restoring.state_restores
+    assert (transit, second.slot) in restoring.state_copies  # the transit row into the request's slot row
+    assert s.counters["host_snapshot_restores"] == 1 and s.counters["snapshot_restores"] == 1
+    assert s.counters["host_bytes_in"] == 3 * PAGE_BYTES + SNAPSHOT_BYTES
+    assert s.prefix.snapshot_ids.free_count + s.prefix.cache.snapshots == SNAPSHOTS  # the transit row came back
+
+
+def test_host_snapshot_rows_are_bounded_and_the_least_recently_used_given_up() -> None:
+    s = scheduler(host_snapshots=4)  # an eighth (one row) stays free or on its way
+    for base in range(4):
+        evicted(s, [base * 50 + t for t in FIRST])
+    host = s.prefix.host
+    assert host.snapshots == 3
+    latest = add(s, [150 + t for t in FIRST] + [7, 9])
+    oldest = add(s, FIRST + [7, 9])
+    run(s)
+    assert latest.cached_tokens == len(FIRST) + 1 and oldest.cached_tokens == 0
+
+
+def test_a_request_cancelled_before_its_restore_is_sent_gives_back_what_it_held() -> None:
+    s = scheduler()
+    first = evicted(s, FIRST)
+    cancelled = add(s, first.tokens + [5, 6])
+    assert s.plan() is not None  # placed: its restores planned, not sent
+    prefix = s.prefix
+    assert len(prefix.pending_snapshot_restores) == 1 and prefix.host._pins
+    s.cancel(cancelled)
+    assert not (prefix.pending_snapshot_restores or prefix.pending_restores or prefix.pending_state
+                or prefix.host._pins)
+    run(s)
+    assert s.pages.free_count == PAGES and prefix.snapshot_ids.free_count == SNAPSHOTS
+    assert prefix.host.snapshots == 2  # what it was to restore stays on the host
+    again = add(s, first.tokens + [5, 6])
+    run(s)
+    assert again.cached_tokens == len(FIRST) + 1
