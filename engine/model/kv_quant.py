@@ -1,0 +1,32 @@
+"""The KV cache's element type (`--kv-cache-dtype`, docs/design.md, KV cache dtype): the model's own (auto), or FP8
+e4m3 with fp32 scales per (layer, KV head) for keys and for values.
+
+An FP8 cache holds value / scale rounded to nearest e4m3 and clamped to +-448; attention reads value * scale and
+computes in fp32. The scales are the checkpoint's where it carries them (`k_scale`, `v_scale` of each attention
+layer, per head or one per layer, which ignition writes per head), 1.0 otherwise. These are the torch forms; the
+kernels' are engine/kernels/triton/kv_store.py (writing) and the attention kernels (reading).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.fp8 import E4M3_MAX
+
+FP8 = torch.float8_e4m3fn
+KV_DTYPE_NAMES = ("auto", "fp8")  # common/engine_flags.py offers these
+
+
+def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's torch dtype for `--kv-cache-dtype name`."""
+    return FP8 if name == "fp8" else model_dtype
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., KVH, D] over its heads' scales [KVH] -> e4m3."""
+    return (x.float() / scale[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """e4m3 values [..., KVH, D] times their heads' scales [KVH], in `dtype`."""
+    return (values.float() * scale[:, None]).to(dtype)
