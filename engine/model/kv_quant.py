@@ -14,7 +14,8 @@ import torch
 from engine.model.fp8 import E4M3_MAX
 
 FP8 = torch.float8_e4m3fn
-KV_DTYPE_NAMES = ("auto", "fp8")  # common/engine_flags.py offers these
+KV_NAMES = {FP8: "fp8 e4m3"}  # the cache's dtype as the startup log names it
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an attention layer's scales in a core, [KVH] each (ignition/fp8.py)
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
