@@ -456,6 +456,27 @@ def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_graph_executor_produces_the_eager_executors_tokens_over_an_fp8_cache(family: str) -> None:
+    """--kv-cache-dtype fp8 (engine/model/kv_quant.py), with per-head scales other than 1; a hybrid's
+    full-attention layers only."""
+    from engine.model.attention import PagedAttention
+    from engine.model.kv_quant import FP8
+
+    model = tiny_model(family=family).to("cuda", torch.bfloat16)
+    model.kv_dtype = FP8
+    generator = torch.Generator().manual_seed(3)
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.kv_scale = (torch.rand(module.kv_scale.shape, generator=generator) + 0.5).cuda()
+    use_backend(model, "triton", CONTEXT)
+    graphs = gpu_harness(model, graphs=True)
+    assert graphs.executor.kv_cache.dtype == FP8
+    assert run_requests(graphs) == run_requests(gpu_harness(model, graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_graph_executor_pools_the_eager_executors_embeddings(dtype: torch.dtype) -> None:
     model = tiny_model().to("cuda", dtype)

@@ -69,7 +69,7 @@ class Harness:
             snapshots = SNAPSHOTS_PER_SLOT * max_active
         self.executor = make_executor(model, num_pages, page_size, max_active, torch.device(device), 512, chunk,
                                       graphs, snapshots or 0, host_slots)
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = model.cache_dtype
         self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer,
                                           snapshots=snapshots, host=HostTier(host_slots) if host_slots else None,
                                           page_bytes=host_slot_bytes(model.config, page_size, dtype))
