@@ -10,8 +10,8 @@ import torch
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
 from engine.model import fp8
-from engine.model.backends.select import backend_kind, use_backend
 from engine.model.attention import PagedAttention
+from engine.model.backends.select import backend_kind, use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.fp8_linear import fp8_linears
