@@ -19,15 +19,13 @@ from engine.executor.eager import kv_cache_shape
 from engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from engine.model.loader import load_model
 from tests.e2e.test_metrics import scrape, wait_for
-from tests.e2e.test_parity import server_greedy
 from tests.support.servers import Server
 
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 32
 PAGE = 64
-CONVERSATIONS = [[{"role": "user", "content": "Why is the sky blue?"}],
-                 [{"role": "user", "content": "Give me a recipe for pancakes."}]]
+MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +77,13 @@ class Reference:
         return tokens
 
 
+def server_greedy(client: openai.OpenAI, model: str, messages: list[dict]) -> tuple[list[int], list[int]]:
+    response = client.chat.completions.create(
+        model=model, messages=messages, temperature=0, max_tokens=NEW_TOKENS,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    return response.model_extra["prompt_token_ids"], response.choices[0].model_extra["token_ids"]
+
+
 @pytest.fixture(scope="module")
 def reference(fp32_core_dir) -> Reference:
     return Reference(fp32_core_dir)
@@ -86,16 +91,13 @@ def reference(fp32_core_dir) -> Reference:
 
 def test_greedy_tokens_equal_the_eager_path_with_e4m3_keys_and_values(fp8_server, reference) -> None:
     client = openai.OpenAI(base_url=f"{fp8_server.base_url}/v1", api_key="none")
-    name = client.models.list().data[0].id
-    rounding_mattered = False
-    for messages in CONVERSATIONS:
-        prompt, tokens = server_greedy(client, name, messages)
-        assert tokens == reference.greedy(prompt, NEW_TOKENS), messages
-        if not rounding_mattered:
-            reference.rounding = False
-            rounding_mattered = tokens != reference.greedy(prompt, NEW_TOKENS)
-            reference.rounding = True
-    assert rounding_mattered, "e4m3 keys and values changed no conversation's tokens: this test could not fail"
+    prompt, tokens = server_greedy(client, client.models.list().data[0].id, MESSAGES)
+    assert tokens == reference.greedy(prompt, NEW_TOKENS)
+    reference.rounding = False
+    try:  # the rounding matters here: an fp32 cache's tokens differ, so this test could fail
+        assert tokens != reference.greedy(prompt, NEW_TOKENS)
+    finally:
+        reference.rounding = True
 
 
 def test_a_second_turn_reuses_its_fp8_prefix(fp8_server, reference) -> None:
