@@ -34,7 +34,7 @@ from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.tier_copies import host_slot_bytes, slot_shape
 from engine.model.attention import PagedAttention
 from engine.model.decoder import CausalLM
-from engine.model.kv_quant import KV_NAMES
+from engine.model import kv_quant
 from engine.model.loader import DTYPES, load_model
 from engine.model.recurrent_state import RecurrentState, snapshot_rows
 from engine.parallel.executor import TensorParallelExecutor
@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     chosen, reason = select_device(args.device)
     device = rank_device(chosen, args.rank)
     log.info("device %s: %s", device, reason)
+    if args.kv_cache_dtype == "fp8" and (problem := kv_quant.unsupported(device)):
+        sys.exit(f"flare-engine: error: {problem}")
     tp = join(args.rank, args.world_size, args.dist_address, device) if args.world_size > 1 else None
     try:
         manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None, tp=tp,
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("loaded %s (%s, %s) on %s (%d threads) in %.1fs: %d KV pages of %d tokens in %s, %d slots, "
              "speculative %s; listening on %s", manifest.served_names[0], manifest.architecture,
              manifest.quantization or manifest.dtype, device, threads, time.monotonic() - started, num_pages,
-             caps.page_size, KV_NAMES.get(kv_dtype, str(kv_dtype).removeprefix("torch.")), max_active,
+             caps.page_size, kv_quant.KV_NAMES.get(kv_dtype, str(kv_dtype).removeprefix("torch.")), max_active,
              proposer.name if proposer else "off", args.listen)
     status = 0
     try:

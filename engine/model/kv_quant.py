@@ -15,12 +15,18 @@ from engine.model.fp8 import E4M3_MAX
 
 FP8 = torch.float8_e4m3fn
 KV_NAMES = {FP8: "fp8 e4m3"}  # the cache's dtype as the startup log names it
+MIN_CAPABILITY = (8, 9)  # the kernels' e4m3 conversions: Ada, Hopper and later
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale")  # an attention layer's scales in a core, [KVH] each (ignition/fp8.py)
 
 
-def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's torch dtype for `--kv-cache-dtype name`."""
-    return FP8 if name == "fp8" else model_dtype
+def unsupported(device: torch.device) -> str | None:
+    """Why `device` cannot hold an FP8 cache, or None: a GPU needs e4m3 conversions, which Triton has from compute
+    capability 8.9 on; the CPU's torch path has them everywhere."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= MIN_CAPABILITY:
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper, Blackwell); "
+            f"{torch.cuda.get_device_name(device)} is {major}.{minor}")
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
