@@ -32,9 +32,9 @@ from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, host_budget, make_executor
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.tier_copies import host_slot_bytes, slot_shape
+from engine.model import kv_quant
 from engine.model.attention import PagedAttention
 from engine.model.decoder import CausalLM
-from engine.model import kv_quant
 from engine.model.loader import DTYPES, load_model
 from engine.model.recurrent_state import RecurrentState, snapshot_rows
 from engine.parallel.executor import TensorParallelExecutor
