@@ -1,6 +1,6 @@
 """KV cache scales of an FP8 checkpoint (compressed-tensors' and vLLM's `k_scale`, `v_scale` per attention layer):
-ignition keeps them, one per KV head, and the engine's FP8 KV cache stores each key and value over its head's scale
-and reads it back times it (engine/model/kv_quant.py)."""
+ignition keeps them, one per KV head, each tensor-parallel rank reads its heads' scales, and the engine's FP8 KV
+cache stores each key and value over its head's scale and reads it back times it (engine/model/kv_quant.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from safetensors.torch import load_file, save_file
 from engine.executor.eager import kv_cache_shape
 from engine.model.attention import AttentionMetadata, PagedAttention, PrefillSpan
 from engine.model.loader import load_model
+from engine.model.sharding import Shard, read_weights
 from ignition.main import main as ignition
 from tests.e2e.test_families import build_checkpoint
 from tests.ignition.test_fp8 import LLAMA
+from tests.support.engine_harness import tiny_model
 from tests.support.fp8_checkpoints import TENSOR_STATIC, rewrite_as_fp8
 
 PAGE = 16
@@ -70,3 +72,16 @@ def test_kv_scales_reach_the_core_per_head_and_scale_the_fp8_cache(tmp_path: Pat
     for module in attention:
         module.kv_scale = torch.ones_like(module.kv_scale)
     assert not torch.equal(got, prefill_logits(model, tokens, model.cache_dtype))
+
+
+def test_each_rank_reads_its_kv_heads_scales(tmp_path: Path) -> None:
+    """Under tensor parallelism a layer's KV scales split as its K and V heads do (engine/model/sharding.py)."""
+    config = tiny_model().config  # 4 heads, 2 KV heads: one a rank over 2 ranks; over 4, each on two ranks
+    scales = torch.tensor([0.5, 2.0])
+    path = tmp_path / "model.safetensors"
+    save_file({"model.layers.0.self_attn.k_scale": scales, "model.layers.0.self_attn.v_scale": scales * 3}, path)
+    for world, expected in ((2, [[0.5], [2.0]]), (4, [[0.5], [0.5], [2.0], [2.0]])):
+        for rank in range(world):
+            state = read_weights(path, torch.device("cpu"), Shard.of(config, rank, world))
+            assert state["model.layers.0.self_attn.k_scale"].tolist() == expected[rank]
+            assert state["model.layers.0.self_attn.v_scale"].tolist() == [3 * s for s in expected[rank]]
