@@ -9,6 +9,7 @@ from pathlib import Path
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # engine/model/loader.py DTYPES maps each to torch's
 SPECULATIVE_MODES = ("auto", "ngram", "draft", "off")
+KV_CACHE_DTYPES = ("auto", "fp8")  # engine/model/kv_quant.py
 
 # (flag, add_argument's keywords); the defaults are the engine's, so forwarding skips a flag left at its default.
 ENGINE_FLAGS: tuple[tuple[str, dict[str, object]], ...] = (
@@ -30,6 +31,10 @@ ENGINE_FLAGS: tuple[tuple[str, dict[str, object]], ...] = (
     ("--disk-cache-bytes", {"type": int, "help": "the disk tier's budget (default: half the free space of "
                                                  "--disk-cache)"}),
     ("--dtype", {"choices": DTYPE_NAMES, "help": "override the core's dtype"}),
+    ("--kv-cache-dtype", {"choices": KV_CACHE_DTYPES, "default": "auto",
+                          "help": "the KV cache's element type: auto (default: the model's dtype) or fp8 (e4m3 "
+                                  "with a scale per layer and KV head, the core's or 1.0: twice a bfloat16 "
+                                  "cache's pages in the same bytes)"}),
     ("--eager", {"action": "store_true", "help": "on a GPU, run eagerly instead of replaying captured graphs"}),
     ("--speculative", {"choices": SPECULATIVE_MODES, "default": "auto",
                        "help": "draft proposals verified in one wider step: ngram (copies from the prompt and "

@@ -32,6 +32,8 @@ from engine.executor.eager import pages_for_budget
 from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, host_budget, make_executor
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.tier_copies import host_slot_bytes, slot_shape
+from engine.model import kv_quant
+from engine.model.attention import PagedAttention
 from engine.model.decoder import CausalLM
 from engine.model.loader import DTYPES, load_model
 from engine.model.recurrent_state import RecurrentState, host_snapshot_rows, snapshot_rows
@@ -48,10 +50,12 @@ from engine.threads import set_threads
 log = logging.getLogger("flare.engine")
 
 
-def cache_identity(manifest: Manifest, dtype: torch.dtype) -> bytes:
-    """32 bytes naming the weights and the recipe that shape the KV cache: prefix keys of different cores or dtypes
-    never meet."""
-    recipe = f"{sorted(manifest.files.items())}|{dtype}|{manifest.capacities.page_size}".encode()
+def cache_identity(manifest: Manifest, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> bytes:
+    """32 bytes naming the weights and the recipe that shape the KV cache: prefix keys (and disk files) of different
+    cores, dtypes or KV dtypes never meet. A cache of the model's own dtype keeps the identity it had before KV
+    dtypes were a choice, so that its disk files stay valid."""
+    kv = f"|kv {kv_dtype}" if kv_dtype not in (None, dtype) else ""
+    recipe = f"{sorted(manifest.files.items())}|{dtype}{kv}|{manifest.capacities.page_size}".encode()
     return hashlib.sha256(recipe).digest()
 
 
@@ -127,20 +131,20 @@ def select_device(name: str) -> tuple[torch.device, str]:
 
 
 def retained_pages(args: argparse.Namespace, model: CausalLM, device: torch.device, page_size: int,
-                   dtype: torch.dtype, world_size: int) -> tuple[int, int]:
-    """The host tier's pages and snapshot rows (a hybrid model's; docs/design.md, Host retention). Under tensor
-    parallelism each rank keeps its shard of a page (and of a snapshot row), and the default budget is shared by the
-    ranks of the machine."""
+                   dtype: torch.dtype, kv_dtype: torch.dtype, world_size: int) -> tuple[int, int]:
+    """The host tier's pages (of `kv_dtype`) and snapshot rows (a hybrid model's, of `dtype`; docs/design.md, Host
+    retention). Under tensor parallelism each rank keeps its shard of a page (and of a snapshot row), and the default
+    budget is shared by the ranks of the machine."""
     budget = host_budget(device) // world_size if args.host_cache_bytes is None else args.host_cache_bytes
     rows = host_snapshot_rows(model.config, dtype, budget) if model.config.hybrid else 0
     if budget and model.config.hybrid and not rows:
         log.info("no host tier: the budget holds no recurrent-state snapshot row")
         return 0, 0
     row_bytes = rows * RecurrentState.row_bytes(model.config, dtype)
-    slots = (budget - row_bytes) // host_slot_bytes(model.config, page_size, dtype)
+    slots = (budget - row_bytes) // host_slot_bytes(model.config, page_size, kv_dtype)
     if slots:
         log.info("host tier: %d pages%s (%.2f GiB)", slots, f" and {rows} snapshot rows" if rows else "",
-                 (slots * host_slot_bytes(model.config, page_size, dtype) + row_bytes) / (1 << 30))
+                 (slots * host_slot_bytes(model.config, page_size, kv_dtype) + row_bytes) / (1 << 30))
     return slots, rows if slots else 0
 
 
@@ -159,6 +163,19 @@ def disk_tier(args: argparse.Namespace, identity: bytes, model: CausalLM, page_s
     return tier
 
 
+def log_kv_cache(model: CausalLM, choice: str) -> None:
+    """Where an FP8 KV cache's scales come from, and what of a hybrid model stays in its dtype."""
+    if choice != "fp8":
+        return
+    scales = [m.kv_scale for m in model.modules() if isinstance(m, PagedAttention)]
+    calibrated = sum(bool((s != 1).any()) for s in scales)
+    log.info("KV cache in fp8 (e4m3): %s", f"the core's scales in {calibrated} of {len(scales)} attention layers"
+             if calibrated else "scales 1.0 (the core carries none)")
+    if model.config.hybrid:
+        log.info("fp8 holds the KV of the %d full-attention layers only; the linear-attention layers' recurrent "
+                 "state keeps its dtypes", len(scales))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine[{args.rank}] %(levelname)s %(message)s")
@@ -168,9 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     chosen, reason = select_device(args.device)
     device = rank_device(chosen, args.rank)
     log.info("device %s: %s", device, reason)
+    if args.kv_cache_dtype == "fp8" and (problem := kv_quant.unsupported(device)):
+        sys.exit(f"flare-engine: error: {problem}")
     tp = join(args.rank, args.world_size, args.dist_address, device) if args.world_size > 1 else None
     try:
-        manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None, tp=tp)
+        manifest, model = load_model(args.core, device, DTYPES[args.dtype] if args.dtype else None, tp=tp,
+                                     fp8_kv=args.kv_cache_dtype == "fp8")
     except CoreError as exc:
         sys.exit(f"flare-engine: error: {exc}")
     caps = manifest.capacities
@@ -183,23 +203,26 @@ def main(argv: list[str] | None = None) -> None:
                                               if device.type == "cuda" else caps.prefill_chunk_size)
     log.info("up to %d prompt tokens a step%s", step_tokens, "" if args.max_batched_tokens else " (default)")
     dtype = model.model.embed_tokens.weight.dtype
+    kv_dtype = model.cache_dtype
+    log_kv_cache(model, args.kv_cache_dtype)
     snapshots = snapshot_rows(model.config, dtype, max_active, budget) if model.config.hybrid else None
     if snapshots is not None:  # a hybrid's state rows, its slots' and its snapshots', come out of the cache budget
         budget -= (max_active + snapshots) * RecurrentState.row_bytes(model.config, dtype)
         log.info("%d recurrent-state snapshot rows for exact prefix checkpoints", snapshots)
-    num_pages = pages_for_budget(model, caps.page_size, budget, dtype)
+    num_pages = pages_for_budget(model, caps.page_size, budget, kv_dtype)
     limit = frame_limit(manifest.context_limit, manifest.vision)
     # A step's rows carry their requests' images (a vision model's eager step places text by them), so one step
     # message may hold what max_active Submits held.
     channel = connect(tp, args.dist_address, keys, limit * max_active) if tp else None
-    host_slots, host_snapshots = retained_pages(args, model, device, caps.page_size, dtype, args.world_size)
+    host_slots, host_snapshots = retained_pages(args, model, device, caps.page_size, dtype, kv_dtype,
+                                                args.world_size)
     if channel:  # every rank allocates the same pages and slots
         num_pages, max_active, host_slots, host_snapshots = channel.setup(num_pages, max_active, host_slots,
                                                                           host_snapshots)
         if model.config.hybrid and not host_snapshots:  # (some rank's budget holds no snapshot row)
             host_slots = 0
-    identity = cache_identity(manifest, dtype)
-    disk = disk_tier(args, identity, model, caps.page_size, dtype) \
+    identity = cache_identity(manifest, dtype, kv_dtype)
+    disk = disk_tier(args, identity, model, caps.page_size, kv_dtype) \
         if host_slots and not channel and not model.config.hybrid else None
     if args.disk_cache is not None and not disk:
         # Under tensor parallelism each rank would write its own shard of every file, and a file one rank could
@@ -235,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                                  identity, proposer=proposer,
                                  snapshots=snapshots, snapshot_bytes=RecurrentState.row_bytes(model.config, dtype),
                                  host=HostTier(host_slots, host_snapshots) if host_slots else None,
-                                 page_bytes=host_slot_bytes(model.config, caps.page_size, dtype), disk=disk)
+                                 page_bytes=host_slot_bytes(model.config, caps.page_size, kv_dtype), disk=disk)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)
@@ -255,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     telemetry_socket.setsockopt(zmq.LINGER, 0)
     telemetry_address = protocol.telemetry_address(args.listen)
     telemetry_socket.bind(telemetry_address)
-    telemetry = EngineTelemetry(telemetry_socket, f"engine-{uuid.uuid4().hex[:8]}")
+    telemetry = EngineTelemetry(telemetry_socket, f"engine-{uuid.uuid4().hex[:8]}", kv_dtype.itemsize)
     tokenizer = args.core / "tokenizer.json"  # a core without one serves token ids only: no structured output
     grammars = GrammarCompiler(tokenizer.read_text(), model.config.vocab_size, manifest.eos_token_ids) \
         if tokenizer.is_file() else None
@@ -263,10 +286,11 @@ def main(argv: list[str] | None = None) -> None:
                     grammars, manifest.vision)
     signal.signal(signal.SIGTERM, lambda *_: engine.stop())
     signal.signal(signal.SIGINT, lambda *_: engine.stop())
-    log.info("loaded %s (%s, %s) on %s (%d threads) in %.1fs: %d KV pages of %d tokens, %d slots, speculative %s; "
-             "listening on %s", manifest.served_names[0], manifest.architecture,
+    log.info("loaded %s (%s, %s) on %s (%d threads) in %.1fs: %d KV pages of %d tokens in %s, %d slots, "
+             "speculative %s; listening on %s", manifest.served_names[0], manifest.architecture,
              manifest.quantization or manifest.dtype, device, threads, time.monotonic() - started, num_pages,
-             caps.page_size, max_active, proposer.name if proposer else "off", args.listen)
+             caps.page_size, kv_quant.KV_NAMES.get(kv_dtype, str(kv_dtype).removeprefix("torch.")), max_active,
+             proposer.name if proposer else "off", args.listen)
     status = 0
     try:
         engine.run()

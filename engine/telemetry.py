@@ -35,9 +35,11 @@ MAX_REQUEST_ROWS = 128
 
 
 class EngineTelemetry:
-    def __init__(self, socket: zmq.Socket, engine_id: str) -> None:
+    def __init__(self, socket: zmq.Socket, engine_id: str, kv_element_bytes: int = 0) -> None:
+        """`kv_element_bytes`: the KV cache's element size (1 for an FP8 cache), reported beside its pages."""
         self.socket = socket
         self.engine_id = engine_id
+        self.kv_element_bytes = kv_element_bytes
         self.started = time.monotonic()
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._queue_buckets = [0] * (len(wire.QUEUE_TIME_BUCKETS) + 1)
@@ -147,6 +149,7 @@ class EngineTelemetry:
         return {
             "live_requests": live, "free_slots": scheduler.max_active - live,
             "retiring_slots": scheduler.retiring_count, "free_pages": scheduler.pages.free_count,
+            "kv_pages": scheduler.pages.num_pages, "kv_element_bytes": self.kv_element_bytes,
             "retiring_pages": scheduler.pages.retiring_count, "cached_pages": scheduler.cached_pages,
             "pending_requests": len(scheduler.waiting), "uptime_seconds": now - self.started,
             "tokens_last_minute": self.counters["output_tokens"] - oldest[1],

@@ -178,6 +178,11 @@ def _write_files(source: Source, family: str, config: dict[str, object], dtype: 
     for name, tensor in core_tensors(family, config, _counted(source.tensors(), bar)):
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and name not in shapes):
             continue  # recomputed by the engine / a tied copy of the embeddings
+        if name.endswith(fp8.KV_SCALES):
+            text = text_config(config)
+            kv_heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+            weights[name] = fp8.kv_scale(name, tensor, kv_heads)
+            continue
         if name not in shapes:
             raise CoreError(f"{source.path}: unexpected tensor {name} for a {family} model")
         if tuple(tensor.shape) != shapes[name]:

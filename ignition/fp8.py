@@ -9,8 +9,10 @@ its scale beside it (the source pairs them into an `Fp8Weight`):
 - compressed-tensors `float-quantized` (Llama, Mistral, Qwen "FP8" and "FP8-dynamic"): 8-bit float weights of
   strategy `tensor`, `channel` or `block` in `P.weight_scale`.
 
-Activation settings (static `input_scale`, dynamic per-token) and KV-cache scales are dropped: Flare computes in
-fp32 on the CPU, and its FP8 GEMM scales activations per token at run time (engine/kernels/triton/fp8_linear.py).
+Activation settings (static `input_scale`, dynamic per-token) are dropped: Flare computes in fp32 on the CPU, and its
+FP8 GEMM scales activations per token at run time (engine/kernels/triton/fp8_linear.py). KV-cache scales (vLLM's and
+compressed-tensors' `k_scale` and `v_scale` of each attention layer, one per layer or per KV head) are kept, one per
+KV head (`kv_scale`), for `--kv-cache-dtype fp8` (engine/model/kv_quant.py).
 A per-tensor scale becomes one per output channel (the same value on every row: the same weight). Anything else
 (another bit width, e5m2, groups, asymmetric or dynamic weights, another quant_method) is a one-line error naming
 it.
@@ -36,7 +38,8 @@ from engine.model.fp8 import (BLOCK_SCALE, CHANNEL_SCALE, CHANNEL_SCHEME, E4M3_M
 BLOCK_SCALE_NAME = "weight_scale_inv"
 SCALE_NAME = "weight_scale"
 # Tensors an FP8 checkpoint holds that a core does not need (see the module docstring).
-DROPPED = (".input_scale", ".k_scale", ".v_scale", ".output_scale")
+DROPPED = (".input_scale", ".output_scale")
+KV_SCALES = (".self_attn.k_scale", ".self_attn.v_scale")  # engine/model/kv_quant.py KV_SCALE_SUFFIXES
 # The linears `--quant fp8` quantizes: a decoder layer's projections and stacked experts.
 _LINEAR = re.compile(r"^model\.layers\.\d+\..*(_proj\.weight|\.mlp\.w13|\.mlp\.w2)$")
 
@@ -154,6 +157,16 @@ def scale_name(name: str, scheme: Scheme) -> str | None:
 
 def is_scale_or_dropped(name: str, scheme: Scheme) -> bool:
     return name.endswith(("." + scheme.scale_name, *DROPPED))
+
+
+def kv_scale(name: str, tensor: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """An attention layer's key or value cache scale as a core holds it: fp32, one per KV head (a per-layer scale on
+    every head)."""
+    scale = tensor.float().reshape(-1)
+    if scale.numel() not in (1, kv_heads) or not bool((scale > 0).all()):
+        raise CoreError(f"{name}: a KV cache scale of shape {tuple(tensor.shape)}; Flare reads one positive scale "
+                        f"per layer or per KV head ({kv_heads})")
+    return scale.expand(kv_heads).contiguous()
 
 
 def quantizable(name: str, tensor: torch.Tensor) -> bool:

@@ -41,7 +41,8 @@ class Layout:
         count = 1
         for extent in self.shape:
             count *= extent
-        return count * {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2}[self.dtype]
+        return count * {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2,
+                        "torch.float8_e4m3fn": 1}[self.dtype]
 
 
 def file_name(key: bytes) -> str:

@@ -40,9 +40,22 @@ def kv_cache_shape(model: CausalLM, num_pages: int, page_size: int) -> tuple[int
 
 
 def pages_for_budget(model: CausalLM, page_size: int, budget_bytes: int, dtype: torch.dtype) -> int:
+    """`dtype`: the cache's (CausalLM.cache_dtype): an FP8 cache fits twice a bfloat16 one's pages."""
     c = model.config
     page_bytes = len(c.kv_layers) * 2 * page_size * c.num_kv_heads * c.head_dim * dtype.itemsize
     return max(budget_bytes // page_bytes, 1)
+
+
+def copy_pages(kv_cache: torch.Tensor, copies: tuple[tuple[int, int], ...], page_size: int) -> None:
+    """Each (source page, destination page) of every layer's K and V, as bytes where the elements are single bytes
+    (an FP8 cache: indexing copies of float8 tensors are not on every device's list)."""
+    if not copies:
+        return
+    cache = kv_cache.view(torch.uint8) if kv_cache.element_size() == 1 else kv_cache
+    offsets = torch.arange(page_size, device=cache.device)
+    src = (torch.tensor([s for s, _ in copies], device=cache.device)[:, None] * page_size + offsets).flatten()
+    dst = (torch.tensor([d for _, d in copies], device=cache.device)[:, None] * page_size + offsets).flatten()
+    cache[:, :, dst] = cache[:, :, src]
 
 
 class EagerExecutor:
@@ -54,7 +67,8 @@ class EagerExecutor:
         self.page_size = page_size
         self.num_pages = num_pages
         dtype = model.model.embed_tokens.weight.dtype
-        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=model.cache_dtype,
+                                    device=device)
         # A hybrid model's linear-attention layers: a state row per slot, then its snapshot rows
         # (engine/model/recurrent_state.py).
         self.state = RecurrentState(model.config, max_active + snapshots, dtype, device) \
@@ -190,13 +204,7 @@ class EagerExecutor:
         return firsts + width - 1, final, tuple(accepted.tolist())
 
     def _copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
-        if not copies:
-            return
-        size = self.page_size
-        offsets = torch.arange(size, device=self.device)
-        src = (torch.tensor([s for s, _ in copies], device=self.device)[:, None] * size + offsets).flatten()
-        dst = (torch.tensor([d for _, d in copies], device=self.device)[:, None] * size + offsets).flatten()
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        copy_pages(self.kv_cache, copies, self.page_size)
 
     def _record_prompt_tokens(self, plan: Plan) -> None:
         """Host-known tokens enter the slot's penalty state; a request's first row clears what the slot held."""

@@ -50,8 +50,9 @@ def make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: i
     executor = _make_executor(model, num_pages, page_size, max_active, device, context_limit, prefill_chunk, graphs,
                               snapshots)
     if host_slots:
-        executor.host_pages = HostPages(model.config, host_slots, page_size, model.model.embed_tokens.weight.dtype,
-                                        pinned=device.type == "cuda", disk=disk, snapshots=host_snapshots)
+        executor.host_pages = HostPages(model.config, host_slots, page_size, model.cache_dtype,
+                                        pinned=device.type == "cuda", disk=disk, snapshots=host_snapshots,
+                                        state_dtype=model.model.embed_tokens.weight.dtype)
     return executor
 
 

@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.executor.eager import EagerExecutor, kv_cache_shape
+from engine.executor.eager import EagerExecutor, copy_pages, kv_cache_shape
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
                                     verify_rows, verify_spans)
@@ -135,8 +135,8 @@ class GraphExecutor:
         self.num_pages = num_pages
         self.page_size = page_size
         self.trash = max_active  # the padding slot: its page-table row and slot token belong to no request
-        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size),
-                                    dtype=model.model.embed_tokens.weight.dtype, device=device)
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=model.cache_dtype,
+                                    device=device)
         self._decode_caps = decode_capacities(max_active)
         self._extend_caps = extend_capacities(prefill_chunk, max_active)
         dtype = model.model.embed_tokens.weight.dtype
@@ -571,12 +571,8 @@ class GraphExecutor:
         """Private copies of cached pages, before the step that reads them (rare: exact prefix checkpoints)."""
         if not copies:
             return
-        size = self.page_size
         with torch.cuda.stream(self._model_stream):
-            offsets = torch.arange(size, device=self.kv_cache.device)
-            src = (torch.tensor([s for s, _ in copies], device=self.kv_cache.device)[:, None] * size + offsets)
-            dst = (torch.tensor([d for _, d in copies], device=self.kv_cache.device)[:, None] * size + offsets)
-            self.kv_cache[:, :, dst.flatten()] = self.kv_cache[:, :, src.flatten()]
+            copy_pages(self.kv_cache, copies, self.page_size)
 
     def _watch_events(self) -> None:
         while (item := self._watch.get()) is not None:

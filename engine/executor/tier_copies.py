@@ -39,13 +39,15 @@ def moves(plan: Plan) -> bool:
 
 class HostPages:
     def __init__(self, config: DecoderConfig, slots: int, page_size: int, dtype: torch.dtype, pinned: bool,
-                 disk: tuple[Path, bytes] | None = None, snapshots: int = 0) -> None:
-        """`disk`: the disk tier's directory and the core's cache identity, which its files carry; `snapshots`: a
-        hybrid model's host snapshot rows."""
+                 disk: tuple[Path, bytes] | None = None, snapshots: int = 0,
+                 state_dtype: torch.dtype | None = None) -> None:
+        """`dtype`: the KV cache's; `disk`: the disk tier's directory and the core's cache identity, which its files
+        carry; `snapshots`: a hybrid model's host snapshot rows, their conv state in `state_dtype` (the model's;
+        `dtype` when not given)."""
         self.page_size = page_size
         self.slots = torch.empty((slots, *slot_shape(config, page_size)), dtype=dtype, pin_memory=pinned)
         conv, delta = RecurrentState.row_shapes(config) if snapshots else ((0,), (0,))
-        self.conv = torch.empty((snapshots, *conv), dtype=dtype, pin_memory=pinned and snapshots > 0)
+        self.conv = torch.empty((snapshots, *conv), dtype=state_dtype or dtype, pin_memory=pinned and snapshots > 0)
         self.delta = torch.empty((snapshots, *delta), dtype=torch.float32, pin_memory=pinned and snapshots > 0)
         self.directory = disk[0] if disk is not None else None
         self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size)) if disk else None

@@ -16,6 +16,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from engine.model.kv_quant import FP8, dequantize, quantize
 from engine.model.recurrent_state import RecurrentBatch, RecurrentRows
 
 
@@ -187,7 +188,9 @@ def prefill_batch(meta: AttentionMetadata) -> SequenceBatch:
 class PagedAttention(torch.nn.Module):
     """A layer's attention over its cache. With a window W (sliding-window layers), the query at position p sees
     the keys at p - W + 1 .. p, as transformers' sliding-window mask has it; the cache keeps older keys, which the
-    mask skips, so prefix reuse works unchanged."""
+    mask skips, so prefix reuse works unchanged. An FP8 cache (engine/model/kv_quant.py) gets the new keys and
+    values over their heads' `kv_scale` ([2, KVH]: keys', values'; the loader sets the checkpoint's), and the
+    gathered pages are read back times it."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, scale: float, window: int | None = None) -> None:
         super().__init__()
@@ -195,6 +198,7 @@ class PagedAttention(torch.nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.window = window
+        self.register_buffer("kv_scale", torch.ones(2, num_kv_heads), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -202,6 +206,8 @@ class PagedAttention(torch.nn.Module):
         """q [T, H, D], k/v [T, KVH, D] for the step's new tokens; returns [T, H, D]. Decode rows are one batched
         SDPA call, or `decode`'s ([Bd, 1, H, D]: another implementation of them, the C++ ops backend's one call),
         prefill spans another, whatever the number of sequences."""
+        if k_cache.dtype == FP8:
+            k, v = quantize(k, self.kv_scale[0]), quantize(v, self.kv_scale[1])
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
         parts = []
@@ -226,8 +232,7 @@ class PagedAttention(torch.nn.Module):
         GQA expansion. Returns [B, 1, H, D]."""
         count, kv_heads = batch.rows.shape[0], self.num_kv_heads
         queries = (q if count == q.shape[0] else q[batch.rows[:, 0]]).view(count, kv_heads, -1, q.shape[-1])
-        keys = k_cache[batch.slots].transpose(1, 2)
-        values = v_cache[batch.slots].transpose(1, 2)
+        keys, values = self._gather(k_cache, v_cache, batch.slots, q.dtype)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.mask_for(self.window),
                                              scale=self.scale)
         return out.reshape(count, 1, self.num_heads, q.shape[-1])
@@ -235,9 +240,16 @@ class PagedAttention(torch.nn.Module):
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  batch: SequenceBatch) -> torch.Tensor:
         """Returns [S, L, H, D]."""
-        keys = k_cache[batch.slots].transpose(1, 2)
-        values = v_cache[batch.slots].transpose(1, 2)
+        keys, values = self._gather(k_cache, v_cache, batch.slots, q.dtype)
         out = F.scaled_dot_product_attention(q[batch.rows].transpose(1, 2), keys, values,
                                              attn_mask=batch.mask_for(self.window), scale=self.scale,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2)
+
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of cache slots [S, C] as [S, KVH, C, D] in the queries' dtype."""
+        keys, values = k_cache[slots], v_cache[slots]
+        if k_cache.dtype == FP8:
+            keys, values = dequantize(keys, self.kv_scale[0], dtype), dequantize(values, self.kv_scale[1], dtype)
+        return keys.transpose(1, 2), values.transpose(1, 2)

@@ -239,6 +239,13 @@ class CausalLM(nn.Module):
         self.set_rope()
         # The torch reference until the loader chooses (engine/model/backends/select.py: use_backend).
         self.backend: Backend = Reference()
+        # The KV cache's element type where it is not the model's (an FP8 cache: engine/model/kv_quant.py); the
+        # executors allocate `cache_dtype`.
+        self.kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.model.embed_tokens.weight.dtype
 
     def set_rope(self, device: torch.device | None = None) -> None:
         """The inverse frequencies of each distinct rope (Gemma 3's local and global layers have their own)."""

@@ -10,10 +10,12 @@ import torch
 from common.errors import CoreError
 from common.manifest import Manifest, load_manifest
 from engine.model import fp8
+from engine.model.attention import PagedAttention
 from engine.model.backends.select import backend_kind, use_backend
 from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.fp8_linear import fp8_linears
+from engine.model.kv_quant import FP8, KV_SCALE_SUFFIXES
 from engine.model.quant import (codes_of, dequantize, dequantize_all, is_quantized, output_layer, quantize_linears,
                                 quantized_view)
 from engine.model.qwen3_vl import VisionLanguageLM
@@ -30,13 +32,16 @@ def weight_files(core: Path, manifest: Manifest) -> list[Path]:
 
 def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = None,
                verify: bool = True, tp: TensorParallel | None = None,
-               dequantized: bool = False, fp8_kernels: bool | None = None) -> tuple[Manifest, CausalLM]:
+               dequantized: bool = False, fp8_kernels: bool | None = None,
+               fp8_kv: bool = False) -> tuple[Manifest, CausalLM]:
     """The model's backend is chosen here, once (engine/model/backends/select.py): on CUDA the kernel path
     (Triton, fused projections); on the CPU the torch reference, or Flare's C++ ops for a quantized fp32 core.
     A quantized core's linears stay quantized on the CPU (engine/model/quant.py); on a GPU, or with `dequantized`,
     they are dequantized to `dtype` at load. An FP8 core's linears stay FP8 on a GPU (engine/model/fp8_linear.py:
     `fp8_kernels`, None for a GPU unless `dequantized`), its other FP8 weights, and on the CPU all of them, are
-    dequantized at load (engine/model/fp8.py); they split over ranks like dense ones."""
+    dequantized at load (engine/model/fp8.py); they split over ranks like dense ones. `fp8_kv`: the KV cache
+    will be FP8 (engine/model/kv_quant.py), which Flare's C++ ops do not read; the attention layers' KV scales are
+    the core's either way."""
     manifest = load_manifest(core, verify=verify)
     fp8_core = fp8.is_fp8(manifest.quantization)
     if manifest.quantization and not fp8_core and tp and tp.world_size > 1:
@@ -68,6 +73,7 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
         tied_head = quantized_view("model.embed_tokens.weight", state)
     head = codes_of(state, "lm_head.weight")
     head_parts = (head[0], state["lm_head.weight.scale"], state["lm_head.weight.min"]) if head else None
+    kv_scales = {name: state.pop(name) for name in [n for n in state if n.endswith(KV_SCALE_SUFFIXES)]}
     quantize_linears(model, state, dtype)
     missing = set(model.state_dict()) - set(state) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if missing:
@@ -81,5 +87,21 @@ def load_model(core: Path, device: torch.device, dtype: torch.dtype | None = Non
     elif head_parts is not None:
         model.lm_head = output_layer(model.lm_head, lambda: dequantize(*head_parts).to(dtype))
     model.set_rope(device)
-    use_backend(model, backend_kind(device, quantized, dtype, config.hybrid), manifest.context_limit)
+    set_kv_scales(model, kv_scales, device)
+    use_backend(model, backend_kind(device, quantized, dtype, config.hybrid, fp8_kv), manifest.context_limit)
+    model.kv_dtype = FP8 if fp8_kv else None
     return manifest, model.eval()
+
+
+def set_kv_scales(model: torch.nn.Module, scales: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Each attention layer's `kv_scale` [2, KVH] from the core's `<attention>.k_scale` and `v_scale` (this rank's
+    KV heads: engine/model/sharding.py splits them), 1.0 where the core has none."""
+    for name, module in model.named_modules():
+        if isinstance(module, PagedAttention):
+            owner = name.removesuffix(".attn")
+            parts = [scales.get(f"{owner}.{part}") for part in ("k_scale", "v_scale")]
+            value = torch.ones(2, module.num_kv_heads, device=device)
+            for i, part in enumerate(parts):
+                if part is not None:
+                    value[i] = part.float().to(device).expand(module.num_kv_heads)
+            module.register_buffer("kv_scale", value, persistent=False)

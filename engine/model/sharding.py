@@ -1,6 +1,7 @@
 """Which slice of each weight a tensor-parallel rank holds, and reading only that slice from the core.
 
-Column-parallel (output rows split): q/k/v_proj by heads, gate/up_proj by MLP columns. Row-parallel (input columns
+Column-parallel (output rows split): q/k/v_proj by heads (an attention layer's KV scales, one per KV head, with
+them), gate/up_proj by MLP columns. Row-parallel (input columns
 split, partial sums all-reduced): o_proj by heads, down_proj by MLP columns. Vocabulary-parallel: embed_tokens and
 lm_head by rows. Norms are replicated.
 
@@ -63,6 +64,7 @@ SPLITS = {
     "k_proj.weight": (0, "kv_heads"), "k_proj.bias": (0, "kv_heads"),
     "v_proj.weight": (0, "kv_heads"), "v_proj.bias": (0, "kv_heads"),
     "o_proj.weight": (1, "heads"),
+    "self_attn.k_scale": (0, "kv_head_scales"), "self_attn.v_scale": (0, "kv_head_scales"),  # an FP8 KV cache's
     # A shared expert's names end as the dense MLP's: its entries come first, as the first match is taken.
     "shared_expert.gate_proj.weight": (0, "shared_columns"), "shared_expert.up_proj.weight": (0, "shared_columns"),
     "shared_expert.down_proj.weight": (1, "shared_columns"),
@@ -160,6 +162,7 @@ class Shard:
         heads."""
         part, unit = {
             "heads": (self.heads, self.head_dim), "kv_heads": (self.kv_heads, self.head_dim),
+            "kv_head_scales": (self.kv_heads, 1),
             "query_rows": (self.heads, self.query_width),
             "key_rows": (self.key_heads, self.linear and self.linear.key_head_dim),
             "value_rows": (self.value_heads, self.linear and self.linear.value_head_dim),

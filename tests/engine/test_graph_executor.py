@@ -70,7 +70,7 @@ class FrameExecutor:
     a graph would replay, read the sampled rows. Synchronous; the executor protocol for the harness."""
 
     def __init__(self, model, num_pages: int, page_size: int, max_active: int, snapshots: int = 0) -> None:
-        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size))
+        self.kv_cache = torch.zeros(kv_cache_shape(model, num_pages, page_size), dtype=model.cache_dtype)
         self.model, self.page_size, self.trash, self.num_pages = model, page_size, max_active, num_pages
         # A hybrid's state rows (the slots', then the snapshots'), and its row copies in the frames, as GraphExecutor
         self.state = RecurrentState(model.config, max_active + snapshots, torch.float32, torch.device("cpu")) \
@@ -208,6 +208,34 @@ def test_frame_steps_produce_the_eager_executors_tokens() -> None:
     harness.executor = executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
     assert run_requests(harness) == expected
     assert {kind for kind, _ in executor.layouts_used} == {"decode", "extend"}
+
+
+def fp8_kernel_model(family: str = "llama"):  # noqa: ANN201
+    """A tiny model on the kernel path over an FP8 KV cache (engine/model/kv_quant.py), its per-head scales other
+    than 1."""
+    from engine.model.attention import PagedAttention
+    from engine.model.kv_quant import FP8
+
+    model = tiny_model(family=family)
+    model.kv_dtype = FP8
+    generator = torch.Generator().manual_seed(3)
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            module.kv_scale = torch.rand(module.kv_scale.shape, generator=generator) + 0.5
+    return model
+
+
+@pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (below)")
+def test_frame_steps_over_an_fp8_cache_produce_the_eager_kernel_paths_tokens() -> None:
+    model = fp8_kernel_model()
+    use_backend(model, "triton", CONTEXT)
+    eager = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    assert eager.executor.kv_cache.dtype == model.cache_dtype
+    expected = run_few_requests(eager)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
+    harness.executor.close()
+    harness.executor = FrameExecutor(model, PAGES, PAGE_SIZE, MAX_ACTIVE)
+    assert run_few_requests(harness) == expected
 
 
 @pytest.mark.skipif(GPU, reason="the GPU runs the GraphExecutor itself (tests/engine/test_speculative.py)")
@@ -452,6 +480,20 @@ def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) 
     model = tiny_model().to("cuda", dtype)
     use_backend(model, "triton", CONTEXT)
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_graph_executor_produces_the_eager_executors_tokens_over_an_fp8_cache(family: str) -> None:
+    """--kv-cache-dtype fp8 in bfloat16 (a hybrid's full-attention layers only)."""
+    from engine.model.kv_quant import FP8
+
+    model = fp8_kernel_model(family).to("cuda", torch.bfloat16)
+    use_backend(model, "triton", CONTEXT)
+    graphs = gpu_harness(model, graphs=True)
+    assert graphs.executor.kv_cache.dtype == FP8
+    assert run_requests(graphs) == run_requests(gpu_harness(model, graphs=False))
 
 
 @pytest.mark.gpu

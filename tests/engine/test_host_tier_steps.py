@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.model.backends.select import use_backend
+from engine.model.kv_quant import FP8
 from tests.support.engine_harness import Harness, tiny_model
 
 PAGE = 16
@@ -26,12 +27,16 @@ def generate(harness: Harness, tokens: list[int], max_tokens: int = 6) -> tuple[
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
-def test_a_conversation_evicted_to_the_host_continues_as_if_never_evicted(device: str) -> None:
+@pytest.mark.parametrize("kv_dtype", [None, FP8])
+def test_a_conversation_evicted_to_the_host_continues_as_if_never_evicted(device: str, kv_dtype: torch.dtype) -> None:
+    """Also with an FP8 cache (engine/model/kv_quant.py), whose host slots hold its e4m3 bytes."""
     model = tiny_model().to(device)
+    model.kv_dtype = kv_dtype
     if device == "cuda":  # the graph executor's steps run the kernel path
         use_backend(model, "triton", 256)
     first = prompt(100, seed=1)
     small = Harness(model, num_pages=16, page_size=PAGE, host_slots=32, graphs=True, device=device)
+    assert small.executor.kv_cache.dtype == model.cache_dtype == small.executor.host_pages.slots.dtype
     _, reply = generate(small, first)
     for seed in range(2, 6):  # 7 pages each through a cache of 16: the first conversation's pages leave
         generate(small, prompt(100, seed))

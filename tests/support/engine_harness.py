@@ -74,7 +74,7 @@ class Harness:
         host = HostTier(host_slots, host_snapshots) if host_slots else None
         self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer,
                                           snapshots=snapshots, host=host,
-                                          page_bytes=host_slot_bytes(model.config, page_size, dtype),
+                                          page_bytes=host_slot_bytes(model.config, page_size, model.cache_dtype),
                                           snapshot_bytes=RecurrentState.row_bytes(model.config, dtype))
         self._ids = itertools.count()
         self.steps = 0

@@ -12,7 +12,8 @@
   the float32 reference.
 - Decode attention with and without a sliding window (Gemma 3's 1024): 8 rows at long contexts, 64 and 256 rows
   at about 1k; the same rows through the extend kernel, as a mixed step's decode rows run (its narrow launch), with
-  the bandwidth on K and V (and with the decode kernel's two pipeline stages instead of three).
+  the bandwidth on K and V (and with the decode kernel's two pipeline stages instead of three); and the decode
+  kernel over the same cache in FP8 (`--kv-cache-dtype fp8`: half the bytes), against its float32 reference.
 - Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
   the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
@@ -38,6 +39,7 @@ from engine.kernels.triton.extend_attention import (BLOCK_M, extend_attention, e
                                                     extend_blocks, tile_config)
 from engine.kernels.triton.fused_moe import MoeConfig, fused_moe, fused_moe_reference
 from engine.kernels.triton.moe_routing import route, route_in_one_program
+from engine.model.kv_quant import quantize
 from engine.kernels.triton.moe_rows import RowsConfig
 from engine.model.backends.triton_layers import multiprocessors
 
@@ -237,8 +239,8 @@ def bench_decode() -> None:
     say("## Decode attention, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same rows "
         "through the extend kernel (a mixed step's decode rows)")
     say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | "
-        "K/V TB/s | max abs diff | extend, 2 stages ms |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        "K/V TB/s | max abs diff | extend, 2 stages ms | fp8 cache decode ms | K/V TB/s | max abs diff |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     two_stages = (*tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))[:3], 2)  # the decode kernel's depth
     g = torch.Generator(device=DEVICE).manual_seed(3)
     for batch, context in DECODE_SHAPES:
@@ -254,6 +256,9 @@ def bench_decode() -> None:
         rows = (ints(list(range(batch))), ints([1] * batch))  # query start and length of each one-token sequence
         blocks = tuple(ints(v) for v in extend_blocks([1] * batch))
         out = torch.empty_like(q)
+        kv_scale = torch.full((2, KV_HEADS), 0.5, device=DEVICE)
+        fp8 = (quantize(cache[0], kv_scale[0]), quantize(cache[1], kv_scale[1]))
+        fp8_args = (q, *fp8, *args[3:])
         for window in (0, 1024):
             ref = decode_attention_reference(*args, window=window)
             ms = graph_ms(lambda: decode_attention(*args, splits=splits, window=window))
@@ -264,9 +269,13 @@ def bench_decode() -> None:
             shallow = graph_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
                                                        *blocks, PAGE, HEAD_DIM**-0.5, window=window,
                                                        config=two_stages))
+            fp8_ms = graph_ms(lambda: decode_attention(*fp8_args, splits=splits, window=window, kv_scale=kv_scale))
+            fp8_diff = max_diff(decode_attention(*fp8_args, splits=splits, window=window, kv_scale=kv_scale),
+                                decode_attention_reference(*fp8_args, window=window, kv_scale=kv_scale))
             read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
             say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | "
-                f"{extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | {shallow:.3f} |")
+                f"{extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | {shallow:.3f} | {fp8_ms:.3f} | "
+                f"{read / 2 / fp8_ms / 1e9:.2f} | {fp8_diff:.4f} |")
 
 
 def main() -> int:

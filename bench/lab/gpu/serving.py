@@ -51,6 +51,7 @@ MIXED256 = bench("--input-len", "562", "--range-ratio", "0.82", "--output-len", 
 X768 = bench("--input-len", "1024", "--output-len", "256", "--num-prompts", "768", "--max-concurrency", "256")
 SHAREGPT8 = bench("--dataset", "sharegpt-synthetic", "--input-len", "256", "--output-len", "128",
                   "--num-prompts", "256", "--request-rate", "8")
+LONG32K = bench("--input-len", "32000", "--output-len", "128", "--num-prompts", "8", "--max-concurrency", "8")
 C64 = bench("--input-len", "512", "--output-len", "128", "--num-prompts", "128", "--max-concurrency", "64")
 SHARED16 = bench("--dataset", "shared-prefix", "--prefix-len", "2000", "--num-groups", "16", "--input-len", "128",
                  "--output-len", "128", "--num-prompts", "1024", "--max-concurrency", "64")
@@ -94,9 +95,10 @@ ROWS = [
         bench("--dataset", "shared-prefix", "--prefix-len", "16000", "--num-groups", "1", "--input-len", "64",
               "--output-len", "8", "--num-prompts", "8", "--max-concurrency", "1"),
         ("median_ttft_ms",), "median TTFT <= 1.2x the 64-token prompt's"),
-    Row("8b-32k", "llama-8b", MAX64,
-        bench("--input-len", "32000", "--output-len", "128", "--num-prompts", "8", "--max-concurrency", "8"),
-        ("mean_ttft_ms", "mean_tpot_ms"), "mean TTFT <= 8 s, mean TPOT <= 15 ms"),
+    Row("8b-32k", "llama-8b", MAX64, LONG32K, ("mean_ttft_ms", "mean_tpot_ms"), "mean TTFT <= 8 s, mean TPOT <= 15 ms"),
+    # The same workload over an FP8 KV cache: decode reads half the KV bytes.
+    Row("8b-32k-fp8kv", "llama-8b", ("--kv-cache-dtype", "fp8", *MAX64), LONG32K, ("mean_ttft_ms", "mean_tpot_ms"),
+        "mean TPOT below 8b-32k's"),
     Row("smollm2-batch1", "smollm2", MAX256, BATCH1, ("mean_tpot_ms",), "<= 0.66 ms per output token"),
     Row("smollm2-mixed256", "smollm2", MAX256, MIXED256, ("output_throughput", "failed"), ">= 20,000 output tok/s"),
     Row("qwen3-8b-batch1", "qwen3-8b", MAX256, BATCH1, ("mean_tpot_ms",), "within 10% of 8b-batch1"),

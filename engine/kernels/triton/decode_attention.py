@@ -5,6 +5,11 @@ The cache of one layer is `[slots, kv_heads, head_dim]` for K and again for V, s
 step names rows instead of uploading tables. One program takes one (sequence, kv head, split) and every query head
 of that group, so each key is read once per group; a second kernel merges the splits by their log-sum-exp. Short
 batches use many splits so that the GPU's multiprocessors all have work.
+
+An FP8 cache (engine/model/kv_quant.py) is read as e4m3 (half the bytes of a bfloat16 one) and widened in registers
+to the query's dtype, which holds every e4m3 value exactly; the program's KV head has one key scale and one value
+scale, so the key scale joins the softmax scale and the value scale multiplies the program's output: value * scale,
+with the sums in fp32 as for any cache.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.kv_store import is_fp8
+from engine.model.kv_quant import dequantize
+
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
 MAX_SPLITS = 32
@@ -20,11 +28,11 @@ NO_WINDOW = 1 << 30
 
 
 @triton.jit
-def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr,
+def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr, kv_scale_ptr,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2, window,
-                  HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -39,6 +47,9 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
+        v_scale = tl.load(kv_scale_ptr + KV_HEADS + kv_head)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -49,17 +60,19 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
         page = tl.load(table + pos // PAGE, mask=valid, other=0).to(tl.int64)
         offs = (page * PAGE + pos % PAGE)[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / tl.maximum(l, 1e-30)[:, None]  # an empty split (or an empty padding row) leaves zeros
+    if FP8:
+        out = out * v_scale
     if SPLITS == 1:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -99,9 +112,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
                      seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
-                     splits: int, window: int = 0) -> torch.Tensor:
+                     splits: int, window: int = 0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros.
-    window > 0: the token at position p sees keys p - window < k <= p (transformers' sliding window)."""
+    window > 0: the token at position p sees keys p - window < k <= p (transformers' sliding window). An FP8 cache
+    needs `kv_scale` [2, KVH] (keys', values')."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -110,13 +124,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part = torch.empty(batch * heads * splits * head_dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    fp8 = is_fp8(k_cache)
     _decode_split[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out,
+        q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out, kv_scale if fp8 else q,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, window if window > 0 else NO_WINDOW,
-        HEADS=heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N, SPLITS=splits, PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2)
+        HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N, SPLITS=splits,
+        PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=4, num_stages=2)
     if splits > 1:
         _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
                                       BLOCK_D=block_d, SPLITS=splits, num_warps=4)
@@ -125,7 +140,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_tables: torch.Tensor, seq_table: torch.Tensor, context_lens: torch.Tensor,
-                               page_size: int, scale: float, window: int = 0) -> torch.Tensor:
+                               page_size: int, scale: float, window: int = 0,
+                               kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same function in float32 torch, one sequence at a time."""
     batch, heads, head_dim = q.shape
     group = heads // k_cache.shape[1]
@@ -136,8 +152,14 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             continue
         pos = torch.arange(max(ctx - window, 0) if window > 0 else 0, ctx, device=q.device)
         slots = page_tables[int(seq_table[b])][pos // page_size].long() * page_size + pos % page_size
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)  # [ctx, H, D]
-        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        keys = float_keys(k_cache[slots], kv_scale, 0).repeat_interleave(group, dim=1)  # [ctx, H, D]
+        values = float_keys(v_cache[slots], kv_scale, 1).repeat_interleave(group, dim=1)
         weights = torch.softmax(torch.einsum("hd,thd->ht", q[b].float(), keys) * scale, dim=-1)
         out[b] = torch.einsum("ht,thd->hd", weights, values)
     return out.to(q.dtype)
+
+
+def float_keys(rows: torch.Tensor, kv_scale: torch.Tensor | None, part: int) -> torch.Tensor:
+    """Cache rows [..., KVH, D] as the references read them, in float32: an FP8 cache's times its heads' scales
+    (kv_scale[part]: 0 keys, 1 values)."""
+    return rows.float() if not is_fp8(rows) else dequantize(rows, kv_scale[part], torch.float32)

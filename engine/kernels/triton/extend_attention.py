@@ -13,6 +13,10 @@ call by a one-program kernel) and each block's own keys, never on the grid, so a
 compute the same numbers. Decode rows of a mixed step are one-token
 sequences here.
 
+An FP8 cache is read as decode attention reads it (engine/kernels/triton/decode_attention.py): e4m3 widened to the
+query's dtype in registers, the program's KV head's key scale joined to the softmax scale and its value scale
+multiplying the tile's output.
+
 Blocks come in three sizes, each in a launch of its own whose programs exit at once on the others' blocks: full
 blocks (more than MEDIUM rows) take one head per tile; short blocks (a prompt's tail, 64 new tokens after a long
 cached prefix) and narrow ones (at most NARROW rows: decode rows, verify rows) pack a KV head's whole group of query
@@ -28,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.decode_attention import LOG2E, NO_WINDOW, dot_precision
+from engine.kernels.triton.decode_attention import LOG2E, NO_WINDOW, dot_precision, float_keys
+from engine.kernels.triton.kv_store import is_fp8
 
 BLOCK_M = 128  # new tokens per listed block
 NARROW = 16  # blocks of at most this many rows run in 16-row tiles
@@ -55,7 +60,7 @@ def _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, begin, end, key_end
             kv_mask = (pos < key_end)[:, None] & dmask[None, :]
         else:
             kv_mask = dmask[None, :]
-        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if MASKED:
             visible = (pos < key_end)[None, :] & (pos[None, :] <= qpos[:, None]) & \
@@ -66,7 +71,7 @@ def _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, begin, end, key_end
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     return acc, m, l
@@ -104,12 +109,12 @@ def _tile_range(ctx, qlen, row0, rows_here, window, splits, BLOCK_N: tl.constexp
 
 @triton.jit
 def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_table_ptr, qstart_ptr, qlen_ptr,
-            ctx_ptr, block_seq_ptr, block_first_ptr, plan_ptr, heads, stride_qt, stride_qh, stride_ot,
+            ctx_ptr, block_seq_ptr, block_first_ptr, plan_ptr, kv_scale_ptr, heads, stride_qt, stride_qh, stride_ot,
             stride_oh, stride_ks, stride_kh, stride_table, scale_log2, window, GROUP: tl.constexpr,
             PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
             BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, MEDIUM: tl.constexpr,
-            SIZE: tl.constexpr, PRECISION: tl.constexpr):
+            SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_HEADS: tl.constexpr, FP8: tl.constexpr):
     """One program: TILE_M rows of one block, each row a (new token, query head) pair: TILE_M // PACK tokens times
     PACK heads of one group (PACK 1: one head). A narrow block's program walks all its tokens, TILE_M // PACK at a
     time: most narrow blocks are decode rows of one token, and a program per token group would mostly launch only to
@@ -143,19 +148,24 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
     qstart = tl.load(qstart_ptr + seq)
     table = tables_ptr + tl.load(seq_table_ptr + seq).to(tl.int64) * stride_table
     last = qlen if SIZE == 2 else row0 + 1
+    v_scale = 1.0
+    if FP8:  # the program's KV head's scales
+        kv_head = tl.program_id(1) * PACK // GROUP
+        scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
+        v_scale = tl.load(kv_scale_ptr + KV_HEADS + kv_head)
     for row in range(row0, last, TOKENS):
         _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row, first, qlen, qstart, ctx, lo, end,
                      begin, stop, block * splits + split, tile_splits, heads, stride_qt, stride_qh, stride_ot,
-                     stride_oh, stride_ks, stride_kh, scale_log2, window, GROUP, PACK, HEAD_DIM, BLOCK_D, PAGE,
-                     BLOCK_M, TILE_M, BLOCK_N, PRECISION)
+                     stride_oh, stride_ks, stride_kh, scale_log2, v_scale, window, GROUP, PACK, HEAD_DIM, BLOCK_D,
+                     PAGE, BLOCK_M, TILE_M, BLOCK_N, PRECISION, FP8)
 
 
 @triton.jit
 def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row0, first, qlen, qstart, ctx, lo, end,
                  begin, stop, part_item, tile_splits, heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks,
-                 stride_kh, scale_log2, window, GROUP: tl.constexpr, PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                 stride_kh, scale_log2, v_scale, window, GROUP: tl.constexpr, PACK: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
     """The tile of rows from row0 on over keys [begin, stop): its output, or its split's partial result."""
     r = tl.arange(0, TILE_M)
     i = row0 + r // PACK
@@ -184,6 +194,8 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row0, f
     acc, m, l = _tile_keys(q, acc, m, l, k_ptr, v_ptr, table, kv_offset, u1, stop, stop, qpos, window, stride_ks,
                            d, dmask, scale_log2, PAGE, BLOCK_N, True, PRECISION)
     out = acc / tl.maximum(l, 1e-30)[:, None]
+    if FP8:
+        out = out * v_scale
     mask = rows[:, None] & dmask[None, :]
     if tile_splits == 1:
         o_offs = (qstart + i).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -275,10 +287,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      page_tables: torch.Tensor, seq_table: torch.Tensor, query_start: torch.Tensor,
                      query_len: torch.Tensor, context_lens: torch.Tensor, block_seq: torch.Tensor,
                      block_first: torch.Tensor, page_size: int, scale: float, window: int = 0,
-                     programs: int | None = None, config: tuple[int, int, int, int] | None = None) -> None:
+                     programs: int | None = None, config: tuple[int, int, int, int] | None = None,
+                     kv_scale: torch.Tensor | None = None) -> None:
     """Writes out[t] for each new token t of the listed sequences; q, out [T, H, D]; other rows are left alone.
     window > 0: a query at position p sees keys p - window < k <= p (transformers' sliding window). `programs`
-    (how many the GPU wants busy) and `config` (tile_config's tuple) are for tests and benchmarks."""
+    (how many the GPU wants busy) and `config` (tile_config's tuple) are for tests and benchmarks. An FP8 cache
+    needs `kv_scale` [2, KVH] (keys', values')."""
     heads, head_dim = q.shape[1], q.shape[2]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     if block_seq.numel() == 0:
@@ -294,6 +308,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty(split_items * heads * BLOCK_M, dtype=torch.float32, device=q.device)
     window = window if window > 0 else NO_WINDOW
     group = heads // k_cache.shape[1]
+    fp8 = is_fp8(k_cache)
     # Tiles of short and narrow blocks hold a whole group of heads where it divides them.
     packs = {"full": 1, "medium": group if tile_m % group == 0 else 1, "narrow": group if NARROW % group == 0 else 1}
     plan = torch.empty(2, dtype=torch.int32, device=q.device)
@@ -311,10 +326,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         blocks = min(num_blocks, q.shape[0] // (MEDIUM + 1)) if name == "full" else num_blocks
         _extend[(max(blocks, split_items), heads // pack, tiles_per_block)](
             q, k_cache, v_cache, out, part, lse, page_tables, seq_table, query_start, query_len, context_lens,
-            block_seq, block_first, plan, heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            block_seq, block_first, plan, kv_scale if fp8 else q, heads, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1),
             k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
             GROUP=group, PACK=pack, PAGE=page_size, TILE_M=tile, NARROW=NARROW, MEDIUM=MEDIUM, SIZE=size,
-            PRECISION=dot_precision(q.dtype), num_warps=4 if name == "narrow" else warps, num_stages=stages, **common)
+            PRECISION=dot_precision(q.dtype), KV_HEADS=k_cache.shape[1], FP8=fp8,
+            num_warps=4 if name == "narrow" else warps, num_stages=stages, **common)
     _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
         out, part, lse, query_start, query_len, context_lens, block_seq, block_first, plan, out.stride(0),
         out.stride(1), window, TILE_M=tile_m, num_warps=8, **common)
@@ -323,7 +340,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_tables: torch.Tensor, seq_table: torch.Tensor, query_start: torch.Tensor,
                                query_len: torch.Tensor, context_lens: torch.Tensor, page_size: int,
-                               scale: float, window: int = 0) -> torch.Tensor:
+                               scale: float, window: int = 0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same function in float32 torch; rows of no sequence come back as zeros."""
     heads = q.shape[1]
     group = heads // k_cache.shape[1]
@@ -334,8 +351,8 @@ def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             continue
         pos = torch.arange(ctx, device=q.device)
         slots = page_tables[int(seq_table[s])][pos // page_size].long() * page_size + pos % page_size
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)
-        values = v_cache[slots].float().repeat_interleave(group, dim=1)
+        keys = float_keys(k_cache[slots], kv_scale, 0).repeat_interleave(group, dim=1)
+        values = float_keys(v_cache[slots], kv_scale, 1).repeat_interleave(group, dim=1)
         query_pos = torch.arange(ctx - length, ctx, device=q.device)
         hidden = pos[None, :] > query_pos[:, None]
         if window > 0:

@@ -1,6 +1,9 @@
 """The new tokens' keys and values into the paged cache, for attention whose rotary the fused rotary kernel
 (engine/kernels/triton/rotary.py) does not cover: a hybrid model's gated attention, with its partial rotary, rotates
 in torch and stores here. A token whose cache slot is negative (graph padding) writes nothing.
+
+An FP8 cache (engine/model/kv_quant.py) stores each value over its KV head's scale, rounded to nearest e4m3 and
+clamped to +-448 (`to_e4m3`, which the rotary kernel shares): the bytes torch's cast writes.
 """
 
 from __future__ import annotations
@@ -9,10 +12,30 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.kv_quant import quantize
+
+E4M3_MAX: tl.constexpr = 448.0
+ROUND: tl.constexpr = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds |t| < 2**22 to an integer, ties even
+
 
 @triton.jit
-def _store(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-           stride_ch, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def to_e4m3(x, scale, dtype: tl.constexpr):
+    """x / scale as e4m3 (`dtype`): clamped to +-448 and rounded to nearest, ties to even, on the e4m3 grid in fp32
+    first (steps of 2**(e - 3) for a value in [2**e, 2**(e + 1)), 2**-9 below 2**-6), so that the cast itself is
+    exact: the Triton interpreter's rounding carries a full mantissa wrongly, and the GPU's then agrees bit for bit."""
+    y = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -E4M3_MAX), E4M3_MAX)
+    a = tl.abs(y)
+    exponent = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # biased; subnormals share -6's
+    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - exponent + 3) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
+    rounded = ((a * inverse + ROUND) - ROUND) * step
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded).to(dtype)  # the sign bit: -0 stays -0
+
+
+@triton.jit
+def _store(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scale_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
+           stride_cs, stride_ch, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+           BLOCK_D: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)
@@ -21,24 +44,35 @@ def _store(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, stride_kt, stride_k
     cache = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
     k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    if FP8:
+        k = to_e4m3(k, tl.load(scale_ptr + h, mask=h < KV_HEADS, other=1.0)[:, None], k_cache_ptr.dtype.element_ty)
+        v = to_e4m3(v, tl.load(scale_ptr + KV_HEADS + h, mask=h < KV_HEADS, other=1.0)[:, None],
+                    v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + cache, k, mask=mask)
     tl.store(v_cache_ptr + cache, v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor) -> None:
+             v_cache: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     """k, v [T, KVH, D] (last dimension contiguous) -> cache slots slot_mapping[t] of k_cache, v_cache
-    [slots, KVH, D]."""
+    [slots, KVH, D]; an FP8 cache needs `kv_scale` [2, KVH] (keys', values')."""
     tokens, kv_heads, head_dim = k.shape
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    _store[(tokens,)](k, v, slot_mapping, k_cache, v_cache, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                      k_cache.stride(0), k_cache.stride(1), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-                      BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-                      num_warps=4)
+    fp8 = is_fp8(k_cache)
+    _store[(tokens,)](k, v, slot_mapping, k_cache, v_cache, kv_scale if fp8 else k_cache, k.stride(0), k.stride(1),
+                      v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), KV_HEADS=kv_heads,
+                      HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
+                      BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8, num_warps=4)
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
 
 
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor) -> None:
+                       v_cache: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     keep = slot_mapping >= 0
+    if is_fp8(k_cache):
+        k, v = quantize(k, kv_scale[0]), quantize(v, kv_scale[1])
     k_cache[slot_mapping[keep].long()] = k[keep]
     v_cache[slot_mapping[keep].long()] = v[keep]

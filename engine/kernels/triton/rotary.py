@@ -3,7 +3,9 @@
 Reads the fused q/k/v projection output once; cos and sin come from a float32 table built once per model
 (`rope_table`), so the angles are the reference's. A token whose cache slot is negative (graph padding) writes
 nothing to the cache. Qwen3 and Gemma 3 normalise each query and key head (RMSNorm over head_dim) before the
-rotation: given their weights, the same pass does it, rounding where each family's torch norm rounds.
+rotation: given their weights, the same pass does it, rounding where each family's torch norm rounds. An FP8 cache
+gets the rotated key and the value rounded to the model's dtype, then over their head's scale to e4m3
+(engine/kernels/triton/kv_store.py), as the torch path quantizes them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.triton.kv_store import is_fp8, store_kv_reference, to_e4m3
 
 
 def rope_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
@@ -41,10 +45,10 @@ def _head_norm(x1, x2, w_ptr, j, jm, eps, HEAD_DIM: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
-def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, eps, stride_qkv,
-                stride_qt, stride_qh, stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, scale_ptr, eps,
+                stride_qkv, stride_qt, stride_qh, stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -70,40 +74,52 @@ def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_no
     x2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
     x1, x2 = _head_norm(x1, x2, k_norm_ptr, j, jm, eps, HEAD_DIM, HALF, NORM, k_ptr.dtype.element_ty)
     dst = k_ptr + slot * stride_ks + kh[:, None] * stride_kh + j[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty), mask=km)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty), mask=km)
+    k1 = (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty)
+    k2 = (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
     src = row + (HEADS + KV_HEADS + kh)[:, None] * HEAD_DIM + j[None, :]
+    v1 = tl.load(src, mask=km, other=0.0)
+    v2 = tl.load(src + HALF, mask=km, other=0.0)
+    if FP8:
+        k_scale = tl.load(scale_ptr + kh, mask=kh < KV_HEADS, other=1.0)[:, None]
+        v_scale = tl.load(scale_ptr + KV_HEADS + kh, mask=kh < KV_HEADS, other=1.0)[:, None]
+        k1, k2 = to_e4m3(k1, k_scale, k_ptr.dtype.element_ty), to_e4m3(k2, k_scale, k_ptr.dtype.element_ty)
+        v1, v2 = to_e4m3(v1, v_scale, v_ptr.dtype.element_ty), to_e4m3(v2, v_scale, v_ptr.dtype.element_ty)
+    tl.store(dst, k1, mask=km)
+    tl.store(dst + HALF, k2, mask=km)
     dst = v_ptr + slot * stride_ks + kh[:, None] * stride_kh + j[None, :]
-    tl.store(dst, tl.load(src, mask=km, other=0.0), mask=km)
-    tl.store(dst + HALF, tl.load(src + HALF, mask=km, other=0.0), mask=km)
+    tl.store(dst, v1, mask=km)
+    tl.store(dst + HALF, v2, mask=km)
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, slot_mapping: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                   norm_style: str = "llama") -> torch.Tensor:
+                   norm_style: str = "llama", kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D]; rotated k and v go to cache slot slot_mapping[t].
     With q_norm and k_norm ([D] weights), each query and key head is RMS-normalised first: norm_style "llama"
-    (Qwen3) or "gemma" (Gemma 3's (1 + w))."""
+    (Qwen3) or "gemma" (Gemma 3's (1 + w)). An FP8 cache needs `kv_scale` [2, KVH] (keys', values')."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert k_cache.stride() == v_cache.stride() and qkv.stride(-1) == 1
     q = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     assert (q_norm is None) == (k_norm is None)
     norm = NORM_STYLES[norm_style if q_norm is not None else None]
+    fp8 = is_fp8(k_cache)
     _rope_store[(tokens,)](qkv, positions, table, slot_mapping, q, k_cache, v_cache,
-                           q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv, norm_eps,
+                           q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
+                           kv_scale if fp8 else qkv, norm_eps,
                            qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
                            BLOCK_H=triton.next_power_of_2(heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
-                           BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, num_warps=4)
+                           BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, FP8=fp8, num_warps=4)
     return q
 
 
 def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
                              slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int,
                              kv_heads: int, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                             norm_eps: float = 1e-6, norm_style: str = "llama") -> torch.Tensor:
+                             norm_eps: float = 1e-6, norm_style: str = "llama",
+                             kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     head_dim = k_cache.shape[-1]
     half = head_dim // 2
     q, k, v = qkv.view(qkv.shape[0], heads + 2 * kv_heads, head_dim).split((heads, kv_heads, kv_heads), dim=1)
@@ -117,9 +133,7 @@ def rope_and_store_reference(qkv: torch.Tensor, positions: torch.Tensor, table: 
         x1, x2 = x[..., :half].float(), x[..., half:].float()
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
-    keep = slot_mapping >= 0
-    k_cache[slot_mapping[keep].long()] = rotate(k)[keep]
-    v_cache[slot_mapping[keep].long()] = v[keep]
+    store_kv_reference(rotate(k), v, slot_mapping, k_cache, v_cache, kv_scale)
     return rotate(q)
 
 

@@ -15,15 +15,16 @@ from engine.model.decoder import CausalLM, Reference
 Kind = Literal["reference", "fused_reference", "cpu_ops", "triton"]
 
 
-def backend_kind(device: torch.device, quantized: bool, dtype: torch.dtype, hybrid: bool = False) -> Kind:
+def backend_kind(device: torch.device, quantized: bool, dtype: torch.dtype, hybrid: bool = False,
+                 fp8_kv: bool = False) -> Kind:
     """A GPU runs the kernel path. On the CPU a dense core keeps the torch reference (its parity reference); a
     quantized core fuses its products, which saves operators a layer, and runs Flare's C++ ops in fp32 where they
     build (engine/kernels/cpu/extension.py), the torch reference otherwise. A hybrid model (linear-attention layers:
     engine/model/linear_attention.py) has no C++ ops: on the CPU the torch reference, its quantized products
-    fused."""
+    fused; nor has an FP8 KV cache (engine/model/kv_quant.py), which the C++ attention does not read."""
     if device.type == "cuda":
         return "triton"
-    if hybrid:
+    if hybrid or fp8_kv:
         return "fused_reference" if quantized else "reference"
     if not quantized:
         return "reference"

@@ -30,11 +30,12 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
-                     scale: float, window: int | None = None) -> torch.Tensor:
+                     scale: float, window: int | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]. With a window, a query sees its own key
     and the window - 1 before it (sliding-window layers). An extend step's rows of no sequence (a graph's padding,
     which its kernel skips) are zeros rather than whatever the memory held: they flow on through the layers, and a
-    NaN there would reach the router of a mixture of experts."""
+    NaN there would reach the router of a mixture of experts. An FP8 cache is read with `kv_scale` (the layer's
+    PagedAttention.kv_scale)."""
     out = torch.zeros_like(q) if meta.extend is not None else torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
@@ -42,7 +43,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
         splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
         result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
-                                  meta.page_size, scale, splits, window=window or 0)
+                                  meta.page_size, scale, splits, window=window or 0, kv_scale=kv_scale)
         if d.rows is None:
             out = result
         else:
@@ -50,7 +51,8 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if meta.extend is not None:
         e = meta.extend
         extend_attention(q, k_cache, v_cache, out, e.page_tables, e.seq_table, e.query_start, e.query_len,
-                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0)
+                         e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0,
+                         kv_scale=kv_scale)
     return out
 
 
@@ -63,9 +65,10 @@ def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: to
     if c.qk_norm:  # the kernel normalises each q and k head before rotating, rounding as the family does
         norms = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, norm_eps=c.rms_norm_eps,
                      norm_style="gemma" if c.gemma_norms else "llama")
+    paged = attn.attn
     q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
-                       **norms)
-    return kernel_attention(q, k_cache, v_cache, meta, attn.attn.scale, attn.attn.window)
+                       kv_scale=paged.kv_scale, **norms)
+    return kernel_attention(q, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale)
 
 
 def attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
@@ -81,8 +84,9 @@ def gated_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: to
     (its per-step cos and sin: Attention.rotated), the new keys and values stored, the paged-attention kernels, the
     gate."""
     q, k, v, gate = attn.rotated(x, cos, sin)
-    store_kv(k, v, meta.slot_mapping, k_cache, v_cache)
-    out = kernel_attention(q.contiguous(), k_cache, v_cache, meta, attn.attn.scale, attn.attn.window)
+    paged = attn.attn
+    store_kv(k, v, meta.slot_mapping, k_cache, v_cache, paged.kv_scale)
+    out = kernel_attention(q.contiguous(), k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale)
     return attn.o_proj(attn.gated(out.flatten(1), gate))
 
 
