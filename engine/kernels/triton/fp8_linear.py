@@ -21,16 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.e4m3 import to_e4m3
+
 E4M3_MAX = 448.0
-
-
-@triton.jit
-def _round_e4m3(y):
-    """y (|y| <= 448) rounded to the nearest e4m3 value, ties to even, in fp32: the cast after it is exact. (The
-    Triton interpreter's own cast lost a binade where rounding carried into the exponent: 124.3 came out 64.)"""
-    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # e4m3's spacing at y
-    return ((y / step + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: the fp32 add rounds to an integer
 
 
 @triton.jit
@@ -49,7 +42,7 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.co
     for start in range(0, k_in, BLOCK_K):
         inside = start + k < k_in
         a = tl.load(x_ptr + row * stride_x + start + k, mask=inside, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + start + k, _round_e4m3(tl.div_rn(a, scale)).to(q_ptr.dtype.element_ty),
+        tl.store(q_ptr + row * stride_q + start + k, to_e4m3(a, scale, q_ptr.dtype.element_ty),
                  mask=inside)
     tl.store(s_ptr + row, scale)
 

@@ -3,7 +3,7 @@
 in torch and stores here. A token whose cache slot is negative (graph padding) writes nothing.
 
 An FP8 cache (engine/model/kv_quant.py) stores each value over its KV head's scale, rounded to nearest e4m3 and
-clamped to +-448 (`to_e4m3`, which the rotary kernel shares): the bytes torch's cast writes.
+clamped to +-448 (engine/kernels/triton/e4m3.py): the bytes torch's cast writes.
 """
 
 from __future__ import annotations
@@ -12,25 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.e4m3 import to_e4m3
 from engine.model.kv_quant import quantize
-
-E4M3_MAX: tl.constexpr = 448.0
-ROUND: tl.constexpr = 12582912.0  # 1.5 * 2**23: adding and subtracting it rounds |t| < 2**22 to an integer, ties even
-
-
-@triton.jit
-def to_e4m3(x, scale, dtype: tl.constexpr):
-    """x / scale as e4m3 (`dtype`): clamped to +-448 and rounded to nearest, ties to even, on the e4m3 grid in fp32
-    first (steps of 2**(e - 3) for a value in [2**e, 2**(e + 1)), 2**-9 below 2**-6), so that the cast itself is
-    exact: the Triton interpreter's rounding carries a full mantissa wrongly, and the GPU's then agrees bit for bit."""
-    y = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -E4M3_MAX), E4M3_MAX)
-    a = tl.abs(y)
-    exponent = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # biased; subnormals share -6's
-    step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
-    inverse = ((254 - exponent + 3) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
-    rounded = ((a * inverse + ROUND) - ROUND) * step
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded).to(dtype)  # the sign bit: -0 stays -0
-
 
 @triton.jit
 def _store(k_ptr, v_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, scale_ptr, stride_kt, stride_kh, stride_vt, stride_vh,

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.kv_store import is_fp8, store_kv_reference, to_e4m3
+from engine.kernels.triton.e4m3 import to_e4m3
+from engine.kernels.triton.kv_store import is_fp8, store_kv_reference
 
 
 def rope_table(inv_freq: torch.Tensor, positions: int) -> torch.Tensor:
