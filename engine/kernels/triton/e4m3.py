@@ -19,4 +19,6 @@ def to_e4m3(x, scale, dtype: tl.constexpr):
     step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)
     inverse = ((254 - exponent + 3) << 23).to(tl.float32, bitcast=True)  # 1 / step, exactly
     rounded = ((a * inverse + ROUND) - ROUND) * step
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded).to(dtype)  # the sign bit: -0 stays -0
+    # y's sign bit on the magnitude, by the bits: a compiler that ignores the sign of zero makes -x of 0 a +0.
+    sign = y.to(tl.int32, bitcast=True) & -2147483648
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True).to(dtype)
