@@ -13,9 +13,10 @@ and `fp32` itself served a second time, a control that must agree on every chat.
 On the CPU the engine dequantizes FP8 weights to fp32 at load (engine/model/fp8.py), so both servers compute in
 fp32 and the only difference is the e4m3 rounding of the linears. Every chat asks for logprobs (top 2): its tokens
 come back exactly (as bytes), and such requests decode without speculation. Requests go one at a time, in the same
-order to both servers. Prints a summary (chats with identical replies, the mean common token prefix, the median
-first divergence) and one line per chat: where the replies part, the dense core's margin there (its top logprob
-minus its second: how near a tie the token was), and each reply's first words from there.
+order to every server. Prints a summary (chats with identical replies, the mean common token prefix, the median
+first divergence and the reference's margins there: its top logprob minus its second, how near a tie the token was)
+and one line per chat: where the replies part, the reference's margin there, and each reply's first words from
+there.
 """
 
 from __future__ import annotations
@@ -158,13 +159,17 @@ def common_prefix(a: list[bytes], b: list[bytes]) -> int:
 def summary(dense: list[Reply], results: dict[str, list[Reply]]) -> None:
     """One row per core held to the reference."""
     print(f"| core | chats | identical replies | mean common prefix (tokens) | mean {REFERENCE} reply (tokens) | "
-          "median first divergence (diverging chats) |\n| --- | --- | --- | --- | --- | --- |")
+          f"median first divergence (diverging chats) | {REFERENCE} margin there: median, largest |\n"
+          "| --- | --- | --- | --- | --- | --- | --- |")
     for name, other in results.items():
         prefixes = [common_prefix(a.tokens, b.tokens) for a, b in zip(dense, other)]
         divergences = [p for p, a, b in zip(prefixes, dense, other) if a.tokens != b.tokens]
+        margins = [a.margins[p] for p, a, b in zip(prefixes, dense, other) if a.tokens != b.tokens
+                   and p < len(a.margins)]
         median = f"{statistics.median(divergences):g}" if divergences else "none"
+        there = f"{statistics.median(margins):.2f}, {max(margins):.2f}" if margins else ""
         print(f"| {name} | {len(CHATS)} | {len(CHATS) - len(divergences)} | {statistics.mean(prefixes):.1f} | "
-              f"{statistics.mean(len(a.tokens) for a in dense):.1f} | {median} |")
+              f"{statistics.mean(len(a.tokens) for a in dense):.1f} | {median} | {there} |")
 
 
 def chats(dense: list[Reply], name: str, other: list[Reply]) -> None:
