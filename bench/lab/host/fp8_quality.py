@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import openai
+from openai.types.chat import ChatCompletionTokenLogprob
 
 from bench.lab.host.decisions import start_server
 
@@ -144,7 +145,7 @@ def replies(core: Path, port: int, extra: list[str], max_tokens: int) -> list[Re
         server.wait(60)
 
 
-def margin(entry: object) -> float:
+def margin(entry: ChatCompletionTokenLogprob) -> float:
     top = sorted((t.logprob for t in entry.top_logprobs), reverse=True)
     return top[0] - top[1] if len(top) > 1 else float("inf")
 
