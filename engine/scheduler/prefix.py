@@ -6,14 +6,10 @@ private pages. An exact checkpoint inside a block gets a private copy of that pa
 can keep writing its own page, and a request that reuses it writes into a fresh copy.
 
 A hybrid model (`snapshots` given) reuses exact checkpoints only, each holding a snapshot of the recurrent state at
-exactly its length (docs/design.md, Scheduler and prefix checkpoints): a step that ends a request's row at a message
-end or its prompt end has the next step copy the slot's state row to a snapshot row (StateCopy) before its forward,
-and so does the request's end, at the position its submitted steps consumed (the terminal endpoint); the exact
-checkpoint is published with that snapshot and a private copy of its partial page (at a block boundary, the block's
-own checkpoint takes the snapshot: its page is complete). A later request restores the deepest snapshot whose prefix
-its prompt extends into its own slot row and continues from exactly there. With a host tier, an evicted checkpoint's
-snapshot moves to a host snapshot row with its page, and comes back through a device snapshot row in transit
-(SnapshotRestore, then a StateCopy into the slot's row: docs/design.md, Host retention).
+exactly its length: a later request restores the deepest one whose prefix its prompt extends and continues from exactly
+there (docs/design.md, Scheduler and prefix checkpoints). Its parts: the snapshot rows and the state copies that take
+and restore them (engine/scheduler/snapshot_rows.py), the traffic with the host and disk tiers below the device's cache
+(engine/scheduler/host_traffic.py), the copies a plan makes (engine/scheduler/copies.py).
 """
 
 from __future__ import annotations
@@ -58,7 +54,8 @@ class PrefixReuse:
         # Private pages of ended requests that a pending copy still reads: released once that copy is submitted.
         self.held_for_copies: set[int] = set()
         self.host = host
-        self.snapshots = SnapshotRows(snapshots or 0, slots, snapshot_bytes, self.cache, counters, self._retire)
+        self.snapshots = SnapshotRows(snapshots or 0, slots, snapshot_bytes, self.cache, host, page_size, counters,
+                                      self._retire)
         self.tiers = HostTraffic(host, self.cache, counters, page_size, page_bytes, snapshot_bytes,
                                  None if self.hybrid else disk)
 
@@ -153,18 +150,21 @@ class PrefixReuse:
             self.tiers.restore_page(entry, page, request)
         if exact is not None:
             self._copy(PageCopy(exact.page, pages[-1], None, request, exact))
+        self._reused(request, chain, pages, reused, exact if exact is not None else chain[-1] if chain else None)
+
+    def _reused(self, request: Request, blocks: list[Checkpoint], pages: list[int], length: int,
+                held: Checkpoint | None) -> None:
+        """The request starts at `length`, with the cache's `blocks` and then its own `pages`; it pins `held`."""
         self.counters["prefix_hits"] += 1
-        self.counters["reused_tokens"] += reused
-        cached = [c.page for c in chain]
-        request.cache_pages = set(cached)
-        request.pages = cached + pages
-        request.block_chain = list(chain)
-        request.published_ends = reused
-        if exact is not None or chain:
-            self._pin(request, exact or chain[-1])
-        request.scheduled = reused
+        self.counters["reused_tokens"] += length
+        request.cache_pages = {c.page for c in blocks}
+        request.pages = [c.page for c in blocks] + pages
+        request.block_chain = list(blocks)
+        request.published_ends = request.scheduled = length
+        if held is not None:
+            self._pin(request, held)
         if not request.started:
-            request.cached_tokens = reused
+            request.cached_tokens = length
 
     def _restore(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         """A hybrid model's reuse: the deepest exact checkpoint with a snapshot that the prompt extends (a message
@@ -179,7 +179,7 @@ class PrefixReuse:
         if hosted and not self.tiers.restore_pays(len(hosted)):
             hosted = []
             self.counters["host_declined"] += 1
-        exact, entry = self._deepest_exact(history, chain, len(hosted), limit)
+        exact, entry = self.snapshots.deepest_exact(history, chain, len(hosted), limit)
         length = exact.length if exact is not None else entry.length if entry is not None else 0
         blocks, restored = chain[: length // size], hosted[: max(length // size - len(chain), 0)]
         if self.host is not None and len(chain) * size < limit:
@@ -201,44 +201,11 @@ class PrefixReuse:
             self.counters["prefix_misses"] += 1
         else:
             self._plan_restore(request, exact, entry, restored, pages, transit)
-            self.counters["prefix_hits"] += 1
-            self.counters["reused_tokens"] += length
-            request.cache_pages = {c.page for c in blocks}
-            request.pages = [c.page for c in blocks] + pages
-            request.block_chain = list(blocks)
-            request.published_ends = request.scheduled = length
-            if held is not None:
-                self._pin(request, held)
-            if not request.started:
-                request.cached_tokens = length
+            self._reused(request, blocks, pages, length, held)
         if held is not None:
             self.cache.unpin(held, 0)
         for pinned in used:
             self.host.unpin(pinned.slot)
-
-    def _deepest_exact(self, history: PrefixHistory, chain: list[Checkpoint], hosted: int, limit: int
-                       ) -> tuple[Checkpoint | None, HostEntry | None]:
-        """The deepest exact checkpoint with a snapshot that the prompt extends up to `limit`, on the device or on
-        the host (the device's first at a length), whose blocks the device's `chain` and the `hosted` host blocks
-        after it hold."""
-        size = self.page_size
-        for depth in range(len(chain) + hosted, -1, -1):
-            ends = set(self.cache.exact_ends(chain[depth - 1] if depth else None)) if depth <= len(chain) else set()
-            if self.host is not None:
-                ends.update(self.host.exact_ends(history.block_keys[depth - 1] if depth else b""))
-            for end in sorted(ends, reverse=True):
-                if end > limit or end // size > len(chain) + hosted:
-                    continue
-                # At a block's end the key names the block's own checkpoint too, which holds a snapshot only when
-                # an endpoint fell there: one without is no place to continue a recurrent state from.
-                key = history.key_at(end)
-                found = self.cache.lookup(key) if end // size <= len(chain) else None
-                if found is not None and found.snapshot is not None:
-                    return found, None
-                entry = self.host.get(key) if self.host is not None else None
-                if entry is not None and entry.snapshot is not None:
-                    return None, entry
-        return None, None
 
     def _plan_restore(self, request: Request, exact: Checkpoint | None, entry: HostEntry | None,
                       restored: list[HostEntry], pages: list[int], transit: int | None) -> None:
@@ -258,19 +225,11 @@ class PrefixReuse:
         self.snapshots.restore_through(request, transit)
 
     def awaits_snapshot(self, request: Request) -> bool:
-        """Whether a hybrid request had better wait before it takes a slot: an exact checkpoint that its prompt
-        extends turns ready once a step in flight, or the copies planned next, complete. The next turn of a
-        conversation that has just ended meets its terminal checkpoint so; taking a slot now would restore a
-        shallower one (or none) and compute the rest again."""
-        if not (self.hybrid and self.enabled) or request.sampling.prompt_logprobs is not None:
+        """Whether a hybrid request had better wait before it takes a slot (SnapshotRows.awaits_snapshot)."""
+        if not self.snapshots.active or request.sampling.prompt_logprobs is not None:
             return False
-        pending = self.cache.pending_snapshots()
-        if not pending:
-            return False
-        history, limit = self._history(request), request.first_computed
-        made = [copy.made for copy in self.pending_copies]
-        return any(c.length <= limit and (c.ready_fence is not None or any(c is m for m in made))
-                   and history.key_at(c.length) == c.key for c in pending)
+        return self.snapshots.awaits_snapshot(self._history(request), request.first_computed,
+                                              [copy.made for copy in self.pending_copies])
 
     def terminal(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         """A hybrid request that ended: an exact checkpoint of what its submitted steps consumed (its prompt and its

@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+from common.prefix_history import PrefixHistory
 from engine.cache.checkpoint_cache import Checkpoint, PrefixCheckpointCache, RetiredResources
+from engine.cache.host_tier import HostEntry, HostTier
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.copies import Copy, PageCopy, StateCopy
 from engine.scheduler.request import Request
@@ -22,15 +24,18 @@ from engine.scheduler.request import Request
 
 class SnapshotRows:
     def __init__(self, rows: int, slot_rows: int, row_bytes: int, cache: PrefixCheckpointCache,
-                 counters: Counter[str], retire: Callable[[list[RetiredResources]], None]) -> None:
+                 host: HostTier | None, page_size: int, counters: Counter[str],
+                 retire: Callable[[list[RetiredResources]], None]) -> None:
         """`rows` snapshot rows (state rows `slot_rows` onwards; none: a model with no recurrent state, or a hybrid
-        one that reuses nothing), of `row_bytes` each (reported in /metrics). `retire`: what becomes of checkpoints
-        evicted to free a row (PrefixReuse)."""
+        one that reuses nothing), of `row_bytes` each (reported in /metrics). `host`: the host tier whose entries
+        may hold snapshots too. `retire`: what becomes of checkpoints evicted to free a row (PrefixReuse)."""
         self.active = rows > 0
         self.ids = PageAllocator(rows)
         self.slot_rows = slot_rows
         self.row_bytes = row_bytes
         self.cache = cache
+        self.host = host
+        self.page_size = page_size
         self.counters = counters
         self.retire = retire
         self.pending_state: list[StateCopy] = []
@@ -41,6 +46,40 @@ class SnapshotRows:
         if not self.ids.free_count:
             self.retire(self.cache.evict(0, 1))
         return self.ids.allocate(1)[0] if self.ids.free_count else None
+
+    def deepest_exact(self, history: PrefixHistory, chain: list[Checkpoint], hosted: int, limit: int
+                      ) -> tuple[Checkpoint | None, HostEntry | None]:
+        """The deepest exact checkpoint with a snapshot that the prompt extends up to `limit`, on the device or on
+        the host (the device's first at a length), whose blocks the device's `chain` and the `hosted` host blocks
+        after it hold."""
+        size = self.page_size
+        for depth in range(len(chain) + hosted, -1, -1):
+            ends = set(self.cache.exact_ends(chain[depth - 1] if depth else None)) if depth <= len(chain) else set()
+            if self.host is not None:
+                ends.update(self.host.exact_ends(history.block_keys[depth - 1] if depth else b""))
+            for end in sorted(ends, reverse=True):
+                if end > limit or end // size > len(chain) + hosted:
+                    continue
+                # At a block's end the key names the block's own checkpoint too, which holds a snapshot only when
+                # an endpoint fell there: one without is no place to continue a recurrent state from.
+                key = history.key_at(end)
+                found = self.cache.lookup(key) if end // size <= len(chain) else None
+                if found is not None and found.snapshot is not None:
+                    return found, None
+                entry = self.host.get(key) if self.host is not None else None
+                if entry is not None and entry.snapshot is not None:
+                    return None, entry
+        return None, None
+
+    def awaits_snapshot(self, history: PrefixHistory, limit: int, made: list[Checkpoint | None]) -> bool:
+        """Whether a hybrid request (of prefix keys `history`, computing from `limit`) had better wait before it
+        takes a slot: an exact checkpoint that its prompt extends turns ready once a step in flight, or the copies
+        planned next (which make `made`), complete. The next turn of a conversation that has just ended meets its
+        terminal checkpoint so; taking a slot now would restore a shallower one (or none) and compute the rest
+        again."""
+        pending = self.cache.pending_snapshots()
+        return any(c.length <= limit and (c.ready_fence is not None or any(c is m for m in made))
+                   and history.key_at(c.length) == c.key for c in pending)
 
     def stop_at(self, request: Request, start: int, length: int) -> int:
         """A hybrid model's prefill row from `start` stops at the next message end, where a snapshot is taken."""
