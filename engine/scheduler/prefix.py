@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache, RetiredResources
@@ -25,6 +24,7 @@ from engine.cache.host_tier import HostEntry, HostTier
 from engine.cache.page_allocator import PageAllocator
 from engine.scheduler.copies import Copy, PageCopy
 from engine.scheduler.host_traffic import HostTraffic
+from engine.scheduler.page_copies import PageCopies
 from engine.scheduler.plan import DiskWork
 from engine.scheduler.request import Request
 from engine.scheduler.snapshot_rows import SnapshotRows
@@ -50,9 +50,7 @@ class PrefixReuse:
         self.cache = PrefixCheckpointCache()
         self.recent = RecentHistories(identity, page_size)  # a long prompt seen again hashes only its new end
         self.counters = counters
-        self.pending_copies: list[PageCopy] = []
-        # Private pages of ended requests that a pending copy still reads: released once that copy is submitted.
-        self.held_for_copies: set[int] = set()
+        self.page_copies = PageCopies(self.cache, pages)
         self.host = host
         self.snapshots = SnapshotRows(snapshots or 0, slots, snapshot_bytes, self.cache, host, page_size, counters,
                                       self._retire)
@@ -149,7 +147,7 @@ class PrefixReuse:
         for entry, page in zip(hosted + ([exact_hosted] if exact_hosted is not None else []), pages):
             self.tiers.restore_page(entry, page, request)
         if exact is not None:
-            self._copy(PageCopy(exact.page, pages[-1], None, request, exact))
+            self.page_copies.add(PageCopy(exact.page, pages[-1], None, request, exact))
         self._reused(request, chain, pages, reused, exact if exact is not None else chain[-1] if chain else None)
 
     def _reused(self, request: Request, blocks: list[Checkpoint], pages: list[int], length: int,
@@ -215,7 +213,7 @@ class PrefixReuse:
             self.tiers.restore_page(hosted, page, request)
         if len(pages) > len(restored):
             if exact is not None:
-                self._copy(PageCopy(exact.page, pages[-1], None, request, exact))
+                self.page_copies.add(PageCopy(exact.page, pages[-1], None, request, exact))
             else:
                 self.tiers.restore_page(entry, pages[-1], request)
         if exact is not None:
@@ -229,7 +227,7 @@ class PrefixReuse:
         if not self.snapshots.active or request.sampling.prompt_logprobs is not None:
             return False
         return self.snapshots.awaits_snapshot(self._history(request), request.first_computed,
-                                              [copy.made for copy in self.pending_copies])
+                                              [copy.made for copy in self.page_copies.pending])
 
     def terminal(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         """A hybrid request that ended: an exact checkpoint of what its submitted steps consumed (its prompt and its
@@ -265,7 +263,7 @@ class PrefixReuse:
             if isinstance(result, Created):
                 request.cache_pages.add(request.pages[k])
                 self.counters["checkpoint_publications"] += 1
-                self._reading_cached(request.pages[k], result.checkpoint)
+                self.page_copies.reading_cached(request.pages[k], result.checkpoint)
             request.block_chain.append(result.checkpoint)
             self._pin(request, result.checkpoint)
         if self.hybrid:
@@ -277,14 +275,6 @@ class PrefixReuse:
             if request.published_ends < end <= computed and end % size and end // size <= len(request.block_chain):
                 self._publish_exact(request, end, allocate)
                 request.published_ends = end
-
-    def _reading_cached(self, page: int, checkpoint: Checkpoint) -> None:
-        """A copy not yet sent that reads a private page the cache now owns holds the new checkpoint's pin until it
-        is sent, as a copy of a cached page does."""
-        for i, copy in enumerate(self.pending_copies):
-            if copy.source == page and copy.source_checkpoint is None:
-                self.cache.pin(checkpoint)
-                self.pending_copies[i] = replace(copy, source_checkpoint=checkpoint)
 
     def _publish_exact(self, request: Request, end: int, allocate: Callable[[int], list[int] | None],
                        snapshot: int | None = None) -> None:
@@ -309,20 +299,15 @@ class PrefixReuse:
                 self.counters["snapshot_publications"] += 1
             k = end // self.page_size
             owner = request.block_chain[k] if request.pages[k] in request.cache_pages else None
-            self._copy(PageCopy(request.pages[k], page[0], result.checkpoint, request, owner))
+            self.page_copies.add(PageCopy(request.pages[k], page[0], result.checkpoint, request, owner))
         else:
             self.pages.release(page, 0)
             if snapshot is not None:
                 self.snapshots.drop(snapshot)
 
-    def _copy(self, copy: PageCopy) -> None:
-        if copy.source_checkpoint is not None:
-            self.cache.pin(copy.source_checkpoint)
-        self.pending_copies.append(copy)
-
     @property
     def pending(self) -> bool:
-        return bool(self.pending_copies or self.snapshots.pending_state or self.tiers.pending)
+        return bool(self.page_copies.pending or self.snapshots.pending_state or self.tiers.pending)
 
     def awaits_load(self, request: Request) -> bool:
         """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk."""
@@ -334,38 +319,21 @@ class PrefixReuse:
     def planned_copies(self) -> tuple[Copy, ...]:
         """The copies the next plan makes: spills, restores, page copies then state copies, in the order the
         executor makes them; they stay pending until that plan is committed."""
-        return (*self.tiers.planned_copies(), *self.pending_copies, *self.snapshots.pending_state)
+        return (*self.tiers.planned_copies(), *self.page_copies.pending, *self.snapshots.pending_state)
 
     def copies_committed(self, copies: tuple[Copy, ...], fence: int,
                          disk: DiskWork | None = None) -> None:
         """The copies (and disk work) sent with the step of `fence`: the tiers' and the state copies first, then the
         page copies."""
         copies = self.snapshots.committed(self.tiers.committed(copies, fence, disk), fence)
-        self.pending_copies = [c for c in self.pending_copies if c not in copies]
-        for copy in copies:
-            if copy.made is not None:
-                self.cache.set_ready_fence(copy.made, fence)
-            copy.reader.copy_fence = max(copy.reader.copy_fence, fence)  # the copy uses the reader's pages
-            if copy.source_checkpoint is not None:
-                self.cache.unpin(copy.source_checkpoint, fence)
-            if copy.source in self.held_for_copies:
-                self.held_for_copies.discard(copy.source)
-                self.pages.release([copy.source], fence)
+        self.page_copies.committed(copies, fence)
 
     # --- the end of a request's hold on its pages -------------------------------------------------------------------
     def release(self, request: Request) -> None:
         """Give back private pages at the request's last-use fence and drop its pin."""
-        # A copy into this request's own page is moot now; a copy that makes a checkpoint still reads its page.
-        for copy in [c for c in self.pending_copies if c.reader is request and c.made is None]:
-            self.pending_copies.remove(copy)
-            if copy.source_checkpoint is not None:
-                self.cache.unpin(copy.source_checkpoint, request.last_fence)
+        self.page_copies.release(request)
         self.tiers.release(request)
         self.snapshots.release(request)
-        sources = {copy.source for copy in self.pending_copies}
-        private = [p for p in request.pages if p not in request.cache_pages]
-        self.held_for_copies.update(p for p in private if p in sources)
-        self.pages.release([p for p in private if p not in sources], request.last_fence)
         if request.pinned is not None:
             self.cache.unpin(request.pinned, request.last_fence)
         request.pages, request.cache_pages, request.block_chain, request.pinned = [], set(), [], None

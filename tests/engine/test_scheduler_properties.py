@@ -141,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         places = Counter(allocator._free)
         places.update(p for _, _, pages in allocator._retiring for p in pages)
         places.update(c.page for c in self.scheduler.prefix.cache._by_key.values())
-        places.update(self.scheduler.prefix.held_for_copies)
+        places.update(self.scheduler.prefix.page_copies.held)
         for request in self.requests:
             if request.phase is not Phase.FINISHED:
                 places.update(p for p in request.pages if p not in request.cache_pages)
@@ -165,7 +165,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pins_equal_what_live_requests_and_pending_copies_hold(self) -> None:
         expected: Counter[int] = Counter()
         holders = [r.pinned for r in self.requests if r.phase is not Phase.FINISHED]
-        holders += [c.source_checkpoint for c in self.scheduler.prefix.pending_copies]
+        holders += [c.source_checkpoint for c in self.scheduler.prefix.page_copies.pending]
         holders += [c.source_checkpoint for c in self.scheduler.prefix.snapshots.pending_state]  # (a hybrid's restores)
         assert all(r.pinned is None for r in self.requests if r.phase is Phase.FINISHED)
         for node in holders:
