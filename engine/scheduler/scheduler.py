@@ -7,8 +7,8 @@ randomness depends only on seed and position, so the outcome is unchanged).
 
 Here: intake, placement, preemption, planning and commit. Beside it: the candidate steps and their values
 (candidates.py), the rows built from requests (rows.py), steady decode steps as columns (cohort.py), which requests
-draft (speculation.py), prefix reuse and the host and disk tiers (prefix.py), and what a completed step commits to its
-requests (completion.py).
+draft (speculation.py), prefix reuse (prefix.py, which owns page_copies.py, snapshot_rows.py and host_traffic.py: the
+host and disk tiers), and what a completed step commits to its requests (completion.py).
 """
 
 from __future__ import annotations
