@@ -102,7 +102,7 @@ class EngineTelemetry:
 
     def _announce_cache(self, scheduler: RequestScheduler) -> None:
         prefix = scheduler.prefix
-        stored, hosted, evicted = prefix.take_journal()
+        stored, hosted, evicted = prefix.tiers.take_journal()
         if self._cache_subscribed:
             self._cache_subscribed = False
             self._send(CACHE_TOPIC, wire.CacheEvents(self.engine_id, prefix.cache.ready_keys(), full=True,
@@ -163,9 +163,9 @@ class EngineTelemetry:
     def _tier_gauges(scheduler: RequestScheduler) -> dict[str, float]:
         """The host and disk tiers (docs/design.md, Host retention): pages (and a hybrid model's snapshots) held,
         and a host page copy's recent median seconds (a restore's time per page)."""
-        prefix = scheduler.prefix
-        copies = prefix.page_copy_seconds
-        return {"host_pages": len(prefix.host), "disk_pages": len(prefix.disk.disk) if prefix.disk else 0,
+        prefix, tiers = scheduler.prefix, scheduler.prefix.tiers
+        copies = tiers.page_copy_seconds
+        return {"host_pages": len(prefix.host), "disk_pages": len(tiers.disk.disk) if tiers.disk else 0,
                 "host_page_copy_seconds": statistics.median(copies) if copies else 0.0,
                 **({"host_snapshots": prefix.host.snapshots} if prefix.hybrid else {})}
 
@@ -175,8 +175,8 @@ class EngineTelemetry:
         the held ones take."""
         prefix = scheduler.prefix
         cached = prefix.cache.snapshots
-        return {"cached_snapshots": cached, "free_snapshots": prefix.snapshot_ids.free_count,
-                "snapshot_bytes": cached * prefix.snapshot_bytes}
+        return {"cached_snapshots": cached, "free_snapshots": prefix.snapshots.ids.free_count,
+                "snapshot_bytes": cached * prefix.snapshots.row_bytes}
 
     def _graph_stats(self, now: float) -> list[wire.GraphStat]:
         groups: dict[tuple[str, int, int], list[tuple[int, float]]] = defaultdict(list)

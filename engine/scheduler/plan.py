@@ -130,7 +130,7 @@ class Plan:
     copies: tuple[tuple[int, int], ...] = ()
     # A hybrid model's recurrent-state row copies (source row, destination row), in order, before the step's forward
     # and after its page copies: snapshots of slot rows at exact endpoints, and restores of snapshots into slot rows
-    # (engine/scheduler/prefix.py). Slot s is row s; snapshot i is row max_active + i.
+    # (engine/scheduler/snapshot_rows.py). Slot s is row s; snapshot i is row max_active + i.
     state_copies: tuple[tuple[int, int], ...] = ()
     # The host tier's copies (docs/design.md, Host retention), made before everything else the step does: spills
     # (device page, host slot) of evicted checkpoints' pages, which the step may hand out, then restores (host slot,

@@ -6,32 +6,28 @@ private pages. An exact checkpoint inside a block gets a private copy of that pa
 can keep writing its own page, and a request that reuses it writes into a fresh copy.
 
 A hybrid model (`snapshots` given) reuses exact checkpoints only, each holding a snapshot of the recurrent state at
-exactly its length (docs/design.md, Scheduler and prefix checkpoints): a step that ends a request's row at a message
-end or its prompt end has the next step copy the slot's state row to a snapshot row (StateCopy) before its forward,
-and so does the request's end, at the position its submitted steps consumed (the terminal endpoint); the exact
-checkpoint is published with that snapshot and a private copy of its partial page (at a block boundary, the block's
-own checkpoint takes the snapshot: its page is complete). A later request restores the deepest snapshot whose prefix
-its prompt extends into its own slot row and continues from exactly there. With a host tier, an evicted checkpoint's
-snapshot moves to a host snapshot row with its page, and comes back through a device snapshot row in transit
-(SnapshotRestore, then a StateCopy into the slot's row: docs/design.md, Host retention).
+exactly its length: a later request restores the deepest one whose prefix its prompt extends and continues from exactly
+there (docs/design.md, Scheduler and prefix checkpoints). Its parts: the snapshot rows and the state copies that take
+and restore them (engine/scheduler/snapshot_rows.py), the traffic with the host and disk tiers below the device's cache
+(engine/scheduler/host_traffic.py), the copies a plan makes (engine/scheduler/copies.py).
 """
 
 from __future__ import annotations
 
-import statistics
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 from common.prefix_history import PrefixHistory, RecentHistories, prefix_events
 from engine.cache.checkpoint_cache import Checkpoint, Created, PrefixCheckpointCache, RetiredResources
 from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostEntry, HostTier
 from engine.cache.page_allocator import PageAllocator
-from engine.scheduler.copies import Copy, PageCopy, Restore, SnapshotRestore, Spill, StateCopy
-from engine.scheduler.disk_reuse import DiskReuse
-from engine.scheduler.plan import Completion, DiskWork, Plan
+from engine.scheduler.copies import Copy, PageCopy
+from engine.scheduler.host_traffic import HostTraffic
+from engine.scheduler.page_copies import PageCopies
+from engine.scheduler.plan import DiskWork
 from engine.scheduler.request import Request
+from engine.scheduler.snapshot_rows import SnapshotRows
 
 # Request.publish_from of a request whose prefixes are never published.
 NEVER = 2 ** 62
@@ -48,33 +44,18 @@ class PrefixReuse:
         to, of `page_bytes` a page; `disk`, the disk tier below it."""
         self.hybrid = snapshots is not None
         self.enabled = not self.hybrid or snapshots > 0
-        self.snapshot_ids = PageAllocator(snapshots or 0)
-        self.slot_rows = slots
-        self.snapshot_bytes = snapshot_bytes
-        self.pending_state: list[StateCopy] = []
-        self.snapshot_fences: dict[int, int] = {}  # snapshot id -> the step that wrote it (once committed)
-        self.committed_fence = 0
         self.identity = identity
         self.page_size = page_size
         self.pages = pages
         self.cache = PrefixCheckpointCache()
         self.recent = RecentHistories(identity, page_size)  # a long prompt seen again hashes only its new end
         self.counters = counters
-        self.pending_copies: list[PageCopy] = []
-        # Private pages of ended requests that a pending copy still reads: released once that copy is submitted.
-        self.held_for_copies: set[int] = set()
+        self.page_copies = PageCopies(self.cache, pages)
         self.host = host
-        self.page_bytes = page_bytes
-        self.pending_spills: list[Spill] = []
-        self.pending_restores: list[Restore] = []
-        self.pending_snapshot_restores: list[SnapshotRestore] = []
-        self.disk = DiskReuse(disk, self.host, self.cache, counters, page_bytes) \
-            if disk is not None and self.host is not None and not self.hybrid else None
-        self._host_gone: list[bytes] = []  # keys the host tier gave up, without a disk tier (for announcements)
-        # Seconds a host page copy took in recent steps (spills and restores alike), and what recomputing a number
-        # of prompt tokens would take by the learned step costs (0.0: not known yet). Set by the scheduler.
-        self.page_copy_seconds: deque[float] = deque(maxlen=9)
-        self.recompute_seconds: Callable[[int], float] = lambda tokens: 0.0
+        self.snapshots = SnapshotRows(snapshots or 0, slots, snapshot_bytes, self.cache, host, page_size, counters,
+                                      self._retire)
+        self.tiers = HostTraffic(host, self.cache, counters, page_size, page_bytes, snapshot_bytes,
+                                 None if self.hybrid else disk)
 
     def track(self, request: Request) -> None:
         # An image's content keys every prefix that reaches its first token; a salt, every prefix.
@@ -99,55 +80,15 @@ class PrefixReuse:
     def advance_completed(self, fence: int) -> None:
         """Steps up to `fence` completed: checkpoints they wrote become visible, snapshot rows they last used free."""
         self.cache.advance_completed(fence)
-        self.snapshot_ids.advance_completed(fence)
+        self.snapshots.ids.advance_completed(fence)
 
     def _retire(self, retired: list[RetiredResources]) -> None:
         for resources in retired:
             if self.host is not None:
-                self._spill(resources)
+                self.tiers.spill(resources, self.snapshots.spillable(resources.snapshots))
             self.pages.release(resources.pages, resources.fence)
             if resources.snapshots:
-                self.snapshot_ids.release(list(resources.snapshots), resources.fence)
-                self.counters["snapshot_evictions"] += len(resources.snapshots)
-
-    def _spill(self, resources: RetiredResources) -> None:
-        """The evicted checkpoint's page to a host slot, and its snapshot (a hybrid model's) to a host snapshot row,
-        unless the copy that writes that snapshot is not sent yet: a step makes its spills before its state copies."""
-        snapshot = resources.snapshots[0] if resources.snapshots else None
-        if snapshot is not None and any(c.snapshot == snapshot and c.source_checkpoint is None and not c.transit
-                                        for c in self.pending_state):
-            snapshot = None
-        entry = self.host.store(resources.key, resources.length, snapshot is not None, resources.parent)
-        if entry is None:
-            return
-        state = (self.slot_rows + snapshot, entry.snapshot) if snapshot is not None else None
-        self.pending_spills.append(Spill(resources.pages[0], entry.slot, state))
-        self.counters["host_spills"] += 1
-        self.counters["host_bytes_out"] += self.page_bytes
-        if state is not None:
-            self.counters["host_snapshot_spills"] += 1
-            self.counters["host_bytes_out"] += self.snapshot_bytes
-
-    def take_journal(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
-        """(stored, hosted, evicted) keys since the last call, for the routing announcements: a key the device
-        evicted is hosted while the host tier holds it, and evicted once neither holds it."""
-        stored, evicted = self.cache.take_journal()
-        if self.host is None:
-            return stored, [], evicted
-        hosted = [key for key in evicted if key in self.host]
-        gone = [key for key in evicted if key not in self.host]
-        if self.disk is None:
-            self._host_dropped()
-        dropped = self.disk.gone if self.disk is not None else self._host_gone
-        held = self.disk.held() if self.disk is not None and dropped else set()
-        gone += [key for key in dropped if key not in self.cache and key not in self.host and key not in held]
-        dropped.clear()
-        return stored, hosted, gone
-
-    def _allocate_snapshot(self) -> int | None:
-        if not self.snapshot_ids.free_count:
-            self._retire(self.cache.evict(0, 1))
-        return self.snapshot_ids.allocate(1)[0] if self.snapshot_ids.free_count else None
+                self.snapshots.retired(resources.snapshots, resources.fence)
 
     # --- reuse when a request gets its slot -------------------------------------------------------------------------
     def reuse(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
@@ -176,8 +117,8 @@ class PrefixReuse:
         """Reuse the device's blocks `chain`, the host tier's blocks after them, and the exact checkpoint (on the
         device or the host) of the latest message end just beyond those."""
         history, size, limit = self._history(request), self.page_size, request.first_computed
-        hosted = self._host_run(history.block_keys[len(chain): limit // size])
-        if hosted and not self._restore_pays(len(hosted)):
+        hosted = self.tiers.run(history.block_keys[len(chain): limit // size])
+        if hosted and not self.tiers.restore_pays(len(hosted)):
             hosted = []
             self.counters["host_declined"] += 1
         depth = (len(chain) + len(hosted)) * size
@@ -204,45 +145,24 @@ class PrefixReuse:
             self.counters["prefix_misses"] += 1
             return
         for entry, page in zip(hosted + ([exact_hosted] if exact_hosted is not None else []), pages):
-            self._restore_page(entry, page, request)
+            self.tiers.restore_page(entry, page, request)
         if exact is not None:
-            self._copy(PageCopy(exact.page, pages[-1], None, request, exact))
+            self.page_copies.add(PageCopy(exact.page, pages[-1], None, request, exact))
+        self._reused(request, chain, pages, reused, exact if exact is not None else chain[-1] if chain else None)
+
+    def _reused(self, request: Request, blocks: list[Checkpoint], pages: list[int], length: int,
+                held: Checkpoint | None) -> None:
+        """The request starts at `length`, with the cache's `blocks` and then its own `pages`; it pins `held`."""
         self.counters["prefix_hits"] += 1
-        self.counters["reused_tokens"] += reused
-        cached = [c.page for c in chain]
-        request.cache_pages = set(cached)
-        request.pages = cached + pages
-        request.block_chain = list(chain)
-        request.published_ends = reused
-        if exact is not None or chain:
-            self._pin(request, exact or chain[-1])
-        request.scheduled = reused
+        self.counters["reused_tokens"] += length
+        request.cache_pages = {c.page for c in blocks}
+        request.pages = [c.page for c in blocks] + pages
+        request.block_chain = list(blocks)
+        request.published_ends = request.scheduled = length
+        if held is not None:
+            self._pin(request, held)
         if not request.started:
-            request.cached_tokens = reused
-
-    def _restore_pays(self, pages: int) -> bool:
-        """Whether restoring `pages` from the host is expected to beat computing their tokens again (taken while
-        either is unmeasured)."""
-        if not self.page_copy_seconds:
-            return True
-        recompute = self.recompute_seconds(pages * self.page_size)
-        return recompute == 0.0 or pages * statistics.median(self.page_copy_seconds) <= recompute
-
-    def _host_run(self, keys: list[bytes]) -> list[HostEntry]:
-        """The host tier's entries of keys[0], keys[1], ... up to the first it lacks."""
-        run: list[HostEntry] = []
-        if self.host is not None:
-            for key in keys:
-                if (entry := self.host.get(key)) is None:
-                    break
-                run.append(entry)
-        return run
-
-    def _restore_page(self, entry: HostEntry, page: int, request: Request) -> None:
-        self.host.pin(entry.slot)  # until the restore is sent
-        self.pending_restores.append(Restore(entry.slot, page, request))
-        self.counters["host_restores"] += 1
-        self.counters["host_bytes_in"] += self.page_bytes
+            request.cached_tokens = length
 
     def _restore(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         """A hybrid model's reuse: the deepest exact checkpoint with a snapshot that the prompt extends (a message
@@ -253,11 +173,11 @@ class PrefixReuse:
         limit = request.first_computed
         chain = self.cache.lookup_run(history.block_keys, limit // size)
         self.counters["prefix_lookups"] += 1
-        hosted = self._host_run(history.block_keys[len(chain): limit // size])
-        if hosted and not self._restore_pays(len(hosted)):
+        hosted = self.tiers.run(history.block_keys[len(chain): limit // size])
+        if hosted and not self.tiers.restore_pays(len(hosted)):
             hosted = []
             self.counters["host_declined"] += 1
-        exact, entry = self._deepest_exact(history, chain, len(hosted), limit)
+        exact, entry = self.snapshots.deepest_exact(history, chain, len(hosted), limit)
         length = exact.length if exact is not None else entry.length if entry is not None else 0
         blocks, restored = chain[: length // size], hosted[: max(length // size - len(chain), 0)]
         if self.host is not None and len(chain) * size < limit:
@@ -271,7 +191,7 @@ class PrefixReuse:
             self.host.pin(pinned.slot)
         wanted = len(restored) + (length % size != 0)
         pages = (allocate(wanted) if wanted else []) if length else None
-        transit = self._allocate_snapshot() if entry is not None and pages is not None else None
+        transit = self.snapshots.allocate() if entry is not None and pages is not None else None
         if pages is not None and entry is not None and transit is None:  # no snapshot row to restore through
             self.pages.release(pages, 0)
             pages = None
@@ -279,116 +199,44 @@ class PrefixReuse:
             self.counters["prefix_misses"] += 1
         else:
             self._plan_restore(request, exact, entry, restored, pages, transit)
-            self.counters["prefix_hits"] += 1
-            self.counters["reused_tokens"] += length
-            request.cache_pages = {c.page for c in blocks}
-            request.pages = [c.page for c in blocks] + pages
-            request.block_chain = list(blocks)
-            request.published_ends = request.scheduled = length
-            if held is not None:
-                self._pin(request, held)
-            if not request.started:
-                request.cached_tokens = length
+            self._reused(request, blocks, pages, length, held)
         if held is not None:
             self.cache.unpin(held, 0)
         for pinned in used:
             self.host.unpin(pinned.slot)
-
-    def _deepest_exact(self, history: PrefixHistory, chain: list[Checkpoint], hosted: int, limit: int
-                       ) -> tuple[Checkpoint | None, HostEntry | None]:
-        """The deepest exact checkpoint with a snapshot that the prompt extends up to `limit`, on the device or on
-        the host (the device's first at a length), whose blocks the device's `chain` and the `hosted` host blocks
-        after it hold."""
-        size = self.page_size
-        for depth in range(len(chain) + hosted, -1, -1):
-            ends = set(self.cache.exact_ends(chain[depth - 1] if depth else None)) if depth <= len(chain) else set()
-            if self.host is not None:
-                ends.update(self.host.exact_ends(history.block_keys[depth - 1] if depth else b""))
-            for end in sorted(ends, reverse=True):
-                if end > limit or end // size > len(chain) + hosted:
-                    continue
-                # At a block's end the key names the block's own checkpoint too, which holds a snapshot only when
-                # an endpoint fell there: one without is no place to continue a recurrent state from.
-                key = history.key_at(end)
-                found = self.cache.lookup(key) if end // size <= len(chain) else None
-                if found is not None and found.snapshot is not None:
-                    return found, None
-                entry = self.host.get(key) if self.host is not None else None
-                if entry is not None and entry.snapshot is not None:
-                    return None, entry
-        return None, None
 
     def _plan_restore(self, request: Request, exact: Checkpoint | None, entry: HostEntry | None,
                       restored: list[HostEntry], pages: list[int], transit: int | None) -> None:
         """The copies of a hybrid request's restore: host blocks into its fresh `pages`, then the partial page of
         the exact checkpoint (from the device's `exact` or the host's `entry`) into the last, and the snapshot."""
         for hosted, page in zip(restored, pages):
-            self._restore_page(hosted, page, request)
+            self.tiers.restore_page(hosted, page, request)
         if len(pages) > len(restored):
             if exact is not None:
-                self._copy(PageCopy(exact.page, pages[-1], None, request, exact))
+                self.page_copies.add(PageCopy(exact.page, pages[-1], None, request, exact))
             else:
-                self._restore_page(entry, pages[-1], request)
+                self.tiers.restore_page(entry, pages[-1], request)
         if exact is not None:
-            self.cache.pin(exact)  # for the state copy, until it is sent
-            self.pending_state.append(StateCopy(self.slot_rows + exact.snapshot, request.slot, exact.snapshot,
-                                                request, exact))
+            self.snapshots.restore(request, exact)
             return
-        self.host.pin(entry.slot)  # until the snapshot's restore is sent
-        self.pending_snapshot_restores.append(SnapshotRestore(entry.snapshot, self.slot_rows + transit, entry.slot,
-                                                              request))
-        self.pending_state.append(StateCopy(self.slot_rows + transit, request.slot, transit, request, None,
-                                            transit=True))
-        self.counters["host_snapshot_restores"] += 1
-        self.counters["host_bytes_in"] += self.snapshot_bytes
+        self.tiers.restore_snapshot(entry, self.snapshots.slot_rows + transit, request)
+        self.snapshots.restore_through(request, transit)
 
     def awaits_snapshot(self, request: Request) -> bool:
-        """Whether a hybrid request had better wait before it takes a slot: an exact checkpoint that its prompt
-        extends turns ready once a step in flight, or the copies planned next, complete. The next turn of a
-        conversation that has just ended meets its terminal checkpoint so; taking a slot now would restore a
-        shallower one (or none) and compute the rest again."""
-        if not (self.hybrid and self.enabled) or request.sampling.prompt_logprobs is not None:
+        """Whether a hybrid request had better wait before it takes a slot (SnapshotRows.awaits_snapshot)."""
+        if not self.snapshots.active or request.sampling.prompt_logprobs is not None:
             return False
-        pending = self.cache.pending_snapshots()
-        if not pending:
-            return False
-        history, limit = self._history(request), request.first_computed
-        made = [copy.made for copy in self.pending_copies]
-        return any(c.length <= limit and (c.ready_fence is not None or any(c is m for m in made))
-                   and history.key_at(c.length) == c.key for c in pending)
-
-    def stop_at(self, request: Request, start: int, length: int) -> int:
-        """A hybrid model's prefill row from `start` stops at the next message end, where a snapshot is taken."""
-        if not (self.hybrid and self.enabled):
-            return length
-        return min([length] + [end - start for end in request.message_ends if start < end < start + length])
-
-    def snapshot_at(self, request: Request, end: int) -> None:
-        """The request's slot row holds its state at exactly `end` once the step just committed completes: the next
-        step copies it to a snapshot row, published with an exact checkpoint as steps complete (publish)."""
-        if not (self.hybrid and self.enabled) or end <= request.published_ends or end in request.snapshots:
-            return
-        snapshot = self._allocate_snapshot()
-        if snapshot is None:
-            return
-        self.pending_state.append(StateCopy(request.slot, self.slot_rows + snapshot, snapshot, request, None))
-        request.snapshots[end] = snapshot
-        request.publish_from = 0
+        return self.snapshots.awaits_snapshot(self._history(request), request.first_computed,
+                                              [copy.made for copy in self.page_copies.pending])
 
     def terminal(self, request: Request, allocate: Callable[[int], list[int] | None]) -> None:
         """A hybrid request that ended: an exact checkpoint of what its submitted steps consumed (its prompt and its
         output but the last token, or all of it when a step after the last token was already in flight), so that
         the next turn of the conversation continues from there."""
         end = request.scheduled
-        self.snapshot_at(request, end)
+        self.snapshots.snapshot_at(request, end)
         if end in request.snapshots:
             self._publish(request, end, request.last_fence, allocate)
-
-    def _drop_snapshot(self, snapshot: int) -> None:
-        pending = [c for c in self.pending_state if c.source_checkpoint is None and c.snapshot == snapshot]
-        for copy in pending:
-            self.pending_state.remove(copy)
-        self.snapshot_ids.release([snapshot], self.snapshot_fences.pop(snapshot, self.committed_fence))
 
     # --- publication as steps complete ----------------------------------------------------------------------------
     def publish(self, request: Request, computed: int, fence: int,
@@ -415,7 +263,7 @@ class PrefixReuse:
             if isinstance(result, Created):
                 request.cache_pages.add(request.pages[k])
                 self.counters["checkpoint_publications"] += 1
-                self._reading_cached(request.pages[k], result.checkpoint)
+                self.page_copies.reading_cached(request.pages[k], result.checkpoint)
             request.block_chain.append(result.checkpoint)
             self._pin(request, result.checkpoint)
         if self.hybrid:
@@ -428,19 +276,11 @@ class PrefixReuse:
                 self._publish_exact(request, end, allocate)
                 request.published_ends = end
 
-    def _reading_cached(self, page: int, checkpoint: Checkpoint) -> None:
-        """A copy not yet sent that reads a private page the cache now owns holds the new checkpoint's pin until it
-        is sent, as a copy of a cached page does."""
-        for i, copy in enumerate(self.pending_copies):
-            if copy.source == page and copy.source_checkpoint is None:
-                self.cache.pin(checkpoint)
-                self.pending_copies[i] = replace(copy, source_checkpoint=checkpoint)
-
     def _publish_exact(self, request: Request, end: int, allocate: Callable[[int], list[int] | None],
                        snapshot: int | None = None) -> None:
         """With a snapshot (a hybrid model's), the checkpoint owns it; a snapshot not published is dropped."""
         if snapshot is not None and end % self.page_size == 0:  # the block's checkpoint is exact there
-            self._attach_to_block(request.block_chain[end // self.page_size - 1], snapshot)
+            self.snapshots.attach_to_block(request.block_chain[end // self.page_size - 1], snapshot)
             return
         key = self._history(request).key_at(end)
         parent = request.block_chain[end // self.page_size - 1] if end >= self.page_size else None
@@ -449,7 +289,7 @@ class PrefixReuse:
             page = allocate(1)
         if page is None:
             if snapshot is not None:
-                self._drop_snapshot(snapshot)
+                self.snapshots.drop(snapshot)
             return
         result = self.cache.publish(key, end, parent, page[0], ready_fence=None)
         if isinstance(result, Created):
@@ -459,155 +299,41 @@ class PrefixReuse:
                 self.counters["snapshot_publications"] += 1
             k = end // self.page_size
             owner = request.block_chain[k] if request.pages[k] in request.cache_pages else None
-            self._copy(PageCopy(request.pages[k], page[0], result.checkpoint, request, owner))
+            self.page_copies.add(PageCopy(request.pages[k], page[0], result.checkpoint, request, owner))
         else:
             self.pages.release(page, 0)
             if snapshot is not None:
-                self._drop_snapshot(snapshot)
-
-    def _attach_to_block(self, block: Checkpoint, snapshot: int) -> None:
-        """A snapshot at a block's end: the block's checkpoint owns it, unless it holds one already (another
-        request's, of the same state) or was evicted meanwhile. The block may turn ready before the step that copies
-        the snapshot runs: a restore found through it is planned after that copy, so it runs after it too."""
-        if block.snapshot is not None or block.evicted:
-            self._drop_snapshot(snapshot)
-            return
-        self.cache.attach_snapshot(block, snapshot)
-        self.counters["snapshot_publications"] += 1
-
-    def _copy(self, copy: PageCopy) -> None:
-        if copy.source_checkpoint is not None:
-            self.cache.pin(copy.source_checkpoint)
-        self.pending_copies.append(copy)
+                self.snapshots.drop(snapshot)
 
     @property
     def pending(self) -> bool:
-        return bool(self.pending_copies or self.pending_state or self.pending_spills or self.pending_restores
-                    or self.pending_snapshot_restores or self.host is not None and self.host.dropped
-                    or self.disk is not None and self.disk.pending)
-
-    def planned_disk(self) -> DiskWork | None:
-        """The disk tier's work for the next plan (DiskReuse); without one, what the host gave up is gone."""
-        if self.disk is not None:
-            return self.disk.planned()
-        if self.host is not None:
-            self._host_dropped()
-        return None
-
-    def _host_dropped(self) -> None:
-        """Without a disk tier, what the host gave up is gone."""
-        self._host_gone.extend(key for key, _ in self.host.dropped)
-        self.host.dropped = []
+        return bool(self.page_copies.pending or self.snapshots.pending_state or self.tiers.pending)
 
     def awaits_load(self, request: Request) -> bool:
         """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk."""
-        if self.disk is None or request.sampling.prompt_logprobs is not None:
+        if self.tiers.disk is None or request.sampling.prompt_logprobs is not None:
             return False
-        return self.disk.awaits_load(self._history(request), request.first_computed, request.message_ends,
-                                     self.page_size)
-
-    def tiers_completed(self, completion: Completion, plan: Plan) -> None:
-        """Steps up to the completion's fence completed: their disk work is done, the host slots they last used are
-        free; what the plan's spills and restores took is learned. A failed step's spills and reads may not have
-        happened: what they would have filled is given up."""
-        if completion.tier_seconds and (plan.spills or plan.restores):  # (a snapshot's copy counts with its page)
-            self.page_copy_seconds.append(completion.tier_seconds / (len(plan.spills) + len(plan.restores)))
-        if self.host is None:
-            return
-        fence, unreadable = completion.fence, completion.unreadable
-        if completion.error is not None:
-            for _, slot in plan.spills:
-                self.host.forget(slot)
-            if plan.disk is not None:
-                unreadable = tuple(slot for _, slot in plan.disk.reads)
-        if self.disk is not None:
-            self.disk.completed(fence, unreadable)
-        self.host.completed(fence)
+        return self.tiers.disk.awaits_load(self._history(request), request.first_computed, request.message_ends,
+                                           self.page_size)
 
     def planned_copies(self) -> tuple[Copy, ...]:
         """The copies the next plan makes: spills, restores, page copies then state copies, in the order the
         executor makes them; they stay pending until that plan is committed."""
-        return (*self.pending_spills, *self.pending_restores, *self.pending_snapshot_restores, *self.pending_copies,
-                *self.pending_state)
+        return (*self.tiers.planned_copies(), *self.page_copies.pending, *self.snapshots.pending_state)
 
     def copies_committed(self, copies: tuple[Copy, ...], fence: int,
                          disk: DiskWork | None = None) -> None:
-        self.committed_fence = fence
-        if self.host is not None:
-            self.host.committed(fence)
-            if self.disk is not None:
-                self.disk.committed(disk, fence)
-        if self.pending_spills or self.pending_restores or self.pending_snapshot_restores:
-            copies = self._tier_copies_committed(copies, fence)
-        states = [c for c in copies if isinstance(c, StateCopy)]
-        if states:
-            self._states_committed(states, fence)
-            copies = tuple(c for c in copies if isinstance(c, PageCopy))
-        self.pending_copies = [c for c in self.pending_copies if c not in copies]
-        for copy in copies:
-            if copy.made is not None:
-                self.cache.set_ready_fence(copy.made, fence)
-            copy.reader.copy_fence = max(copy.reader.copy_fence, fence)  # the copy uses the reader's pages
-            if copy.source_checkpoint is not None:
-                self.cache.unpin(copy.source_checkpoint, fence)
-            if copy.source in self.held_for_copies:
-                self.held_for_copies.discard(copy.source)
-                self.pages.release([copy.source], fence)
-
-    def _tier_copies_committed(self, copies: tuple[Copy, ...], fence: int) -> tuple[PageCopy | StateCopy, ...]:
-        """Spills and restores sent with the step of `fence`: a restore's slot may be reused from now on (the
-        executor copies in order), and its pages are the reader's until that step completes. The other copies."""
-        sent = {id(c) for c in copies}
-        self.pending_spills = [c for c in self.pending_spills if id(c) not in sent]
-        self.pending_restores = [c for c in self.pending_restores if id(c) not in sent]
-        self.pending_snapshot_restores = [c for c in self.pending_snapshot_restores if id(c) not in sent]
-        for copy in copies:
-            if isinstance(copy, (Restore, SnapshotRestore)):
-                self.host.unpin(copy.slot)
-                copy.reader.copy_fence = max(copy.reader.copy_fence, fence)
-        return tuple(c for c in copies if not isinstance(c, (Spill, Restore, SnapshotRestore)))
-
-    def _states_committed(self, copies: list[StateCopy], fence: int) -> None:
-        self.pending_state = [c for c in self.pending_state if c not in copies]
-        for copy in copies:
-            copy.reader.copy_fence = max(copy.reader.copy_fence, fence)  # the copy uses the reader's slot row
-            if copy.transit:  # the row a host snapshot came through is free once this step completes
-                self.snapshot_ids.release([copy.snapshot], fence)
-                self.counters["snapshot_restores"] += 1
-            elif copy.source_checkpoint is not None:
-                self.cache.unpin(copy.source_checkpoint, fence)
-                self.counters["snapshot_restores"] += 1
-            else:
-                self.snapshot_fences[copy.snapshot] = fence
+        """The copies (and disk work) sent with the step of `fence`: the tiers' and the state copies first, then the
+        page copies."""
+        copies = self.snapshots.committed(self.tiers.committed(copies, fence, disk), fence)
+        self.page_copies.committed(copies, fence)
 
     # --- the end of a request's hold on its pages -------------------------------------------------------------------
     def release(self, request: Request) -> None:
         """Give back private pages at the request's last-use fence and drop its pin."""
-        # A copy into this request's own page is moot now; a copy that makes a checkpoint still reads its page.
-        for copy in [c for c in self.pending_copies if c.reader is request and c.made is None]:
-            self.pending_copies.remove(copy)
-            if copy.source_checkpoint is not None:
-                self.cache.unpin(copy.source_checkpoint, request.last_fence)
-        for restore in [c for c in self.pending_restores if c.reader is request]:
-            self.pending_restores.remove(restore)  # not sent: moot now (its page is private, released below)
-            self.host.unpin(restore.slot)
-        for restore in [c for c in self.pending_snapshot_restores if c.reader is request]:
-            self.pending_snapshot_restores.remove(restore)  # not sent: moot now (its row in transit, below)
-            self.host.unpin(restore.slot)
-        restoring = [c for c in self.pending_state if c.reader is request and (c.source_checkpoint or c.transit)]
-        for state in restoring:
-            self.pending_state.remove(state)  # a restore not sent: moot now
-            if state.transit:
-                self.snapshot_ids.release([state.snapshot], self.committed_fence)
-            else:
-                self.cache.unpin(state.source_checkpoint, request.last_fence)
-        for snapshot in request.snapshots.values():  # taken (or to be) but not published
-            self._drop_snapshot(snapshot)
-        request.snapshots = {}
-        sources = {copy.source for copy in self.pending_copies}
-        private = [p for p in request.pages if p not in request.cache_pages]
-        self.held_for_copies.update(p for p in private if p in sources)
-        self.pages.release([p for p in private if p not in sources], request.last_fence)
+        self.page_copies.release(request)
+        self.tiers.release(request)
+        self.snapshots.release(request)
         if request.pinned is not None:
             self.cache.unpin(request.pinned, request.last_fence)
         request.pages, request.cache_pages, request.block_chain, request.pinned = [], set(), [], None

@@ -7,8 +7,8 @@ randomness depends only on seed and position, so the outcome is unchanged).
 
 Here: intake, placement, preemption, planning and commit. Beside it: the candidate steps and their values
 (candidates.py), the rows built from requests (rows.py), steady decode steps as columns (cohort.py), which requests
-draft (speculation.py), prefix reuse and the host and disk tiers (prefix.py), and what a completed step commits to its
-requests (completion.py).
+draft (speculation.py), prefix reuse (prefix.py, which owns page_copies.py, snapshot_rows.py and host_traffic.py: the
+host and disk tiers), and what a completed step commits to its requests (completion.py).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class RequestScheduler:
 
             self.speculation = Speculation(proposer, self.costs, self.counters)
         self._completed_fence = 0
-        self.prefix.recompute_seconds = self._recompute_seconds
+        self.prefix.tiers.recompute_seconds = self._recompute_seconds
         self.completer = StepCompleter(self.slots, self.prefix, self.pages, page_size, self.speculation,
                                        self._try_allocate, self._finish)
 
@@ -193,14 +193,14 @@ class RequestScheduler:
             if request.slot < 0:
                 continue  # preempted by an earlier reservation of this plan
             length = request.atomic_length(request.scheduled, min(budget, request.prefill_target - request.scheduled))
-            length = self.prefix.stop_at(request, request.scheduled, length)
+            length = self.prefix.snapshots.stop_at(request, request.scheduled, length)
             if not self._reserve(request, request.scheduled + length, rows):
                 break
             rows.append(next_row(request, length, size))
             planned.append(request)
             budget -= length
         copies = self.prefix.planned_copies()
-        disk = self.prefix.planned_disk()
+        disk = self.prefix.tiers.planned_disk()
         if not rows and not copies and disk is None:
             return None
         shape = choice.shape if choice is not None else ("copy", 0)
@@ -267,7 +267,8 @@ class RequestScheduler:
             request.row_fence = fence
             if self.prefix.hybrid and row.tokens is not None and (
                     request.scheduled == request.prefill_target or request.scheduled in request.message_ends):
-                self.prefix.snapshot_at(request, request.scheduled)  # a checkpoint endpoint: the state there
+                # A checkpoint endpoint: the state there.
+                self.prefix.snapshots.snapshot_at(request, request.scheduled)
         if plan.kind != "decode":  # (a decode row's request is decoding, and was placed steps ago)
             for row, request in zip(rows, requests):
                 request.fresh = False
@@ -376,7 +377,7 @@ class RequestScheduler:
                 self.speculation.earn(completion.duration)
         self.pages.advance_completed(fence)
         self.prefix.advance_completed(fence)
-        self.prefix.tiers_completed(completion, plan)
+        self.prefix.tiers.completed(completion, plan)
         result, completer = StepResult(), self.completer
         if error is None and plan.kind != "verify":
             if cohort is not None:

@@ -39,7 +39,7 @@ def evicted_scheduler() -> RequestScheduler:
 def test_blocks_evicted_to_the_host_are_restored_while_restoring_is_faster() -> None:
     scheduler = evicted_scheduler()
     scheduler.costs.observe(("prefill", CHUNK), 1.0)
-    scheduler.prefix.page_copy_seconds.append(0.001)
+    scheduler.prefix.tiers.page_copy_seconds.append(0.001)
     second, restores = run(scheduler, "second")
     assert second.cached_tokens == 12 and len(restores) == 3
 
@@ -47,7 +47,7 @@ def test_blocks_evicted_to_the_host_are_restored_while_restoring_is_faster() -> 
 def test_a_restore_slower_than_recomputing_is_not_taken() -> None:
     scheduler = evicted_scheduler()
     scheduler.costs.observe(("prefill", CHUNK), 0.001)
-    scheduler.prefix.page_copy_seconds.append(1.0)
+    scheduler.prefix.tiers.page_copy_seconds.append(1.0)
     second, restores = run(scheduler, "second")
     assert second.cached_tokens == 0 and not restores
     assert scheduler.counters["host_declined"] == 1

@@ -43,7 +43,7 @@ def test_a_conversation_evicted_to_the_host_continues_as_if_never_evicted(device
     second = first + reply + prompt(20, seed=9)
     # On a GPU the tiny model computes these tokens faster than pages copy, and the policy rightly recomputes
     # (tests/engine/test_host_restore_policy.py); with no copy measured it restores, which is what this test checks.
-    small.scheduler.prefix.page_copy_seconds.clear()
+    small.scheduler.prefix.tiers.page_copy_seconds.clear()
     cached, tokens = generate(small, second)
     counters = small.scheduler.counters
     small.close()
@@ -72,7 +72,7 @@ def test_a_hybrid_conversation_evicted_to_the_host_continues_from_its_restored_s
     for seed in range(2, 5):  # their snapshots and pages push the first conversation's out to the host
         generate(small, prompt(100, seed))
     second = first + reply + prompt(20, seed=9)
-    small.scheduler.prefix.page_copy_seconds.clear()  # (as above: restore whatever the copies cost)
+    small.scheduler.prefix.tiers.page_copy_seconds.clear()  # (as above: restore whatever the copies cost)
     cached, tokens = generate(small, second)
     counters = small.scheduler.counters
     small.close()

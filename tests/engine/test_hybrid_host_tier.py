@@ -70,7 +70,7 @@ def test_an_evicted_exact_checkpoint_is_restored_with_its_snapshot() -> None:
     assert (transit, second.slot) in restoring.state_copies  # the transit row into the request's slot row
     assert s.counters["host_snapshot_restores"] == 1 and s.counters["snapshot_restores"] == 1
     assert s.counters["host_bytes_in"] == 3 * PAGE_BYTES + SNAPSHOT_BYTES
-    assert s.prefix.snapshot_ids.free_count + s.prefix.cache.snapshots == SNAPSHOTS  # the transit row came back
+    assert s.prefix.snapshots.ids.free_count + s.prefix.cache.snapshots == SNAPSHOTS  # the transit row came back
 
 
 def test_host_snapshot_rows_are_bounded_and_the_least_recently_used_given_up() -> None:
@@ -91,12 +91,13 @@ def test_a_request_cancelled_before_its_restore_is_sent_gives_back_what_it_held(
     cancelled = add(s, first.tokens + [5, 6])
     assert s.plan() is not None  # placed: its restores planned, not sent
     prefix = s.prefix
-    assert len(prefix.pending_snapshot_restores) == 1 and prefix.host._pins
+    assert len(prefix.tiers.pending_snapshot_restores) == 1 and prefix.host._pins
     s.cancel(cancelled)
-    assert not (prefix.pending_snapshot_restores or prefix.pending_restores or prefix.pending_state
+    tiers = prefix.tiers
+    assert not (tiers.pending_snapshot_restores or tiers.pending_restores or prefix.snapshots.pending_state
                 or prefix.host._pins)
     run(s)
-    assert s.pages.free_count == PAGES and prefix.snapshot_ids.free_count == SNAPSHOTS
+    assert s.pages.free_count == PAGES and prefix.snapshots.ids.free_count == SNAPSHOTS
     assert prefix.host.snapshots == 2  # what it was to restore stays on the host
     again = add(s, first.tokens + [5, 6])
     run(s)

@@ -141,7 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         places = Counter(allocator._free)
         places.update(p for _, _, pages in allocator._retiring for p in pages)
         places.update(c.page for c in self.scheduler.prefix.cache._by_key.values())
-        places.update(self.scheduler.prefix.held_for_copies)
+        places.update(self.scheduler.prefix.page_copies.held)
         for request in self.requests:
             if request.phase is not Phase.FINISHED:
                 places.update(p for p in request.pages if p not in request.cache_pages)
@@ -165,8 +165,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pins_equal_what_live_requests_and_pending_copies_hold(self) -> None:
         expected: Counter[int] = Counter()
         holders = [r.pinned for r in self.requests if r.phase is not Phase.FINISHED]
-        holders += [c.source_checkpoint for c in self.scheduler.prefix.pending_copies]
-        holders += [c.source_checkpoint for c in self.scheduler.prefix.pending_state]  # (a hybrid's restores)
+        holders += [c.source_checkpoint for c in self.scheduler.prefix.page_copies.pending]
+        holders += [c.source_checkpoint for c in self.scheduler.prefix.snapshots.pending_state]  # (a hybrid's restores)
         assert all(r.pinned is None for r in self.requests if r.phase is Phase.FINISHED)
         for node in holders:
             while node is not None:
@@ -190,7 +190,7 @@ class HostTierSchedulerMachine(SchedulerMachine):
 
     @invariant()
     def every_host_slot_in_exactly_one_place(self) -> None:
-        host, disk = self.scheduler.prefix.host, self.scheduler.prefix.disk
+        host, disk = self.scheduler.prefix.host, self.scheduler.prefix.tiers.disk
         places = host._slots.free + host._slots.dropping + [slot for _, slot in host._slots.retiring]
         places += [entry.slot for entry in host._entries.values()]
         places += [slot for slot, _ in disk._loading.values()] if disk is not None else []
@@ -204,20 +204,20 @@ class HostTierSchedulerMachine(SchedulerMachine):
 
     @invariant()
     def host_slots_are_pinned_by_pending_restores_only(self) -> None:
-        prefix = self.scheduler.prefix
-        assert prefix.host._pins == Counter(r.slot for r in prefix.pending_restores + prefix.pending_snapshot_restores)
-        assert all(r.reader.phase is not Phase.FINISHED and r.page in r.reader.pages for r in prefix.pending_restores)
-        slots = [entry.slot for entry in prefix.host._entries.values()]
+        tiers = self.scheduler.prefix.tiers
+        assert tiers.host._pins == Counter(r.slot for r in tiers.pending_restores + tiers.pending_snapshot_restores)
+        assert all(r.reader.phase is not Phase.FINISHED and r.page in r.reader.pages for r in tiers.pending_restores)
+        slots = [entry.slot for entry in tiers.host._entries.values()]
         assert len(slots) == len(set(slots))
 
     @invariant()
     def announcements_count_both_tiers(self) -> None:
         prefix = self.scheduler.prefix
-        stored, hosted, evicted = prefix.take_journal()
+        stored, hosted, evicted = prefix.tiers.take_journal()
         self.announced.update(stored)
         self.announced.update(hosted)
         self.announced.difference_update(evicted)
-        held = prefix.disk.held() if prefix.disk is not None else set()
+        held = prefix.tiers.disk.held() if prefix.tiers.disk is not None else set()
         assert self.announced == set(prefix.cache.ready_keys()) | set(prefix.host.keys()) | held
 
 
@@ -259,7 +259,7 @@ class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
         """Plan, and cancel a request whose snapshot restore from the host that plan was to send: what the restore
         held (its host entry, its snapshot row in transit, its pages) is given back."""
         self.scheduler.plan()
-        restoring = [c.reader for c in self.scheduler.prefix.pending_snapshot_restores]
+        restoring = [c.reader for c in self.scheduler.prefix.tiers.pending_snapshot_restores]
         if restoring:
             self.scheduler.cancel(restoring[0])
             self.cancelled_restores += 1
@@ -272,11 +272,11 @@ class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
     @invariant()
     def every_snapshot_row_in_exactly_one_place(self) -> None:
         prefix = self.scheduler.prefix
-        ids = prefix.snapshot_ids
+        ids = prefix.snapshots.ids
         places = list(ids._free) + [i for _, _, rows in ids._retiring for i in rows]
         places += [c.snapshot for c in prefix.cache._by_key.values() if c.snapshot is not None]
         places += [i for r in self.requests if r.phase is not Phase.FINISHED for i in r.snapshots.values()]
-        places += [c.snapshot for c in prefix.pending_state if c.transit]
+        places += [c.snapshot for c in prefix.snapshots.pending_state if c.transit]
         assert sorted(places) == list(range(self.SNAPSHOTS)), places
         rows = prefix.host._rows
         places = rows.free + rows.dropping + [row for _, row in rows.retiring]
@@ -286,7 +286,7 @@ class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
     @invariant()
     def no_free_snapshot_row_is_still_in_use(self) -> None:
         prefix = self.scheduler.prefix
-        assert all(self.row_use.get(SLOTS + i, 0) <= self.completed for i in prefix.snapshot_ids._free)
+        assert all(self.row_use.get(SLOTS + i, 0) <= self.completed for i in prefix.snapshots.ids._free)
         assert all(self.host_row_use.get(row, 0) <= self.completed for row in prefix.host._rows.free)
 
 
