@@ -33,9 +33,10 @@ class DiskReuse:
         self.gone: list[bytes] = []  # keys neither the host nor the disk holds any more (for announcements)
 
     def held(self) -> set[bytes]:
-        """The keys the disk tier holds or will once the writes to plan, planned and sent complete."""
+        """The keys the disk tier holds or will once the writes to plan, planned and sent complete, and those it gave
+        up whose files are not deleted yet (gone once their deletion is sent)."""
         return {*self.disk.keys(), *(key for key, _ in self.host.dropped), *(key for _, key, _ in self._writes),
-                *(key for _, work in self._sent for _, key, _ in work.writes)}
+                *(key for _, work in self._sent for _, key, _ in work.writes), *self.disk.erased}
 
     @property
     def pending(self) -> bool:

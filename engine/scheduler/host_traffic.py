@@ -70,7 +70,10 @@ class HostTraffic:
         if self.disk is None:
             self._host_dropped()
         dropped = self.disk.gone if self.disk is not None else self._host_gone
-        held = self.disk.held() if self.disk is not None and dropped else set()
+        # A key the device evicted may have passed through the host to disk within the same steps: still hosted.
+        held = self.disk.held() if self.disk is not None and (dropped or gone) else set()
+        hosted += [key for key in gone if key in held]
+        gone = [key for key in gone if key not in held]
         gone += [key for key in dropped if key not in self.cache and key not in self.host and key not in held]
         dropped.clear()
         return stored, hosted, gone
