@@ -48,9 +48,18 @@ class ReplayProposer:
                 for r, d in batch]
 
 
+def modeled_seconds(shape: tuple) -> float:
+    """A GPU-like step cost by shape: a fixed launch plus a little per position, so that depth choices do not
+    follow how loaded the machine running the tests is."""
+    positions = math.prod(n for n in shape if isinstance(n, int))
+    return 1.0 + 0.01 * positions
+
+
 def generate(prompts: list[list[int]], proposer: object = None, num_pages: int = 64,
              **sampling: object) -> tuple[list[list[int]], Harness]:
     harness = Harness(tiny_model(), num_pages=num_pages, proposer=proposer)
+    costs = harness.scheduler.costs
+    costs.observe = lambda shape, seconds, now=None: GraphCostModel.observe(costs, shape, modeled_seconds(shape), now)
     requests = [harness.add(p, **sampling) for p in prompts]
     try:
         harness.run()
