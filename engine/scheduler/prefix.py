@@ -309,6 +309,41 @@ class PrefixReuse:
     def pending(self) -> bool:
         return bool(self.page_copies.pending or self.snapshots.pending_state or self.tiers.pending)
 
+    def awaits_room(self, request: Request, completed: int, committed: int) -> bool:
+        """Whether a waiting request had better wait before it takes a slot: its prompt extends blocks on the host
+        tier, the device has no room to restore them into (pages; for a hybrid, the snapshot row in transit), and
+        steps are in flight (after fence `completed`, up to `committed`) whose completion may make some: pages
+        retiring behind them, checkpoints their copies make turning evictable. Taking a slot now would compute
+        those blocks again; it waits once, for the steps in flight now."""
+        if request.room_fence:
+            return request.room_fence > completed
+        if self.host is None or not self.enabled or committed <= completed or \
+                request.sampling.prompt_logprobs is not None:
+            return False
+        history, size, limit = self._history(request), self.page_size, request.first_computed
+        chain = self.cache.lookup_run(history.block_keys, limit // size)
+        hosted = self.tiers.run(history.block_keys[len(chain): limit // size])
+        if not hosted:
+            return False
+        wanted = len(hosted) + 1  # (and a partial page beyond them)
+        # The evictions below make room around the blocks the request reuses (their spills may push host entries out).
+        if chain:
+            self.cache.pin(chain[-1])
+        for entry in hosted:
+            self.host.pin(entry.slot)
+        try:
+            self.free_pages(wanted)
+            if self.hybrid:
+                self.snapshots.make_room()
+        finally:
+            if chain:
+                self.cache.unpin(chain[-1], 0)
+            for entry in hosted:
+                self.host.unpin(entry.slot)
+        short = self.pages.free_count < wanted or (self.hybrid and not self.snapshots.ids.free_count)
+        request.room_fence = committed if short else -1  # (-1: it does not wait, now or later)
+        return short
+
     def awaits_load(self, request: Request) -> bool:
         """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk."""
         if self.tiers.disk is None or request.sampling.prompt_logprobs is not None:

@@ -74,6 +74,7 @@ class Request:
     pinned: Checkpoint | None = None  # the deepest checkpoint whose pages the request reads
     published_ends: int = 0  # message ends at or below this are published (or reused)
     publish_from: int = 0  # PrefixReuse.publish has no work before the request's computed positions reach this
+    room_fence: int = 0  # the step it waited for, for room to restore host blocks into (PrefixReuse.awaits_room)
     snapshots: dict[int, int] = field(default_factory=dict)  # a hybrid's state snapshots not yet published: end -> id
     finish_reason: str | None = None
     # A scored prefill (decisions): (position, label token ids) to read, and what was read, by position.

@@ -89,6 +89,7 @@ class RequestScheduler:
 
             self.speculation = Speculation(proposer, self.costs, self.counters)
         self._completed_fence = 0
+        self._committed_fence = 0
         self.prefix.tiers.recompute_seconds = self._recompute_seconds
         self.completer = StepCompleter(self.slots, self.prefix, self.pages, page_size, self.speculation,
                                        self._try_allocate, self._finish)
@@ -250,6 +251,7 @@ class RequestScheduler:
                     raise StalePlan(f"slot {row.slot}.{row.generation} changed after planning")
         # (Each row's request is the one planned: a slot's request with the row's generation is that placement.)
         self._planned = NOTHING_PLANNED
+        self._committed_fence = fence
         self.prefix.copies_committed(copies, fence, plan.disk)
         if type(rows) is DecodeRows:
             cohort = self._cohort
@@ -292,7 +294,7 @@ class RequestScheduler:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL] if self._prefilling else []
         running.sort(key=lambda r: r.arrival)
         while self.waiting and None in self.slots and not self.prefix.awaits_snapshot(self.waiting[0]) and \
-                not self.prefix.awaits_load(self.waiting[0]):
+                not self.prefix.awaits_load(self.waiting[0]) and not self.prefix.awaits_room(self.waiting[0], self._completed_fence, self._committed_fence):
             request = self.waiting.popleft()
             self._place(request)
             running.append(request)

@@ -42,9 +42,13 @@ class SnapshotRows:
         self.fences: dict[int, int] = {}  # snapshot id -> the step that wrote it (once committed)
         self.committed_fence = 0
 
-    def allocate(self) -> int | None:
+    def make_room(self) -> None:
+        """Evict a snapshot when no row is free (it frees once its last step completes)."""
         if not self.ids.free_count:
             self.retire(self.cache.evict(0, 1))
+
+    def allocate(self) -> int | None:
+        self.make_room()
         return self.ids.allocate(1)[0] if self.ids.free_count else None
 
     def deepest_exact(self, history: PrefixHistory, chain: list[Checkpoint], hosted: int, limit: int

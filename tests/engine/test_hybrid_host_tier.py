@@ -102,3 +102,33 @@ def test_a_request_cancelled_before_its_restore_is_sent_gives_back_what_it_held(
     again = add(s, first.tokens + [5, 6])
     run(s)
     assert again.cached_tokens == len(FIRST) + 1
+
+
+def complete(scheduler: RequestScheduler, plan: Plan, fence: int) -> None:
+    sampled = [row for row in plan.rows if row.sample]
+    scheduler.complete(Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
+                                  (7,) * len(sampled), 0.01), plan)
+
+
+def test_a_restore_waits_for_room_retiring_behind_a_step_in_flight() -> None:
+    """Making room for a restore evicts another conversation's checkpoints whose pages a step still in flight reads
+    (the copies of its exact checkpoint, sent after its end): the restoring request waits for that step rather than
+    take its slot with no pages to restore into, and compute the whole conversation again."""
+    s = scheduler()
+    first = evicted(s, FIRST)
+    other = add(s, list(range(100, 152)))  # with its output, 14 of the 16 pages
+    in_flight: list[tuple[Plan, int]] = []
+    while True:  # two steps in flight, as the engine keeps them
+        while len(in_flight) < 2 and (plan := s.plan()) is not None:
+            in_flight.append((plan, s._completed_fence + len(in_flight) + 1))
+            s.commit(*in_flight[-1])
+        if other.phase is Phase.FINISHED:
+            break
+        complete(s, *in_flight.pop(0))
+    assert in_flight  # the copies its end left
+    second = add(s, first.tokens + [5, 6])
+    assert s.plan() is None and second.slot < 0  # nothing to do while the room it needs retires
+    for plan, fence in in_flight:
+        complete(s, plan, fence)
+    run(s)
+    assert second.phase is Phase.FINISHED and second.cached_tokens == len(FIRST) + 1

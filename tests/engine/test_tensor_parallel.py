@@ -245,6 +245,37 @@ def test_two_ranks_restore_an_evicted_conversation_from_their_host_tiers(tiny_co
 
 
 @pytest.mark.slow
+def test_two_ranks_restore_an_evicted_hybrid_conversation_with_its_snapshot(tmp_path: Path) -> None:
+    """A hybrid's exact checkpoint evicted from two snapshot rows: each rank spills and restores its shard of the
+    pages and of the snapshot (its heads' recurrent state), and the next turn continues from there."""
+    core = write_tiny_core(tmp_path, "qwen3_5")
+    row_bytes = 3 * (64 * 3 + 2 * 16 * 16) * 4  # a rank's state row: 3 linear layers of 1 key head, 2 value heads
+    page_bytes = 2 * 16 * 2 * 32 * 4  # rank 0's page: 1 attention layer, K and V, tokens, 2 KV heads of 32, fp32
+    # Per rank: 2 snapshot rows and 2 slots' rows, 8 pages (rank 0's; rank 1's half pages are 16); on the host 8
+    # snapshot rows (a quarter) and pages of the rest.
+    address = f"ipc://{tmp_path}/engine.sock"
+    ranks = start_ranks(core, 2, address, tmp_path, extra=[
+        "--max-active", "2", "--kv-cache-bytes", str(4 * row_bytes + 8 * page_bytes),
+        "--host-cache-bytes", str(32 * row_bytes)])
+    try:
+        client = WireClient(address)
+        first = list(range(10, 60))
+        reply = client.generate([first])["r0"][0]
+        for other in (list(range(100, 150)), list(range(150, 200)), list(range(200, 250))):
+            client.generate([other])  # their snapshots and pages push the first conversation's out to the host
+        second = first + reply + [7, 8, 9]
+        got = client.generate([second])["r0"]
+        assert client.cached["r0"] == len(first) + len(reply) - 1  # its terminal endpoint, from the host tiers
+        assert got == (single_rank_tokens(core, [second], page_size=16, chunk=48)[0], "length", None)
+        client.close()
+        ranks[0].send_signal(signal.SIGTERM)
+        assert exit_statuses(ranks, 30) == [0, 0]
+    finally:
+        exit_statuses(ranks, 0.1)
+    assert "and 8 snapshot rows" in (tmp_path / "rank1.log").read_text()
+
+
+@pytest.mark.slow
 def test_tiny_core_over_three_ranks_then_rank_0_dies_while_idle(tiny_core: Path, tmp_path: Path) -> None:
     expected = single_rank_tokens(tiny_core, PROMPTS, page_size=16, chunk=48)
     address = f"ipc://{tmp_path}/engine.sock"
