@@ -148,18 +148,27 @@ def retained_pages(args: argparse.Namespace, model: CausalLM, device: torch.devi
     return slots, rows if slots else 0
 
 
-def disk_tier(args: argparse.Namespace, identity: bytes, model: CausalLM, page_size: int,
-              dtype: torch.dtype) -> DiskTier | None:
+def disk_directory(args: argparse.Namespace) -> Path:
+    """The rank's directory of the disk tier: the one given, or under tensor parallelism one per rank of the group
+    in it, each rank writing its shard of every page."""
+    if args.world_size == 1:
+        return args.disk_cache
+    directory = args.disk_cache / f"rank{args.rank}-of-{args.world_size}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    return directory
+
+
+def disk_tier(args: argparse.Namespace, directory: Path, identity: bytes, model: CausalLM, page_size: int,
+              dtype: torch.dtype) -> DiskTier:
     """The disk tier below the host's, with the files a previous run of the same core left (docs/design.md, Host
-    retention); files of other cores, dtypes or layouts are skipped and logged."""
-    if args.disk_cache is None:
-        return None
+    retention); files of other cores, dtypes or layouts are skipped and logged. Its entries are rank 0's files;
+    the budget holds every rank's."""
     budget = args.disk_cache_bytes if args.disk_cache_bytes is not None else \
         shutil.disk_usage(args.disk_cache).free // 2
     layout = disk_files.Layout(identity, str(dtype), slot_shape(model.config, page_size))
-    found = disk_files.scan(args.disk_cache, layout)
-    tier = DiskTier(budget // (layout.payload_bytes + disk_files.MAX_HEADER), found)
-    log.info("disk tier: %s, %d pages, %d found", args.disk_cache, tier.capacity, len(tier))
+    found = disk_files.scan(directory, layout)
+    tier = DiskTier(budget // ((layout.payload_bytes + disk_files.MAX_HEADER) * args.world_size), found)
+    log.info("disk tier: %s, %d pages, %d found", directory, tier.capacity, len(tier))
     return tier
 
 
@@ -222,17 +231,17 @@ def main(argv: list[str] | None = None) -> None:
         if model.config.hybrid and not host_snapshots:  # (some rank's budget holds no snapshot row)
             host_slots = 0
     identity = cache_identity(manifest, dtype, kv_dtype)
-    disk = disk_tier(args, identity, model, caps.page_size, kv_dtype) \
-        if host_slots and not channel and not model.config.hybrid else None
-    if args.disk_cache is not None and not disk:
-        # Under tensor parallelism each rank would write its own shard of every file, and a file one rank could
-        # not read would have to be refused by all. A hybrid model's files would have to hold its snapshots too.
-        log.warning("no disk tier: %s", "not under tensor parallelism" if channel else
-                    "a hybrid model's snapshots are not written to files" if model.config.hybrid else
-                    "it takes what a host tier gives up, and there is none (--host-cache-bytes)")
+    directory = disk_directory(args) if args.disk_cache is not None and host_slots and \
+        not model.config.hybrid else None
+    disk = disk_tier(args, directory, identity, model, caps.page_size, kv_dtype) \
+        if directory is not None and args.rank == 0 else None
+    if args.disk_cache is not None and directory is None:
+        # A hybrid model's files would have to hold its snapshots too.
+        log.warning("no disk tier: %s", "a hybrid model's snapshots are not written to files" if model.config.hybrid
+                    else "it takes what a host tier gives up, and there is none (--host-cache-bytes)")
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
                              step_tokens, graphs=not args.eager, snapshots=snapshots or 0, host_slots=host_slots,
-                             disk=(args.disk_cache, identity) if disk is not None else None,
+                             disk=(directory, identity) if directory is not None else None,
                              host_snapshots=host_snapshots)
     if channel:
         channel.start()

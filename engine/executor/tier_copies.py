@@ -67,7 +67,7 @@ class HostPages:
             except disk_files.UnreadableFile as exc:
                 log.warning("disk cache: skipping %s: %s", disk_files.file_name(key), exc)
                 unreadable.append(slot)
-        for key in work.erasures + tuple(key for key, slot in work.reads if slot in unreadable):
+        for key in work.erasures:
             (self.directory / disk_files.file_name(key)).unlink(missing_ok=True)
         return tuple(unreadable)
 

@@ -12,6 +12,8 @@ raises RankFailure, and the engine fails its requests and exits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from engine.executor.base import Executor
 from engine.parallel.step_channel import Leader, RankFailure
 from engine.scheduler.plan import Completion, Plan
@@ -45,15 +47,22 @@ class TensorParallelExecutor:
         self.local.submit(plan)
 
     def poll(self) -> list[tuple[Plan, Completion]]:
-        ready = self.local.poll()
+        """Rank 0's completions once every rank reported the same tokens; a disk read that any rank could not serve
+        (its shard's file) is unserved for all."""
+        ready = []
         try:
             self.channel.tick()
-            for _, completion in ready:
+            for plan, completion in self.local.poll():
                 if completion.error is not None:
                     raise RankFailure(f"rank 0: step {completion.fence} failed: {completion.error}")
-                for rank, tokens in self.channel.done(completion.fence).items():
-                    if tokens != completion.tokens:
+                unreadable = set(completion.unreadable)
+                for rank, done in self.channel.done(completion.fence).items():
+                    if done.tokens != completion.tokens:
                         raise RankFailure(f"rank {rank} sampled other tokens than rank 0 in step {completion.fence}")
+                    unreadable.update(done.unreadable)
+                if len(unreadable) > len(completion.unreadable):
+                    completion = replace(completion, unreadable=tuple(sorted(unreadable)))
+                ready.append((plan, completion))
         except RankFailure as exc:
             raise self._fail(str(exc)) from None
         return ready

@@ -76,6 +76,7 @@ class Commit(_Message, tag="commit"):
 class Done(_Message, tag="done"):
     fence: int
     tokens: tuple[int, ...]
+    unreadable: tuple[int, ...] = ()  # host slots of the step's disk reads whose files this rank could not serve
 
 
 class Beat(_Message, tag="beat"):
@@ -158,9 +159,9 @@ class Leader:
     def commit(self, fence: int) -> None:
         self._send_all(Commit(fence))
 
-    def done(self, fence: int) -> dict[int, tuple[int, ...]]:
-        """Every other rank's sampled tokens for a step that rank 0 has completed."""
-        return {rank: done.tokens for rank, done in self._gather(Done, fence, SILENCE_LIMIT).items()}
+    def done(self, fence: int) -> dict[int, Done]:
+        """Every other rank's report of a step that rank 0 has completed."""
+        return self._gather(Done, fence, SILENCE_LIMIT)
 
     def tick(self) -> None:
         """Read what arrived, beat when due, and fail on a rank that went silent or gave up."""

@@ -82,7 +82,7 @@ def serve(channel: Follower, executor: Executor, page_size: int, max_active: int
             for _, completion in executor.poll():
                 if completion.error is not None:
                     raise RankFailure(f"step {completion.fence} failed: {completion.error}")
-                channel.send(Done(completion.fence, completion.tokens))
+                channel.send(Done(completion.fence, completion.tokens, completion.unreadable))
             channel.tick()
             poller.poll(int(BEAT_INTERVAL * 1000))
     except RankFailure as exc:

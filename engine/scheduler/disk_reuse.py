@@ -4,7 +4,8 @@ restores them from the host as any host hit (docs/design.md, Host retention).
 
 The work is planned (Plan.disk) and done by the executor after the step's copies, before its completion is reported;
 a write's file joins the disk tier, and a read's slot the host tier, once that step completes. A read whose file
-turned out unreadable gives its slot back and its key up.
+turned out unreadable (on any rank of a tensor-parallel group) gives its slot back and its key up, and its file is
+deleted.
 """
 
 from __future__ import annotations
@@ -73,11 +74,11 @@ class DiskReuse:
                 self.counters["disk_bytes_out"] += self.page_bytes
             for key, slot in work.reads:
                 _, length = self._loading.pop(key)
-                if slot in unreadable:
+                if slot in unreadable:  # (its file goes, on every rank, with the next step's disk work)
                     self.host.give_back(slot)
                     self.disk.remove(key)
+                    self.disk.erased.append(key)
                     self.counters["disk_unreadable"] += 1
-                    self.gone.append(key)
                 else:
                     self.host.adopt(key, length, slot)
                     self.counters["disk_reads"] += 1

@@ -245,6 +245,53 @@ def test_two_ranks_restore_an_evicted_conversation_from_their_host_tiers(tiny_co
 
 
 @pytest.mark.slow
+def test_two_ranks_read_a_conversation_back_from_their_disk_tiers_after_a_restart(tiny_core: Path,
+                                                                                   tmp_path: Path) -> None:
+    """Each rank writes its shard of every page to its own directory; after a restart of the group a second turn
+    reads them back on both ranks. A file that one rank cannot read is refused by all: the turn is computed again
+    with the same tokens, and the ranks delete their files of it."""
+    page_bytes = 2 * 2 * 16 * 2 * 16 * 4  # rank 0's page (as above)
+    address = f"ipc://{tmp_path}/engine.sock"
+    extra = ["--kv-cache-bytes", str(6 * page_bytes), "--host-cache-bytes", str(6 * page_bytes),
+             "--disk-cache", str(tmp_path)]
+    conversations = [list(range(10, 60)), list(range(60, 110))]
+    ranks = start_ranks(tiny_core, 2, address, tmp_path, extra=extra)
+    try:
+        client = WireClient(address)
+        replies = [client.generate([first])["r0"][0] for first in conversations]
+        for other in (list(range(100, 150)), list(range(150, 200)), list(range(200, 250)), list(range(250, 300))):
+            client.generate([other])  # 4 pages each through 6 on the device and 6 on the host: the first two go
+        client.close()
+        ranks[0].send_signal(signal.SIGTERM)
+        assert exit_statuses(ranks, 30) == [0, 0]
+    finally:
+        exit_statuses(ranks, 0.1)
+    files = {rank: tmp_path / f"rank{rank}-of-2" for rank in (0, 1)}
+    assert all(len(list(files[rank].glob("*.kv"))) >= 6 for rank in (0, 1))
+    seconds = [first + reply + [7, 8, 9] for first, reply in zip(conversations, replies)]
+    expected = single_rank_tokens(tiny_core, seconds, page_size=16, chunk=48)
+    ranks = start_ranks(tiny_core, 2, address, tmp_path, extra=extra)
+    try:
+        client = WireClient(address)
+        assert client.generate([seconds[0]])["r0"] == (expected[0], "length", None)
+        assert client.cached["r0"] >= 48  # its whole pages, read from both ranks' disk tiers
+        for path in files[1].glob("*.kv"):  # rank 1's shard of the other conversation turns unreadable
+            path.write_bytes(path.read_bytes()[:-1])
+        unreadable = {path.name for path in files[1].glob("*.kv")}
+        assert client.generate([seconds[1]])["r0"] == (expected[1], "length", None)
+        assert client.cached["r0"] == 0
+        client.close()
+        ranks[0].send_signal(signal.SIGTERM)
+        assert exit_statuses(ranks, 30) == [0, 0]
+    finally:
+        exit_statuses(ranks, 0.1)
+    refused = unreadable - {path.name for path in files[1].glob("*.kv")}
+    assert len(refused) >= 3  # its three blocks' files, gone from both ranks' directories
+    assert not refused & {path.name for path in files[0].glob("*.kv")}
+    assert "skipping" in (tmp_path / "rank1.log").read_text()
+
+
+@pytest.mark.slow
 def test_two_ranks_restore_an_evicted_hybrid_conversation_with_its_snapshot(tmp_path: Path) -> None:
     """A hybrid's exact checkpoint evicted from two snapshot rows: each rank spills and restores its shard of the
     pages and of the snapshot (its heads' recurrent state), and the next turn continues from there."""
