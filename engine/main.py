@@ -159,14 +159,16 @@ def disk_directory(args: argparse.Namespace) -> Path:
 
 
 def disk_tier(args: argparse.Namespace, directory: Path, identity: bytes, model: CausalLM, page_size: int,
-              dtype: torch.dtype) -> DiskTier:
+              dtype: torch.dtype, state_dtype: torch.dtype) -> DiskTier:
     """The disk tier below the host's, with the files a previous run of the same core left (docs/design.md, Host
     retention); files of other cores, dtypes or layouts are skipped and logged. Its entries are rank 0's files;
     the budget holds every rank's."""
     budget = args.disk_cache_bytes if args.disk_cache_bytes is not None else \
         shutil.disk_usage(args.disk_cache).free // 2
-    layout = disk_files.Layout(identity, str(dtype), slot_shape(model.config, page_size))
+    layout = disk_files.Layout(identity, str(dtype), slot_shape(model.config, page_size),
+                               RecurrentState.row_bytes(model.config, state_dtype))
     found = disk_files.scan(directory, layout)
+    # (a hybrid's files with a snapshot are larger: the budget counts pages, as if none had one)
     tier = DiskTier(budget // ((layout.payload_bytes + disk_files.MAX_HEADER) * args.world_size), found)
     log.info("disk tier: %s, %d pages, %d found", directory, tier.capacity, len(tier))
     return tier
@@ -231,14 +233,11 @@ def main(argv: list[str] | None = None) -> None:
         if model.config.hybrid and not host_snapshots:  # (some rank's budget holds no snapshot row)
             host_slots = 0
     identity = cache_identity(manifest, dtype, kv_dtype)
-    directory = disk_directory(args) if args.disk_cache is not None and host_slots and \
-        not model.config.hybrid else None
-    disk = disk_tier(args, directory, identity, model, caps.page_size, kv_dtype) \
+    directory = disk_directory(args) if args.disk_cache is not None and host_slots else None
+    disk = disk_tier(args, directory, identity, model, caps.page_size, kv_dtype, dtype) \
         if directory is not None and args.rank == 0 else None
     if args.disk_cache is not None and directory is None:
-        # A hybrid model's files would have to hold its snapshots too.
-        log.warning("no disk tier: %s", "a hybrid model's snapshots are not written to files" if model.config.hybrid
-                    else "it takes what a host tier gives up, and there is none (--host-cache-bytes)")
+        log.warning("no disk tier: it takes what a host tier gives up, and there is none (--host-cache-bytes)")
     executor = make_executor(model, num_pages, caps.page_size, max_active, device, manifest.context_limit,
                              step_tokens, graphs=not args.eager, snapshots=snapshots or 0, host_slots=host_slots,
                              disk=(directory, identity) if directory is not None else None,

@@ -2,21 +2,26 @@
 
 Metadata only: the executor reads and writes the files (engine/cache/disk_files.py, engine/executor/tier_copies.py)
 as plans say. Entries leave least recently used first once `capacity` files are held; a file is an entry once the
-step that writes it has completed.
+step that writes it has completed. Entries with a snapshot (a hybrid model's exact checkpoints) are indexed by their
+parent block's key, as the host tier's are.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
+from engine.cache.disk_files import DiskEntry
+
 
 class DiskTier:
-    def __init__(self, capacity: int, found: list[tuple[bytes, int]]) -> None:
-        """`found`: the (key, length) of the files already there (disk_files.scan), least recently written first."""
+    def __init__(self, capacity: int, found: list[tuple[bytes, DiskEntry]]) -> None:
+        """`found`: the files already there (disk_files.scan), least recently written first."""
         self.capacity = capacity
-        self._entries: OrderedDict[bytes, int] = OrderedDict(found)
+        self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()
+        self._exact_ends: dict[bytes, dict[bytes, int]] = {}  # entries with a snapshot, by parent key
         self.erased: list[bytes] = []  # entries dropped whose files are to be deleted
-        self._trim()
+        for key, entry in found:
+            self.add(key, entry)
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
@@ -27,21 +32,31 @@ class DiskTier:
     def keys(self) -> list[bytes]:
         return list(self._entries)
 
-    def get(self, key: bytes) -> int | None:
-        """The tokens `key`'s checkpoint covers, now the most recently used; None when no file holds it."""
-        length = self._entries.get(key)
-        if length is not None:
+    def get(self, key: bytes) -> DiskEntry | None:
+        """`key`'s entry, now the most recently used; None when no file holds it."""
+        entry = self._entries.get(key)
+        if entry is not None:
             self._entries.move_to_end(key)
-        return length
+        return entry
 
-    def add(self, key: bytes, length: int) -> None:
-        self._entries[key] = length
-        self._entries.move_to_end(key)
-        self._trim()
+    def exact_ends(self, parent: bytes) -> dict[bytes, int]:
+        """The keys and lengths of the entries with a snapshot whose parent key is `parent` (b"": the root)."""
+        return self._exact_ends.get(parent, {})
+
+    def add(self, key: bytes, entry: DiskEntry) -> None:
+        self.remove(key)
+        self._entries[key] = entry
+        if entry.snapshot:
+            self._exact_ends.setdefault(entry.parent, {})[key] = entry.length
+        while len(self._entries) > self.capacity:
+            oldest = next(iter(self._entries))
+            self.remove(oldest)
+            self.erased.append(oldest)
 
     def remove(self, key: bytes) -> None:
-        self._entries.pop(key, None)
-
-    def _trim(self) -> None:
-        while len(self._entries) > self.capacity:
-            self.erased.append(self._entries.popitem(last=False)[0])
+        entry = self._entries.pop(key, None)
+        if entry is not None and entry.snapshot:
+            ends = self._exact_ends[entry.parent]
+            del ends[key]
+            if not ends:
+                del self._exact_ends[entry.parent]

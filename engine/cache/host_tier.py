@@ -93,35 +93,46 @@ class HostTier:
             pass
         return self._slots.free.pop() if self._slots.free else None
 
+    def take_row(self) -> int | None:
+        """A free snapshot row (least recently used entries with one give way to keep the reserve); None when none
+        is free."""
+        while self._rows.short() and self._drop_oldest(with_snapshot=True):
+            pass
+        return self._rows.free.pop() if self._rows.free else None
+
     def store(self, key: bytes, length: int, snapshot: bool = False, parent: bytes = b"") -> HostEntry | None:
         """An entry for `key`'s page (and, with `snapshot`, a snapshot row); None when no slot (or row) is free,
         or the key is held already."""
         if key in self._entries or not self.slots:
             return None
-        if snapshot:
-            while self._rows.short() and self._drop_oldest(with_snapshot=True):
-                pass
-            if not self._rows.free:
-                return None
+        row = self.take_row() if snapshot else None
+        if snapshot and row is None:
+            return None
         slot = self.take_slot()
         if slot is None:
+            if row is not None:
+                self._rows.free.append(row)
             return None
-        entry = HostEntry(slot, length, self._rows.free.pop() if snapshot else None, parent)
+        self._add(key, HostEntry(slot, length, row, parent))
+        return self._entries[key]
+
+    def _add(self, key: bytes, entry: HostEntry) -> None:
         self._entries[key] = entry
-        if snapshot:
-            self._exact_ends.setdefault(parent, {})[key] = length
-        return entry
+        if entry.snapshot is not None:
+            self._exact_ends.setdefault(entry.parent, {})[key] = entry.length
 
-    def adopt(self, key: bytes, length: int, slot: int) -> None:
-        """A slot taken (take_slot) and filled from disk becomes `key`'s entry."""
+    def adopt(self, key: bytes, entry: HostEntry) -> None:
+        """A slot (and snapshot row) taken (take_slot, take_row) and filled from disk becomes `key`'s entry."""
         if key in self._entries:
-            self.give_back(slot)
+            self.give_back(entry.slot, entry.snapshot)
         else:
-            self._entries[key] = HostEntry(slot, length)
+            self._add(key, entry)
 
-    def give_back(self, slot: int) -> None:
-        """A slot taken and not filled (its file was unreadable), or filled twice."""
+    def give_back(self, slot: int, row: int | None = None) -> None:
+        """A slot (and snapshot row) taken and not filled (its file was unreadable), or filled twice."""
         self._slots.dropping.append(slot)
+        if row is not None:
+            self._rows.dropping.append(row)
 
     def forget(self, slot: int) -> None:
         """The entry in `slot`, whose page never arrived (its step failed), is given up."""

@@ -50,29 +50,49 @@ class HostPages:
         self.conv = torch.empty((snapshots, *conv), dtype=state_dtype or dtype, pin_memory=pinned and snapshots > 0)
         self.delta = torch.empty((snapshots, *delta), dtype=torch.float32, pin_memory=pinned and snapshots > 0)
         self.directory = disk[0] if disk is not None else None
-        self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size)) if disk else None
+        snapshot_bytes = self.conv[0].nbytes + self.delta[0].nbytes if snapshots else 0
+        self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size), snapshot_bytes) \
+            if disk else None
 
     def disk_work(self, work: DiskWork) -> tuple[int, ...]:
         """Writes, reads and deletions of the disk tier's files, once the step's copies are done (the caller waits
         for them); the slots of the reads that found no servable file, each logged."""
-        for slot, key, length in work.writes:
+        for write in work.writes:
+            entry = disk_files.DiskEntry(write.length, write.snapshot >= 0, write.parent)
             try:
-                disk_files.write(self.directory, key, length, self.layout, self._bytes(slot))
+                disk_files.write(self.directory, write.key, entry, self.layout, self._bytes(write.slot),
+                                 self._snapshot_bytes(write.snapshot) if write.snapshot >= 0 else None)
             except OSError as exc:
-                log.warning("disk cache: writing %s failed: %s", disk_files.file_name(key), exc)
+                log.warning("disk cache: writing %s failed: %s", disk_files.file_name(write.key), exc)
         unreadable = []
-        for key, slot in work.reads:
+        for read in work.reads:
             try:
-                self._bytes(slot)[:] = disk_files.read(self.directory, key, self.layout)
+                page, snapshot = disk_files.read(self.directory, read.key, self.layout)
+                if (snapshot is not None) != (read.snapshot >= 0):
+                    raise disk_files.UnreadableFile("a snapshot where none was expected, or none where one was")
             except disk_files.UnreadableFile as exc:
-                log.warning("disk cache: skipping %s: %s", disk_files.file_name(key), exc)
-                unreadable.append(slot)
+                log.warning("disk cache: skipping %s: %s", disk_files.file_name(read.key), exc)
+                unreadable.append(read.slot)
+                continue
+            self._bytes(read.slot)[:] = page
+            if snapshot is not None:
+                conv = self.conv[read.snapshot].nbytes
+                self._row_bytes(self.conv, read.snapshot)[:] = snapshot[:conv]
+                self._row_bytes(self.delta, read.snapshot)[:] = snapshot[conv:]
         for key in work.erasures:
             (self.directory / disk_files.file_name(key)).unlink(missing_ok=True)
         return tuple(unreadable)
 
     def _bytes(self, slot: int) -> memoryview:
-        return memoryview(self.slots[slot].view(torch.uint8).numpy()).cast("B")
+        return self._row_bytes(self.slots, slot)
+
+    @staticmethod
+    def _row_bytes(rows: torch.Tensor, row: int) -> memoryview:
+        return memoryview(rows[row].view(torch.uint8).numpy()).cast("B")
+
+    def _snapshot_bytes(self, row: int) -> bytes:
+        """A host snapshot row as a file holds it: its conv inputs, then its delta-rule state."""
+        return bytes(self._row_bytes(self.conv, row)) + bytes(self._row_bytes(self.delta, row))
 
     def copy(self, kv_cache: torch.Tensor, state: RecurrentState | None, plan: Plan,
              stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:

@@ -45,6 +45,10 @@ def check_plan(plan: Plan, num_pages: int, page_size: int, max_active: int, voca
     if any(not (0 <= row < state_rows and 0 <= host < host_snapshots) for row, host in rows):
         return f"a host-tier copy names a state row outside [0, {state_rows}) or a host snapshot row outside " \
                f"[0, {host_snapshots})"
+    if plan.disk is not None and any(not 0 <= work.slot < host_slots or not -1 <= work.snapshot < host_snapshots
+                                     for work in plan.disk.writes + plan.disk.reads):
+        return f"disk work names a host slot outside [0, {host_slots}) or a host snapshot row outside " \
+               f"[0, {host_snapshots})"
     return None
 
 

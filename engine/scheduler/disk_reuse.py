@@ -14,30 +14,33 @@ from collections import Counter
 
 from common.prefix_history import PrefixHistory
 from engine.cache.checkpoint_cache import PrefixCheckpointCache
+from engine.cache.disk_files import DiskEntry
 from engine.cache.disk_tier import DiskTier
-from engine.cache.host_tier import HostTier
-from engine.scheduler.plan import DiskWork
+from engine.cache.host_tier import HostEntry, HostTier
+from engine.scheduler.plan import DiskRead, DiskWork, DiskWrite
 
 
 class DiskReuse:
     def __init__(self, disk: DiskTier, host: HostTier, cache: PrefixCheckpointCache, counters: Counter[str],
-                 page_bytes: int) -> None:
+                 page_bytes: int, snapshot_bytes: int = 0) -> None:
+        """`snapshot_bytes`: a hybrid model's snapshot size (its files hold its exact checkpoints' snapshots)."""
         self.disk = disk
         self.host = host
         self.cache = cache
         self.counters = counters
         self.page_bytes = page_bytes
-        self._writes: list[tuple[int, bytes, int]] = []  # (slot, key, tokens) not yet sent
-        self._reads: list[tuple[bytes, int]] = []  # (key, slot) not yet sent
-        self._loading: dict[bytes, tuple[int, int]] = {}  # key -> (slot, tokens), planned or in flight
+        self.snapshot_bytes = snapshot_bytes
+        self._writes: list[DiskWrite] = []  # not yet sent
+        self._reads: list[DiskRead] = []  # not yet sent
+        self._loading: dict[bytes, tuple[DiskRead, DiskEntry]] = {}  # planned or in flight
         self._sent: list[tuple[int, DiskWork]] = []  # committed work by fence, until its step completes
         self.gone: list[bytes] = []  # keys neither the host nor the disk holds any more (for announcements)
 
     def held(self) -> set[bytes]:
         """The keys the disk tier holds or will once the writes to plan, planned and sent complete, and those it gave
         up whose files are not deleted yet (gone once their deletion is sent)."""
-        return {*self.disk.keys(), *(key for key, _ in self.host.dropped), *(key for _, key, _ in self._writes),
-                *(key for _, work in self._sent for _, key, _ in work.writes), *self.disk.erased}
+        return {*self.disk.keys(), *(key for key, _ in self.host.dropped), *(w.key for w in self._writes),
+                *(w.key for _, work in self._sent for w in work.writes), *self.disk.erased}
 
     @property
     def pending(self) -> bool:
@@ -47,10 +50,11 @@ class DiskReuse:
         """The next step's disk work: the host tier's dropped entries written (unless a file holds them already),
         the reads planned, the files given up deleted."""
         for key, entry in self.host.dropped:
-            if key in self.disk or any(k == key for _, k, _ in self._writes):
+            if key in self.disk or any(w.key == key for w in self._writes):
                 self.disk.get(key)
             else:
-                self._writes.append((entry.slot, key, entry.length))
+                self._writes.append(DiskWrite(entry.slot, key, entry.length,
+                                              -1 if entry.snapshot is None else entry.snapshot, entry.parent))
         self.host.dropped = []
         if not (self._writes or self._reads or self.disk.erased):
             return None
@@ -68,53 +72,89 @@ class DiskReuse:
     def completed(self, fence: int, unreadable: tuple[int, ...]) -> None:
         while self._sent and self._sent[0][0] <= fence:
             _, work = self._sent.pop(0)
-            for _, key, length in work.writes:
-                self.disk.add(key, length)
+            for write in work.writes:
+                self.disk.add(write.key, DiskEntry(write.length, write.snapshot >= 0, write.parent))
                 self.counters["disk_writes"] += 1
-                self.counters["disk_bytes_out"] += self.page_bytes
-            for key, slot in work.reads:
-                _, length = self._loading.pop(key)
-                if slot in unreadable:  # (its file goes, on every rank, with the next step's disk work)
-                    self.host.give_back(slot)
-                    self.disk.remove(key)
-                    self.disk.erased.append(key)
+                self.counters["disk_bytes_out"] += self.page_bytes + (write.snapshot >= 0) * self.snapshot_bytes
+            for read in work.reads:
+                _, entry = self._loading.pop(read.key)
+                row = read.snapshot if read.snapshot >= 0 else None
+                if read.slot in unreadable:  # (its file goes, on every rank, with the next step's disk work)
+                    self.host.give_back(read.slot, row)
+                    self.disk.remove(read.key)
+                    self.disk.erased.append(read.key)
                     self.counters["disk_unreadable"] += 1
                 else:
-                    self.host.adopt(key, length, slot)
+                    self.host.adopt(read.key, HostEntry(read.slot, entry.length, row, entry.parent))
                     self.counters["disk_reads"] += 1
-                    self.counters["disk_bytes_in"] += self.page_bytes
+                    self.counters["disk_bytes_in"] += self.page_bytes + (row is not None) * self.snapshot_bytes
 
     def awaits_load(self, history: PrefixHistory, limit: int, message_ends: list[int], size: int) -> bool:
         """Whether a waiting prompt had better wait for checkpoints that extend its cached prefix to be read from
-        disk (reads planned here), rather than take a slot and compute them again."""
+        disk (reads planned here), rather than take a slot and compute them again: the blocks after those the
+        device and the host hold, then the latest message end just beyond them (an exact checkpoint); for a hybrid
+        model (`snapshot_bytes`), the blocks up to its deepest exact checkpoint on disk and that checkpoint."""
         if not (len(self.disk) or self._loading):
             return False
         keys = history.block_keys[: limit // size]
         depth = 0
         while depth < len(keys) and (keys[depth] in self.cache or self.host.get(keys[depth]) is not None):
             depth += 1  # (the host's entries touched, so that reads below do not push them out)
-        wanted = []
-        while depth < len(keys) and (keys[depth] in self.disk or keys[depth] in self._loading):
-            wanted.append(keys[depth])
-            depth += 1
-        for end in sorted(message_ends, reverse=True):
-            if depth * size < end <= limit and end // size == depth:
-                key = history.key_at(end)
-                if key in self.cache or key in self.host:
-                    break
-                if key in self.disk or key in self._loading:
-                    wanted.append(key)
-                    break
+        on_disk = depth
+        while on_disk < len(keys) and (keys[on_disk] in self.disk or keys[on_disk] in self._loading):
+            on_disk += 1
+        if self.snapshot_bytes:
+            wanted = self._exact_on_disk(history, keys, depth, on_disk, limit, size)
+        else:
+            wanted = keys[depth:on_disk] + self._end_on_disk(history, on_disk, limit, message_ends, size)
         planned = 0
-        for key in wanted:
-            if key in self._loading:
-                continue
-            slot = self.host.take_slot()
-            if slot is None:
+        for key in [key for key in wanted if key not in self._loading]:
+            if not self._read(key):
                 break
-            self._reads.append((key, slot))
-            self._loading[key] = (slot, self.disk.get(key))
             planned += 1
         if planned:
             self.counters["disk_hits"] += 1
         return any(key in self._loading for key in wanted)
+
+    def _end_on_disk(self, history: PrefixHistory, depth: int, limit: int, message_ends: list[int],
+                     size: int) -> list[bytes]:
+        """The exact checkpoint of the latest message end in the block after `depth`, when only the disk has it."""
+        for end in sorted(message_ends, reverse=True):
+            if depth * size < end <= limit and end // size == depth:
+                key = history.key_at(end)
+                if key in self.cache or key in self.host:
+                    return []
+                if key in self.disk or key in self._loading:
+                    return [key]
+        return []
+
+    def _exact_on_disk(self, history: PrefixHistory, keys: list[bytes], depth: int, on_disk: int, limit: int,
+                       size: int) -> list[bytes]:
+        """A hybrid's reads: its deepest exact checkpoint on disk beyond the `depth` blocks the device and the host
+        hold (within the `on_disk` blocks that the disk extends them with), and the blocks before it; none when the
+        device or the host holds that checkpoint too."""
+        for blocks in range(on_disk, depth - 1, -1):
+            ends = self.disk.exact_ends(keys[blocks - 1] if blocks else b"")
+            for end in sorted(ends.values(), reverse=True):
+                if depth * size < end <= limit and end // size <= on_disk and \
+                        ends.get(key := history.key_at(end)) == end:
+                    if key in self.cache or self.host.get(key) is not None:
+                        return []  # read already (or never given up)
+                    before = keys[depth: end // size]
+                    return before if key in before else before + [key]  # (at a block's end, the block's own)
+        return []
+
+    def _read(self, key: bytes) -> bool:
+        """Plan `key`'s read into a host slot (and snapshot row); False when the host has none free."""
+        entry = self.disk.get(key)
+        slot = self.host.take_slot()
+        if slot is None:
+            return False
+        row = self.host.take_row() if entry.snapshot else None
+        if entry.snapshot and row is None:
+            self.host.give_back(slot)
+            return False
+        read = DiskRead(key, slot, -1 if row is None else row)
+        self._reads.append(read)
+        self._loading[key] = (read, entry)
+        return True

@@ -34,8 +34,8 @@ class HostTraffic:
         self.page_size = page_size
         self.page_bytes = page_bytes
         self.snapshot_bytes = snapshot_bytes
-        self.disk = DiskReuse(disk, host, cache, counters, page_bytes) if disk is not None and host is not None \
-            else None
+        self.disk = DiskReuse(disk, host, cache, counters, page_bytes, snapshot_bytes) \
+            if disk is not None and host is not None else None
         self.pending_spills: list[Spill] = []
         self.pending_restores: list[Restore] = []
         self.pending_snapshot_restores: list[SnapshotRestore] = []
@@ -167,7 +167,7 @@ class HostTraffic:
             for _, slot in plan.spills:
                 self.host.forget(slot)
             if plan.disk is not None:
-                unreadable = tuple(slot for _, slot in plan.disk.reads)
+                unreadable = tuple(read.slot for read in plan.disk.reads)
         if self.disk is not None:
             self.disk.completed(fence, unreadable)
         self.host.completed(fence)

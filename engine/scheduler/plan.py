@@ -111,14 +111,31 @@ def fields(rows: Sequence[Row], getter: itemgetter) -> Iterable:
     return map(getter, rows)
 
 
+class DiskWrite(NamedTuple):
+    """A host slot (and a hybrid's host snapshot row, -1: none) written to `key`'s file."""
+
+    slot: int
+    key: bytes
+    length: int  # tokens the checkpoint covers
+    snapshot: int = -1
+    parent: bytes = b""  # the key of the block before the checkpoint's own (an exact checkpoint's index)
+
+
+class DiskRead(NamedTuple):
+    """`key`'s file read into a host slot (and its snapshot into a host snapshot row, -1: none)."""
+
+    key: bytes
+    slot: int
+    snapshot: int = -1
+
+
 @dataclass(frozen=True)
 class DiskWork:
     """The disk tier's work of a step (docs/design.md, Host retention), done after its copies and before its
-    completion is reported: host slots written to files (slot, key, tokens), files read into host slots (key, slot),
-    files deleted (keys)."""
+    completion is reported: host slots written to files, files read into host slots, files deleted (keys)."""
 
-    writes: tuple[tuple[int, bytes, int], ...] = ()
-    reads: tuple[tuple[bytes, int], ...] = ()
+    writes: tuple[DiskWrite, ...] = ()
+    reads: tuple[DiskRead, ...] = ()
     erasures: tuple[bytes, ...] = ()
 
 

@@ -293,12 +293,18 @@ class RequestScheduler:
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL] if self._prefilling else []
         running.sort(key=lambda r: r.arrival)
-        while self.waiting and None in self.slots and not self.prefix.awaits_snapshot(self.waiting[0]) and \
-                not self.prefix.awaits_load(self.waiting[0]) and not self.prefix.awaits_room(self.waiting[0], self._completed_fence, self._committed_fence):
+        while self.waiting and None in self.slots and not self._awaits(self.waiting[0]):
             request = self.waiting.popleft()
             self._place(request)
             running.append(request)
         return running
+
+    def _awaits(self, request: Request) -> bool:
+        """Whether the request at the head of the queue had better wait before it takes a slot: for a snapshot
+        that a step in flight makes, for checkpoints read from disk, for room to restore host blocks into."""
+        prefix = self.prefix
+        return prefix.awaits_snapshot(request) or prefix.awaits_load(request) or \
+            prefix.awaits_room(request, self._completed_fence, self._committed_fence)
 
     def _set_phase(self, request: Request, phase: Phase) -> None:
         """Every phase change goes through here, which counts the requests prefilling, and those that start decoding

@@ -7,7 +7,8 @@ the recurrent state carries from chunk to chunk, and several requests at once, e
 exact checkpoint, and a request restored then cancelled leaves it for the next; structured output holds; decisions
 equal transformers' DecisionPipeline, the questions after the first restoring the state's snapshot. With a device
 too small to keep a conversation's exact checkpoint while others run, a host tier keeps it, its snapshot included,
-and the conversation's next turn continues from there with transformers' tokens.
+and the conversation's next turn continues from there with transformers' tokens, also after a restart, from the
+disk tier.
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ DEVICE_BYTES, HOST_BYTES = 4 * ROW_BYTES + 16 * PAGE_BYTES, 48 * ROW_BYTES
 
 @pytest.fixture(scope="module")
 def evicting(tmp_path_factory: pytest.TempPathFactory):
-    """(a Qwen3.5 server whose device holds two snapshot rows and 16 pages, with a host tier, transformers' model)."""
-    server, reference = served_checkpoint("qwen3_5", tmp_path_factory.mktemp("evicting"), HYBRIDS,
+    """(a Qwen3.5 server whose device holds two snapshot rows and 16 pages, with a host tier, transformers' model,
+    the core)."""
+    root = tmp_path_factory.mktemp("evicting")
+    server, reference = served_checkpoint("qwen3_5", root, HYBRIDS,
                                           ("--max-active", "2", "--kv-cache-bytes", str(DEVICE_BYTES),
                                            "--host-cache-bytes", str(HOST_BYTES)))
-    yield server, reference
+    yield server, reference, root / "core"
     server.stop()
     assert "host tier: 74 pages and 12 snapshot rows" in server.process.stdout.read()
 
@@ -77,7 +80,7 @@ def test_a_turn_evicted_to_the_host_tier_continues_from_its_snapshot(evicting) -
     """The first turn's exact checkpoints (its prompt end and its terminal endpoint) leave the device as three other
     conversations take its two snapshot rows and its pages: their pages and snapshots move to the host, and the next
     turn restores them, so its cached tokens cover the first turn and its tokens equal transformers'."""
-    server, reference = evicting
+    server, reference, _ = evicting
     first_prompt = ids(60, 0)
     first_tokens = complete(server, first_prompt, max_tokens=8).choices[0].model_extra["token_ids"]
     for offset in (1, 2, 3):
@@ -90,6 +93,50 @@ def test_a_turn_evicted_to_the_host_tier_continues_from_its_snapshot(evicting) -
     assert second.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt)
     after = wait_for(server.base_url, lambda m: m.get("flare_engine_host_snapshot_restores_total", 0) > 0)
     assert after["flare_engine_host_snapshot_restores_total"] == 1 and after["flare_engine_host_restores_total"] > 1
+
+
+def test_a_turn_given_up_to_the_disk_tier_continues_from_its_snapshot_after_a_restart(evicting, tmp_path) -> None:
+    """With a host tier of two snapshot rows and 12 pages, the first turn's blocks and exact checkpoints go on to the
+    disk, the files of the latter holding their snapshots; after a restart of `flare run` the next turn reads them
+    back (pages and snapshots) and continues from there with transformers' tokens. A file whose snapshot was cut
+    short is skipped."""
+    _, reference, core = evicting
+    args = ("--max-active", "2", "--kv-cache-bytes", str(DEVICE_BYTES), "--host-cache-bytes", str(8 * ROW_BYTES),
+            "--disk-cache", str(tmp_path))  # (on the host: 2 snapshot rows, a quarter, and 12 pages)
+    server = Server(core, *args)
+    try:
+        first_prompt = ids(60, 5)
+        first_tokens = complete(server, first_prompt, max_tokens=8).choices[0].model_extra["token_ids"]
+        for offset in range(6, 12):  # the first turn's blocks leave the host's 12 pages too
+            complete(server, ids(60, offset), max_tokens=8)
+        written = wait_for(server.base_url, lambda m: m.get("flare_engine_disk_writes_total", 0) >= 10)
+        assert written["flare_engine_disk_writes_total"] >= 10
+    finally:
+        server.stop()
+    log = server.process.stdout.read()
+    assert "host tier: 12 pages and 2 snapshot rows" in log, log
+    server = Server(core, *args)  # the same core again: its files are reused
+    try:
+        prompt = first_prompt + first_tokens + ids(12, 9)
+        second = complete(server, prompt)
+        assert second.usage.prompt_tokens_details.cached_tokens == len(first_prompt) + len(first_tokens) - 1
+        assert second.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt)
+        metrics = wait_for(server.base_url, lambda m: m.get("flare_engine_host_snapshot_restores_total", 0) > 0)
+        assert metrics["flare_engine_disk_reads_total"] >= 4  # three blocks and the terminal endpoint's page
+    finally:
+        server.stop()
+    sizes = {path: path.stat().st_size for path in tmp_path.glob("*.kv")}
+    for path, size in sizes.items():  # every file with a snapshot loses its last byte: none may be served now
+        if size > max(sizes.values()) - ROW_BYTES // 2:
+            path.write_bytes(path.read_bytes()[:-1])
+    server = Server(core, *args)
+    try:
+        prompt = first_prompt + first_tokens + ids(12, 10)
+        second = complete(server, prompt)
+        assert second.usage.prompt_tokens_details.cached_tokens == 0
+        assert second.choices[0].model_extra["token_ids"] == hf_generate(reference, prompt)
+    finally:
+        server.stop()
 
 
 def test_greedy_tokens_equal_transformers_generate_under_concurrency(hybrid) -> None:

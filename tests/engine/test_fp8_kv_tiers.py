@@ -13,7 +13,7 @@ from engine.cache import disk_files
 from engine.executor.eager import kv_cache_shape
 from engine.executor.tier_copies import HostPages, host_slot_bytes, slot_shape
 from engine.model.kv_quant import FP8
-from engine.scheduler.plan import DiskWork, Plan
+from engine.scheduler.plan import DiskRead, DiskWork, DiskWrite, Plan
 from tests.support.engine_harness import tiny_model
 
 PAGE = 16
@@ -29,14 +29,14 @@ def test_an_fp8_page_goes_to_the_host_and_disk_and_back_byte_for_byte(tmp_path: 
     cache = values.clamp(-448, 448).to(FP8)
     host.copy(cache, None, Plan((), spills=((2, 0),)))
     key = bytes(range(16))
-    host.disk_work(DiskWork(writes=((0, key, PAGE),)))
+    host.disk_work(DiskWork(writes=(DiskWrite(0, key, PAGE),)))
     layout = disk_files.Layout(identity, str(FP8), slot_shape(model.config, PAGE))
     assert (tmp_path / disk_files.file_name(key)).stat().st_size > layout.payload_bytes
-    assert host.disk_work(DiskWork(reads=((key, 1),))) == ()
+    assert host.disk_work(DiskWork(reads=(DiskRead(key, 1),))) == ()
     host.copy(cache, None, Plan((), restores=((1, 3),)))
     pages = cache.view(torch.uint8).view(*cache.shape[:2], 4, PAGE, *cache.shape[3:])
     assert torch.equal(pages[:, :, 3], pages[:, :, 2]) and pages[:, :, 2].any()
-    assert disk_files.scan(tmp_path, layout) == [(key, PAGE)]
+    assert disk_files.scan(tmp_path, layout) == [(key, disk_files.DiskEntry(PAGE))]
     # The same core's identity with a bfloat16 cache: the file is another KV dtype's, skipped and not served.
     other = disk_files.Layout(identity, str(torch.bfloat16), layout.shape)
     assert disk_files.scan(tmp_path, other) == []

@@ -7,6 +7,7 @@ restore is sent gives back all it held. (Through the model: tests/engine/test_ho
 from __future__ import annotations
 
 from common.protocol import SamplingParams
+from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostTier
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Phase, Request
@@ -102,6 +103,26 @@ def test_a_request_cancelled_before_its_restore_is_sent_gives_back_what_it_held(
     again = add(s, first.tokens + [5, 6])
     run(s)
     assert again.cached_tokens == len(FIRST) + 1
+
+
+def test_an_exact_checkpoint_given_up_to_disk_is_read_back_with_its_snapshot() -> None:
+    """A host tier of two snapshot rows gives the exact checkpoints of earlier conversations up to the disk, whose
+    entries keep their snapshots and are indexed by their parent block: a prompt that extends one waits while it is
+    read into a host slot and snapshot row, then restores it as any host hit (and reads it only once)."""
+    s = RequestScheduler(SLOTS, 4, PAGES, PAGE, CHUNK, snapshots=SNAPSHOTS, snapshot_bytes=SNAPSHOT_BYTES,
+                         host=HostTier(8, 2), page_bytes=PAGE_BYTES, disk=DiskTier(100, []))
+    first = evicted(s, FIRST)
+    for base in (1, 2, 3):
+        evicted(s, [base * 50 + t for t in FIRST])
+    disk = s.prefix.tiers.disk.disk
+    terminal = first.history.key_at(len(FIRST) + 1)
+    assert terminal not in s.prefix.host and disk.get(terminal).snapshot
+    second = add(s, first.tokens + [5, 6])
+    plans = run(s)
+    assert [read.key for read in plans[0].disk.reads] == [terminal] and plans[0].disk.reads[0].snapshot >= 0
+    assert second.phase is Phase.FINISHED and second.cached_tokens == len(FIRST) + 1
+    assert s.counters["disk_reads"] == 1 and s.counters["host_snapshot_restores"] == 1
+    assert s.counters["disk_bytes_in"] == PAGE_BYTES + SNAPSHOT_BYTES
 
 
 def complete(scheduler: RequestScheduler, plan: Plan, fence: int) -> None:

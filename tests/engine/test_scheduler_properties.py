@@ -186,7 +186,7 @@ class HostTierSchedulerMachine(SchedulerMachine):
         self.announced: set[bytes] = set()  # what a frontend's routing index holds after the announcements
 
     def unreadable(self, plan: Plan) -> tuple[int, ...]:
-        return tuple(slot for _, slot in plan.disk.reads if self.random.random() < 0.2) if plan.disk else ()
+        return tuple(read.slot for read in plan.disk.reads if self.random.random() < 0.2) if plan.disk else ()
 
     @invariant()
     def every_host_slot_in_exactly_one_place(self) -> None:
