@@ -32,6 +32,7 @@ FINISH_COUNTERS = {"stop": "completions", "length": "completions", "abort": "can
 HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 FAREWELL = 0.5  # seconds a failed engine keeps its socket open after failing its requests
+PERSIST_SECONDS = 20.0  # what a clean stop spends writing the prefix cache to the disk tier, at most
 MAX_LABELS = 256  # label token ids one query of a scored prefill reads
 POOLINGS = ("", "last", "mean")  # Submit.pooling: not an embedding, or how one pools
 SHORT_PROMPT = 128  # ids: below this, min() and max() beat packing for numpy (which costs 40 µs cold, 2 hot)
@@ -113,6 +114,21 @@ class Engine:
             self.turn()
             # Whatever could be submitted was; sleep until a message, a completion or the next heartbeat.
             poller.poll(self._sleep_ms())
+        if self.scheduler.prefix.persist():
+            self._persist(poller)
+
+    def _persist(self, poller: zmq.Poller) -> None:
+        """A clean stop's last steps: the prefix cache's checkpoints written to the disk tier (PrefixReuse.persist),
+        for at most PERSIST_SECONDS (the supervisor waits 30 s for an engine to exit)."""
+        started, prefix = time.monotonic(), self.scheduler.prefix
+        while prefix.pending or self._expected_ends:
+            if time.monotonic() - started > PERSIST_SECONDS:
+                log.warning("stopping before the prefix cache was all written to disk")
+                break
+            self.turn()
+            poller.poll(self._sleep_ms())
+        log.info("prefix cache written to disk in %.1fs: %d files", time.monotonic() - started,
+                 len(prefix.tiers.disk.disk))
 
     def turn(self) -> None:
         """One pass of the loop without its sleep (bench/lab/host/first_token.py drives the engine's host work with it)."""

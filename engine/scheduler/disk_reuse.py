@@ -53,12 +53,22 @@ class DiskReuse:
             if key in self.disk or any(w.key == key for w in self._writes):
                 self.disk.get(key)
             else:
-                self._writes.append(DiskWrite(entry.slot, key, entry.length,
-                                              -1 if entry.snapshot is None else entry.snapshot, entry.parent))
+                self._write(key, entry)
         self.host.dropped = []
         if not (self._writes or self._reads or self.disk.erased):
             return None
         return DiskWork(tuple(self._writes), tuple(self._reads), tuple(self.disk.erased))
+
+    def write_host(self) -> None:
+        """Every host entry without a file (or one on its way) to be written with the next step's disk work."""
+        writing = self.held()
+        for key in self.host.keys():
+            if key not in writing:
+                self._write(key, self.host.get(key))
+
+    def _write(self, key: bytes, entry: HostEntry) -> None:
+        self._writes.append(DiskWrite(entry.slot, key, entry.length, -1 if entry.snapshot is None else entry.snapshot,
+                                      entry.parent))
 
     def committed(self, work: DiskWork | None, fence: int) -> None:
         if work is None:

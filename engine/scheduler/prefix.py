@@ -309,6 +309,16 @@ class PrefixReuse:
     def pending(self) -> bool:
         return bool(self.page_copies.pending or self.snapshots.pending_state or self.tiers.pending)
 
+    def persist(self) -> bool:
+        """A clean stop with a disk tier: every checkpoint on the device moves to the host as its slots allow (what
+        the host gives up for them goes to disk), and every host entry without a file is written, so that a restart
+        finds them. The steps that follow do the copies and the writes; False: no disk tier, nothing to do."""
+        if self.tiers.disk is None:
+            return False
+        self.free_pages(self.pages.num_pages)
+        self.tiers.disk.write_host()
+        return self.pending
+
     def awaits_room(self, request: Request, completed: int, committed: int) -> bool:
         """Whether a waiting request had better wait before it takes a slot: its prompt extends blocks on the host
         tier, the device has no room to restore them into (pages; for a hybrid, the snapshot row in transit), and

@@ -133,3 +133,29 @@ def test_a_second_turn_is_restored_from_the_disk_tier_after_a_restart_and_corrup
         assert again == tokens
     finally:
         server.stop()
+
+
+def test_a_clean_stop_writes_the_prefix_cache_to_disk_for_the_next_start(fp32_core_dir, tmp_path) -> None:
+    """No eviction: the conversation's checkpoints are on the device when `flare run` stops, and the stop writes them
+    (through the host tier) to the disk tier, so that the next start continues the conversation from there."""
+    args = ("--host-cache-bytes", str(32 * PAGE_BYTES), "--disk-cache", str(tmp_path))
+    server = Server(fp32_core_dir, *args)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        name = client.models.list().data[0].id
+        first = history(TOPICS[0])
+        _, _, reply = turn(client, name, first)
+        second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "Say more."}]
+        tokens, cached, _ = turn(client, name, second)
+        assert scrape(server.base_url).get("flare_engine_disk_writes_total", 0) == 0
+    finally:
+        server.stop()
+    assert "prefix cache written to disk" in server.process.stdout.read()
+    assert len(list(tmp_path.glob("*.kv"))) >= cached // 64
+    server = Server(fp32_core_dir, *args)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        again, restored, _ = turn(client, name, second)
+        assert restored >= cached >= 3 * 64 and again == tokens
+    finally:
+        server.stop()

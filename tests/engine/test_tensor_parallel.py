@@ -249,7 +249,7 @@ def test_two_ranks_read_a_conversation_back_from_their_disk_tiers_after_a_restar
                                                                                    tmp_path: Path) -> None:
     """Each rank writes its shard of every page to its own directory; after a restart of the group a second turn
     reads them back on both ranks. A file that one rank cannot read is refused by all: the turn is computed again
-    with the same tokens, and the ranks delete their files of it."""
+    with the same tokens, and the ranks delete their files of it (a clean stop writes them again)."""
     page_bytes = 2 * 2 * 16 * 2 * 16 * 4  # rank 0's page (as above)
     address = f"ipc://{tmp_path}/engine.sock"
     extra = ["--kv-cache-bytes", str(6 * page_bytes), "--host-cache-bytes", str(6 * page_bytes),
@@ -280,14 +280,14 @@ def test_two_ranks_read_a_conversation_back_from_their_disk_tiers_after_a_restar
         unreadable = {path.name for path in files[1].glob("*.kv")}
         assert client.generate([seconds[1]])["r0"] == (expected[1], "length", None)
         assert client.cached["r0"] == 0
+        refused = unreadable - {path.name for path in files[1].glob("*.kv")}
+        assert len(refused) >= 3  # its three blocks' files, gone from both ranks' directories
+        assert not refused & {path.name for path in files[0].glob("*.kv")}
         client.close()
         ranks[0].send_signal(signal.SIGTERM)
         assert exit_statuses(ranks, 30) == [0, 0]
     finally:
         exit_statuses(ranks, 0.1)
-    refused = unreadable - {path.name for path in files[1].glob("*.kv")}
-    assert len(refused) >= 3  # its three blocks' files, gone from both ranks' directories
-    assert not refused & {path.name for path in files[0].glob("*.kv")}
     assert "skipping" in (tmp_path / "rank1.log").read_text()
 
 
