@@ -6,12 +6,13 @@ host tier's restore bandwidth (a page's bytes over the engine's median page copy
 engine's measured host-to-device peak.
 
     python -m bench.lab.gpu.host_retention [--cores /dev/shm/flare-cores] [--host-gib 100] [--conversations 200]
-        [--history 4000] [--out FILE]
+        [--history 4000] [--disk-gib 0 --disk-dir DIR] [--out FILE]
 
-The host tier must hold the conversations for the second turns to hit: 200 histories of 4,000 tokens are 98 GiB of
-the 8B's KV (128 KiB a token), so the default host tier of 100 GiB wants a machine with more than 128 GiB of memory
-(nvidia-h200-x2 has 256 GiB; one GPU is used); with less, the table reports the share of second turns whose history
-was covered.
+The tiers must hold the conversations for the second turns to hit: 200 histories of 4,000 tokens are 98 GiB of the
+8B's KV (128 KiB a token), so a host tier of 100 GiB alone wants a machine with more than 128 GiB of memory; on one
+with 128 GiB (the core on /dev/shm takes 16 of them) a host tier of 60 GiB and a disk tier of 45 GiB below it hold
+them (`--host-gib 60 --disk-gib 45`). With less, the table reports the share of second turns whose history was
+covered.
 """
 
 from __future__ import annotations
@@ -71,10 +72,10 @@ def conversations(count: int, history: int) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(history)] for _ in range(count)]
 
 
-def run(core: Path, host_bytes: int, histories: list[list[int]], log: Path) -> dict:
-    """Every first turn, then every second turn in random order, one at a time."""
-    server = FlareServer(core, ("--kv-cache-bytes", str(KV_BYTES), "--host-cache-bytes", str(host_bytes)), 18431,
-                         log, "cuda")
+def run(core: Path, tiers: tuple[str, ...], histories: list[list[int]], log: Path) -> dict:
+    """Every first turn, then every second turn in random order, one at a time; `tiers`: the host (and disk) tiers'
+    flags."""
+    server = FlareServer(core, ("--kv-cache-bytes", str(KV_BYTES), *tiers), 18431, log, "cuda")
     try:
         url = server.url
         for history in histories:
@@ -118,15 +119,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host-gib", type=float, default=100)
     parser.add_argument("--conversations", type=int, default=200)
     parser.add_argument("--history", type=int, default=4000)
+    parser.add_argument("--disk-gib", type=float, default=0)
+    parser.add_argument("--disk-dir", type=Path, default=Path("/tmp/flare-disk-cache"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     core = synth("llama-3.1-8b", args.cores / "llama-3.1-8b", None)
     histories = conversations(args.conversations, args.history)
     logs = args.out.parent if args.out else Path(".")
-    retained = run(core, int(args.host_gib * (1 << 30)), histories, logs / "host_retention_on.log")
-    recomputed = run(core, 0, histories, logs / "host_retention_off.log")
+    tiers = ("--host-cache-bytes", str(int(args.host_gib * (1 << 30))))
+    if args.disk_gib:
+        args.disk_dir.mkdir(parents=True, exist_ok=True)
+        tiers += ("--disk-cache", str(args.disk_dir), "--disk-cache-bytes", str(int(args.disk_gib * (1 << 30))))
+    retained = run(core, tiers, histories, logs / "host_retention_on.log")
+    recomputed = run(core, ("--host-cache-bytes", "0"), histories, logs / "host_retention_off.log")
+    disk = f", disk tier {args.disk_gib:g} GiB" if args.disk_gib else ""
     say(f"## Host retention: {args.conversations} conversations of {args.history}-token histories, device KV 8 GiB, "
-        f"host tier {args.host_gib:g} GiB\n")
+        f"host tier {args.host_gib:g} GiB{disk}\n")
     say("| second turns | median TTFT (ms) | prefix covered |")
     say("|---|---|---|")
     say(f"| host tier (restored) | {1000 * retained['ttft']:.1f} | {100 * retained['hits']:.0f}% |")
@@ -138,10 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     page_bytes = 64 * 32 * 2 * 8 * 128 * 2  # tokens, layers, K and V, kv heads, head size, bf16
     copy = m.get("flare_engine_host_page_copy_seconds", 0.0)
     restore = page_bytes / copy if copy else 0.0
-    say("| restore GB/s (page / median copy) | copy engine H2D peak GB/s | host restores | spills | declined |")
-    say("|---|---|---|---|---|")
+    say("| restore GB/s (page / median copy) | copy engine H2D peak GB/s | host restores | spills | declined | disk "
+        "reads | disk writes |")
+    say("|---|---|---|---|---|---|---|")
     say(f"| {restore / 1e9:.1f} | {copy_engine_peak() / 1e9:.1f} | {m.get('flare_engine_host_restores_total', 0):.0f}"
-        f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_declined_total', 0):.0f} |")
+        f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_declined_total', 0):.0f}"
+        f" | {m.get('flare_engine_disk_reads_total', 0):.0f} | {m.get('flare_engine_disk_writes_total', 0):.0f} |")
     if args.out:
         args.out.write_text("\n".join(LINES) + "\n")
 
