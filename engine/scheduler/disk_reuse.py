@@ -22,14 +22,15 @@ from engine.scheduler.plan import DiskRead, DiskWork, DiskWrite
 
 class DiskReuse:
     def __init__(self, disk: DiskTier, host: HostTier, cache: PrefixCheckpointCache, counters: Counter[str],
-                 page_bytes: int, snapshot_bytes: int = 0) -> None:
-        """`snapshot_bytes`: a hybrid model's snapshot size (its files hold its exact checkpoints' snapshots)."""
+                 page_bytes: int, snapshot_bytes: int = 0, hybrid: bool = False) -> None:
+        """`hybrid`: a hybrid model's tier, whose files hold its exact checkpoints' snapshots (of `snapshot_bytes`)."""
         self.disk = disk
         self.host = host
         self.cache = cache
         self.counters = counters
         self.page_bytes = page_bytes
         self.snapshot_bytes = snapshot_bytes
+        self.hybrid = hybrid
         self._writes: list[DiskWrite] = []  # not yet sent
         self._reads: list[DiskRead] = []  # not yet sent
         self._loading: dict[bytes, tuple[DiskRead, DiskEntry]] = {}  # planned or in flight
@@ -103,7 +104,7 @@ class DiskReuse:
         """Whether a waiting prompt had better wait for checkpoints that extend its cached prefix to be read from
         disk (reads planned here), rather than take a slot and compute them again: the blocks after those the
         device and the host hold, then the latest message end just beyond them (an exact checkpoint); for a hybrid
-        model (`snapshot_bytes`), the blocks up to its deepest exact checkpoint on disk and that checkpoint."""
+        model, the blocks up to its deepest exact checkpoint on disk and that checkpoint."""
         if not (len(self.disk) or self._loading):
             return False
         keys = history.block_keys[: limit // size]
@@ -113,7 +114,7 @@ class DiskReuse:
         on_disk = depth
         while on_disk < len(keys) and (keys[on_disk] in self.disk or keys[on_disk] in self._loading):
             on_disk += 1
-        if self.snapshot_bytes:
+        if self.hybrid:
             wanted = self._exact_on_disk(history, keys, depth, on_disk, limit, size)
         else:
             wanted = keys[depth:on_disk] + self._end_on_disk(history, on_disk, limit, message_ends, size)
@@ -140,16 +141,23 @@ class DiskReuse:
 
     def _exact_on_disk(self, history: PrefixHistory, keys: list[bytes], depth: int, on_disk: int, limit: int,
                        size: int) -> list[bytes]:
-        """A hybrid's reads: its deepest exact checkpoint on disk beyond the `depth` blocks the device and the host
-        hold (within the `on_disk` blocks that the disk extends them with), and the blocks before it; none when the
-        device or the host holds that checkpoint too."""
-        for blocks in range(on_disk, depth - 1, -1):
-            ends = self.disk.exact_ends(keys[blocks - 1] if blocks else b"")
-            for end in sorted(ends.values(), reverse=True):
-                if depth * size < end <= limit and end // size <= on_disk and \
-                        ends.get(key := history.key_at(end)) == end:
-                    if key in self.cache or self.host.get(key) is not None:
-                        return []  # read already (or never given up)
+        """A hybrid's reads: the blocks up to its deepest exact checkpoint that the prompt extends, within the
+        `depth` blocks the device and the host hold and the `on_disk` blocks the disk extends them with, and that
+        checkpoint, when only the disk holds it (blocks without one are no place to continue from)."""
+        for blocks in range(on_disk, -1, -1):
+            parent = keys[blocks - 1] if blocks else b""
+            on_file = self.disk.exact_ends(parent)
+            for end in sorted({*on_file.values(), *self.host.exact_ends(parent)}, reverse=True):
+                if end > limit or end // size > on_disk:
+                    continue
+                key = history.key_at(end)
+                held, hosted = self.cache.lookup(key), self.host.get(key)
+                # (at a block's end the key names the block's checkpoint too, which may hold no snapshot)
+                if held is not None and held.snapshot is not None or hosted is not None and hosted.snapshot is not None:
+                    return []  # held (or read already)
+                if hosted is not None:
+                    continue  # the block's page is on the host without the snapshot: the file cannot join it
+                if on_file.get(key) == end:
                     before = keys[depth: end // size]
                     return before if key in before else before + [key]  # (at a block's end, the block's own)
         return []

@@ -25,16 +25,17 @@ from engine.scheduler.request import Request
 
 class HostTraffic:
     def __init__(self, host: HostTier | None, cache: PrefixCheckpointCache, counters: Counter[str], page_size: int,
-                 page_bytes: int, snapshot_bytes: int, disk: DiskTier | None) -> None:
+                 page_bytes: int, snapshot_bytes: int, disk: DiskTier | None, hybrid: bool = False) -> None:
         """`host`: the host tier evicted pages (and snapshots, of `snapshot_bytes`) move to, of `page_bytes` a page
-        (None: no tier, no traffic); `disk`, the disk tier below it."""
+        (None: no tier, no traffic); `disk`, the disk tier below it; `hybrid`: a hybrid model's (whose exact
+        checkpoints carry snapshots)."""
         self.host = host
         self.cache = cache
         self.counters = counters
         self.page_size = page_size
         self.page_bytes = page_bytes
         self.snapshot_bytes = snapshot_bytes
-        self.disk = DiskReuse(disk, host, cache, counters, page_bytes, snapshot_bytes) \
+        self.disk = DiskReuse(disk, host, cache, counters, page_bytes, snapshot_bytes, hybrid) \
             if disk is not None and host is not None else None
         self.pending_spills: list[Spill] = []
         self.pending_restores: list[Restore] = []

@@ -54,8 +54,7 @@ class PrefixReuse:
         self.host = host
         self.snapshots = SnapshotRows(snapshots or 0, slots, snapshot_bytes, self.cache, host, page_size, counters,
                                       self._retire)
-        self.tiers = HostTraffic(host, self.cache, counters, page_size, page_bytes,
-                                 snapshot_bytes if self.hybrid else 0, disk)
+        self.tiers = HostTraffic(host, self.cache, counters, page_size, page_bytes, snapshot_bytes, disk, self.hybrid)
 
     def track(self, request: Request) -> None:
         # An image's content keys every prefix that reaches its first token; a salt, every prefix.

@@ -193,7 +193,7 @@ class HostTierSchedulerMachine(SchedulerMachine):
         host, disk = self.scheduler.prefix.host, self.scheduler.prefix.tiers.disk
         places = host._slots.free + host._slots.dropping + [slot for _, slot in host._slots.retiring]
         places += [entry.slot for entry in host._entries.values()]
-        places += [slot for slot, _ in disk._loading.values()] if disk is not None else []
+        places += [read.slot for read, _ in disk._loading.values()] if disk is not None else []
         assert sorted(places) == list(range(host.slots)), places
 
     @rule(pages=st.integers(1, PAGES))
@@ -222,16 +222,17 @@ class HostTierSchedulerMachine(SchedulerMachine):
 
 
 class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
-    """The same rules for a hybrid model's exact checkpoints (snapshot rows on the device and the host): every
-    snapshot row, on the device and the host, is in exactly one place, whatever is cancelled or evicted while its
-    spill or restore is planned, and none is free while a step in flight uses it."""
+    """The same rules for a hybrid model's exact checkpoints (snapshot rows on the device and the host, files with
+    snapshots on disk): every snapshot row, on the device and the host, is in exactly one place, whatever is
+    cancelled or evicted while its spill, restore or read is planned, and none is free while a step in flight uses
+    it."""
 
     SNAPSHOTS, HOST_SNAPSHOTS = 3, 4
 
     def __init__(self) -> None:
         super().__init__()
         self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, snapshots=self.SNAPSHOTS,
-                                          host=HostTier(12, self.HOST_SNAPSHOTS))
+                                          host=HostTier(6, self.HOST_SNAPSHOTS), disk=DiskTier(10, []))
         self.row_use: dict[int, int] = {}  # device state row -> the last fence that used it
         self.cancelled_restores = 0
         self.host_row_use: dict[int, int] = {}
@@ -252,6 +253,9 @@ class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
             self.row_use[source] = self.row_use[destination] = self.fence
         for row, host_row in plan.state_spills + tuple((row, host) for host, row in plan.state_restores):
             self.row_use[row] = self.host_row_use[host_row] = self.fence
+        for work in (plan.disk.writes + plan.disk.reads) if plan.disk is not None else ():
+            if work.snapshot >= 0:
+                self.host_row_use[work.snapshot] = self.fence
 
     @precondition(lambda self: len(self.in_flight) < 2)
     @rule()
@@ -281,6 +285,7 @@ class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
         rows = prefix.host._rows
         places = rows.free + rows.dropping + [row for _, row in rows.retiring]
         places += [e.snapshot for e in prefix.host._entries.values() if e.snapshot is not None]
+        places += [read.snapshot for read, _ in prefix.tiers.disk._loading.values() if read.snapshot >= 0]
         assert sorted(places) == list(range(self.HOST_SNAPSHOTS)), places
 
     @invariant()
