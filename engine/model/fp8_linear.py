@@ -81,9 +81,10 @@ class Fp8Linear(nn.Module):
 
 
 def fp8_linears(model: nn.Module, state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> None:
-    """Replace every plain nn.Linear whose weight `state` holds in FP8 by an Fp8Linear; its FP8 entries leave
-    `state`. What else is FP8 (stacked experts, a tensor-parallel row-split linear with its all-reduce) stays in
-    `state` for the loader to dequantize."""
+    """Replace every plain nn.Linear whose weight `state` holds in FP8 by an Fp8Linear, and keep a single rank's
+    stacked experts FP8 (fp8_experts); their FP8 entries leave `state`. What else is FP8 (a tensor-parallel rank's
+    experts, a row-split linear with its all-reduce) stays in `state` for the loader to dequantize."""
+    fp8_experts(model, state, block)
     for path, module in list(model.named_modules()):
         weight = f"{path}.weight"
         if type(module) is not nn.Linear or weight + VALUES not in state:
@@ -94,3 +95,27 @@ def fp8_linears(model: nn.Module, state: dict[str, torch.Tensor], block: tuple[i
             Fp8Linear.of(values, state.pop(weight + BLOCK_SCALE), block, state.get(f"{path}.bias"))
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+
+
+def fp8_experts(model: nn.Module, state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> None:
+    """Each single-rank MoE layer whose experts `state` holds in FP8 keeps them so, with their scales as the fused
+    MoE kernels read them (engine/kernels/triton/moe_rows.py, ExpertScales): one per row, or one per block column of
+    a row; in a core of blocks an expert stack with a scale per row takes it in every block column."""
+    from engine.kernels.triton.moe_rows import ExpertScales
+    from engine.model.moe import SparseMoE
+
+    for path, module in model.named_modules():
+        if not isinstance(module, SparseMoE) or module.tp is not None or f"{path}.w13{VALUES}" not in state:
+            continue
+        parts = []
+        for name in ("w13", "w2"):
+            key = f"{path}.{name}"
+            values = state.pop(key + VALUES)
+            scale = state.pop(key + CHANNEL_SCALE, None)
+            if scale is None:
+                scale = rows_expanded(state.pop(key + BLOCK_SCALE), values.shape[-2], block[0])
+            elif block is not None:
+                scale = scale.expand(-1, -1, -(-values.shape[-1] // block[1]))
+            parts.append((values, scale.float().contiguous()))
+        (w13, s13), (w2, s2) = parts
+        module.use_fp8(w13, w2, ExpertScales(s13, s2, None if block is None else block[1]))

@@ -8,6 +8,9 @@ which the kernel path runs: engine/model/backends/triton_layers.py):
 Routing is transformers': softmax of the router logits in float32, top k, renormalised to sum to one when the family
 says (`norm_topk_prob`; Mixtral always).
 
+An FP8 core's experts stay e4m3 on a single rank's kernel path, with their scales (`use_fp8`); the fused kernels
+dequantize them in registers, and the torch reference here dequantizes each expert it runs.
+
 Tensor parallelism splits every expert by its MLP columns (w13 rows, w2 columns), as the dense MLP is split: each rank
 holds a slice of every expert, so the work stays balanced whatever the routing, and the layer ends in the same one
 all-reduce (engine/model/sharding.py).
@@ -32,6 +35,7 @@ class SparseMoE(nn.Module):
         inter = c.moe_intermediate_size
         self.w13 = nn.Parameter(torch.empty(c.num_experts, 2 * inter, c.hidden_size))
         self.w2 = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, inter))
+        self.scales = None  # FP8 experts' (use_fp8)
         self.tp = tp
         if shared is not None:
             self.shared_expert = shared
@@ -52,10 +56,28 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
             token, slot = torch.where(ids == expert)
-            gate, up = nn.functional.linear(x[token], self.w13[expert]).chunk(2, dim=-1)
-            y = nn.functional.linear(nn.functional.silu(gate) * up, self.w2[expert])
+            gate, up = nn.functional.linear(x[token], self.expert("w13", expert, x.dtype)).chunk(2, dim=-1)
+            y = nn.functional.linear(nn.functional.silu(gate) * up, self.expert("w2", expert, x.dtype))
             out.index_add_(0, token, y * weights[token, slot, None])
         return self.with_shared(x, self.all_reduce(out))
+
+    def use_fp8(self, w13: torch.Tensor, w2: torch.Tensor, scales: object) -> None:
+        """FP8 experts on the kernel path (engine/model/fp8_linear.py, fp8_experts): e4m3 `w13` and `w2` with their
+        scales (engine/kernels/triton/moe_rows.py, ExpertScales), which the fused kernels dequantize in registers."""
+        del self.w13, self.w2
+        self.register_buffer("w13", w13.contiguous(), persistent=False)
+        self.register_buffer("w2", w2.contiguous(), persistent=False)
+        self.scales = scales
+
+    def expert(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s `name` weight ("w13" or "w2"); an FP8 one dequantized to `dtype`."""
+        weight = getattr(self, name)[expert]
+        if self.scales is None:
+            return weight
+        scale = getattr(self.scales, name)[expert]
+        if self.scales.scale_k is not None:
+            scale = scale.repeat_interleave(self.scales.scale_k, dim=-1)[:, :weight.shape[-1]]
+        return (weight.float() * scale).to(dtype)
 
     def with_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the shared expert's, where the family has one."""

@@ -74,6 +74,20 @@ def test_fp8_kernels_run_the_fused_fp8_linears_with_the_dequantized_cores_tokens
     assert float((got - want).norm() / want.norm()) < 1e-4
 
 
+@pytest.mark.skipif(GPU, reason="the GPU compares graphs with eager steps (below)")
+def test_fp8_experts_stay_fp8_on_the_kernel_path_with_the_dequantized_cores_tokens(tmp_path: Path) -> None:
+    """A mixture-of-experts core whose experts are FP8 with block scales: the fused MoE kernels read them as e4m3
+    (dequantized in registers; a step of this size takes the rows path, tests/kernels/test_triton_kernels.py checks
+    the grouped one), and the greedy tokens are the dequantized core's."""
+    core = as_fp8(write_tiny_core(tmp_path, "qwen3_moe"), (16, 32))
+    model = kernel_model(core)
+    mlp = model.model.layers[0].mlp
+    assert mlp.w13.dtype == mlp.w2.dtype == torch.float8_e4m3fn and mlp.scales.scale_k == 32
+    _, reference = load_model(core, torch.device("cpu"))
+    assert reference.model.layers[0].mlp.scales is None
+    assert greedy(model, SHORT) == greedy(reference, SHORT)
+
+
 def per_token_e4m3(module: torch.nn.Module, inputs: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
     x = inputs[0]
     values, scales = quantize_rows_reference(x.reshape(-1, x.shape[-1]))

@@ -17,7 +17,7 @@ from engine.kernels.triton.fused_moe import (MoeConfig, align_in_one_program, al
                                              fused_moe_reference)
 from engine.kernels.triton.gemv import MAX_ROWS, GemvConfig, gemv, gemv_reference  # noqa: E402
 from engine.kernels.triton.moe_routing import route, route_in_one_program  # noqa: E402
-from engine.kernels.triton.moe_rows import ROWS_MAX_PAIRS, RowsConfig  # noqa: E402
+from engine.kernels.triton.moe_rows import ROWS_MAX_PAIRS, ExpertScales, RowsConfig  # noqa: E402
 from engine.kernels.triton.page_table import apply_patches, apply_patches_reference  # noqa: E402
 from engine.kernels.triton.penalties import process_logits, process_logits_reference  # noqa: E402
 from engine.kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_reference  # noqa: E402
@@ -348,6 +348,33 @@ def test_moe_rows_path_masks_ragged_shapes(dtype: torch.dtype) -> None:
     weights, ids = route(logits, shape[3], renormalize=True)
     out = fused_moe(x, w13, w2, weights, ids, RowsConfig(16, 32, 4, 2))
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)])
+@pytest.mark.parametrize("tokens", [2, 64])
+def test_fused_moe_over_fp8_experts_matches_the_reference_on_their_dequantized_weights(
+        tokens: int, block: tuple[int, int] | None) -> None:
+    """e4m3 experts with a scale per row (`--quant fp8`) or per block (FP8 checkpoints; the scales expanded to rows as
+    the kernels read them), on the rows path (2 tokens) and the grouped one (64): the reference multiplies by the
+    weights dequantized in the activations' dtype."""
+    dtype = DTYPES[0]
+    x, w13, w2, logits = moe_inputs(MOE_SHAPE, tokens, torch.float32)
+    weights, ids = route(logits, MOE_SHAPE[3], renormalize=True)
+    parts = []
+    for weight in (w13, w2):
+        if block is None:
+            values, scale = channel_quantized(weight)
+            parts.append((values, scale, values.float() * scale))
+        else:
+            values, scale = block_quantized(weight, block)
+            rows = rows_expanded(scale, weight.shape[-2], block[0])
+            parts.append((values, rows, values.float() * rows.repeat_interleave(block[1], -1)[..., :weight.shape[-1]]))
+    (v13, s13, d13), (v2, s2, d2) = parts
+    scales = ExpertScales(s13.to(DEVICE), s2.to(DEVICE), None if block is None else block[1])
+    x = x.to(dtype)
+    out = fused_moe(x, v13.to(DEVICE), v2.to(DEVICE), weights, ids, scales=scales)
+    reference = fused_moe_reference(x, d13.to(dtype).to(DEVICE), d2.to(dtype).to(DEVICE), weights, ids)
+    assert relative_error(out, reference) < tolerance(dtype) / 2
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

@@ -27,7 +27,7 @@ BENCH = "import sys; from bench.main import main; sys.exit(main())"  # flare-ben
 # keeps 24 of its 48 layers, the size its vLLM comparison in docs/gpu.md ran at.
 PRESETS = {"llama-8b": ("llama-3.1-8b", None, None), "qwen3-8b": ("qwen3-8b", None, None),
            "smollm2": ("smollm2-135m", None, None), "qwen3-30b-a3b": ("qwen3-30b-a3b", 24, None),
-           "llama-8b-fp8": ("llama-3.1-8b", None, "fp8")}
+           "llama-8b-fp8": ("llama-3.1-8b", None, "fp8"), "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", 24, "fp8")}
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,9 @@ ROWS = [
     Row("8b-fp8-1024x768", "llama-8b-fp8", MAX256, X768, ("total_token_throughput",), ">= 1.4x 8b-1024x768"),
     Row("8b-fp8-32k-fp8kv", "llama-8b-fp8", ("--kv-cache-dtype", "fp8", *MAX64), LONG32K,
         ("mean_ttft_ms", "mean_tpot_ms"), "mean TPOT <= 30 ms"),
+    # FP8 experts (the fused MoE kernels dequantize e4m3 tiles in registers), against moe-batch1 and moe-c64.
+    Row("moe-fp8-batch1", "qwen3-30b-a3b-fp8", MAX256, BATCH1, ("mean_tpot_ms", "failed"), "below moe-batch1"),
+    Row("moe-fp8-c64", "qwen3-30b-a3b-fp8", MAX256, C64, ("output_throughput", "failed"), "above moe-c64"),
 ]
 
 

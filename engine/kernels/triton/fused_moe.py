@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.decode_attention import dot_precision
-from engine.kernels.triton.moe_rows import ROWS_MAX_PAIRS, RowsConfig, fused_moe_rows
+from engine.kernels.triton.moe_rows import ROWS_MAX_PAIRS, ExpertScales, RowsConfig, fused_moe_rows, scale_args, scaled
 
 
 @dataclass(frozen=True)
@@ -146,9 +146,10 @@ def _block_coords(num_blocks_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m, hidden, inter,
-             stride_xt, stride_we, stride_wn, stride_ht, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+def _gate_up(x_ptr, w_ptr, s_ptr, h_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m, hidden,
+             inter, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ht, scale_k, TOP_K: tl.constexpr,
+             W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = _block_coords(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -161,17 +162,27 @@ def _gate_up(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pa
     x_ptrs = x_ptr + token[:, None] * stride_xt + k[None, :]
     gate_ptrs = w_ptr + expert * stride_we + (n % inter)[None, :] * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N]
     up_ptrs = gate_ptrs + inter * stride_wn
+    s_ptr += expert * stride_se
+    gate_rows = (n % inter) * stride_sn  # into the expert's scales
+    up_rows = gate_rows + inter * stride_sn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, hidden, BLOCK_K):
         kmask = k < hidden - start
         a = tl.load(x_ptrs, mask=live[:, None] & kmask[None, :], other=0.0)
-        acc_gate = tl.dot(a, tl.load(gate_ptrs, mask=kmask[:, None], other=0.0), acc_gate,
-                          input_precision=PRECISION)
-        acc_up = tl.dot(a, tl.load(up_ptrs, mask=kmask[:, None], other=0.0), acc_up, input_precision=PRECISION)
+        gate_w = tl.load(gate_ptrs, mask=kmask[:, None], other=0.0)
+        up_w = tl.load(up_ptrs, mask=kmask[:, None], other=0.0)
+        if W_SCALE != 0:  # e4m3 weights, dequantized in registers to the activations' dtype
+            gate_w = scaled(gate_w, s_ptr, gate_rows[None, :], start, k[:, None], hidden, scale_k, W_SCALE).to(a.dtype)
+            up_w = scaled(up_w, s_ptr, up_rows[None, :], start, k[:, None], hidden, scale_k, W_SCALE).to(a.dtype)
+        acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if W_SCALE == 1:
+        acc_gate = acc_gate * tl.load(s_ptr + gate_rows)[None, :]
+        acc_up = acc_up * tl.load(s_ptr + up_rows)[None, :]
     dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -180,9 +191,10 @@ def _gate_up(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pa
 
 
 @triton.jit
-def _down(h_ptr, w_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m, inter,
-          hidden, stride_ht, stride_we, stride_wn, stride_yt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
+def _down(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m,
+          inter, hidden, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_yt, scale_k,
+          W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = _block_coords(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -194,13 +206,20 @@ def _down(h_ptr, w_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_p
     k = tl.arange(0, BLOCK_K)
     h_ptrs = h_ptr + pair[:, None] * stride_ht + k[None, :]
     w_ptrs = w_ptr + expert * stride_we + (n % hidden)[None, :] * stride_wn + k[:, None]
+    s_ptr += expert * stride_se
+    rows = (n % hidden) * stride_sn  # into the expert's scales
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for start in range(0, inter, BLOCK_K):
         kmask = k < inter - start
         a = tl.load(h_ptrs, mask=live[:, None] & kmask[None, :], other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=kmask[:, None], other=0.0), acc, input_precision=PRECISION)
+        w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
+        if W_SCALE != 0:
+            w = scaled(w, s_ptr, rows[None, :], start, k[:, None], inter, scale_k, W_SCALE).to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if W_SCALE == 1:
+        acc = acc * tl.load(s_ptr + rows)[None, :]
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
     y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
@@ -209,9 +228,10 @@ def _down(h_ptr, w_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_p
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | RowsConfig | None = None,
-              residual: torch.Tensor | None = None) -> torch.Tensor:
+              residual: torch.Tensor | None = None, scales: ExpertScales | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K] int32 -> [T, H].
-    With a residual [T, H], the result is added to it in place and it is returned."""
+    With a residual [T, H], the result is added to it in place and it is returned. With `scales`, w13 and w2 are
+    e4m3 (an FP8 core's experts), dequantized in registers."""
     check_shapes(x, w13, w2)
     pairs = topk_ids.numel()
     if pairs == 0:
@@ -220,8 +240,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weights, ids = topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous()
     c = config or moe_config(pairs, w2.shape[0])
     if isinstance(c, RowsConfig):
-        return fused_moe_rows(x, w13, w2, weights, ids, c, residual)
-    out = fused_moe_grouped(x, w13, w2, weights, ids, c)
+        return fused_moe_rows(x, w13, w2, weights, ids, c, residual, scales)
+    out = fused_moe_grouped(x, w13, w2, weights, ids, c, scales)
     return out if residual is None else residual.add_(out)
 
 
@@ -232,7 +252,7 @@ def check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
 
 
 def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, c: MoeConfig) -> torch.Tensor:
+                      topk_ids: torch.Tensor, c: MoeConfig, scales: ExpertScales | None = None) -> torch.Tensor:
     """fused_moe's grouped path: topk_weights float32 and topk_ids int32, contiguous."""
     tokens, hidden = x.shape
     experts, inter = w2.shape[0], w2.shape[2]
@@ -241,16 +261,21 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     sorted_pairs, block_expert, total = align_by_expert(topk_ids, experts, c.block_m)
     blocks_m = block_expert.numel()
     precision = dot_precision(x.dtype)
+    mode, scale_k = (scales.mode, scales.scale_k or 1) if scales is not None else (0, 1)
+    s13, s13_e, s13_n = scale_args(scales, "w13", w13)
+    s2, s2_e, s2_n = scale_args(scales, "w2", w2)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up[(blocks_m * triton.cdiv(inter, c.block_n),)](
-        x, w13, h, sorted_pairs, block_expert, total, pairs, blocks_m, hidden, inter, x.stride(0), w13.stride(0),
-        w13.stride(1), h.stride(0), TOP_K=top_k, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
+        x, w13, s13, h, sorted_pairs, block_expert, total, pairs, blocks_m, hidden, inter, x.stride(0),
+        w13.stride(0), w13.stride(1), s13_e, s13_n, h.stride(0), scale_k, TOP_K=top_k, W_SCALE=mode,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, PRECISION=precision,
+        num_warps=c.num_warps, num_stages=c.num_stages)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _down[(blocks_m * triton.cdiv(hidden, c.block_n),)](
-        h, w2, y, topk_weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden, h.stride(0),
-        w2.stride(0), w2.stride(1), y.stride(0), BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps, num_stages=c.num_stages)
+        h, w2, s2, y, topk_weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden, h.stride(0),
+        w2.stride(0), w2.stride(1), s2_e, s2_n, y.stride(0), scale_k, W_SCALE=mode, BLOCK_M=c.block_m,
+        BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, PRECISION=precision, num_warps=c.num_warps,
+        num_stages=c.num_stages)
     return y.view(tokens, top_k, hidden).sum(dim=1)
 
 

@@ -104,5 +104,6 @@ def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None)
     weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob)
     if residual is not None:
         assert layer.tp is None
-        return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual)
-    return layer.with_shared(x, layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids)))
+        return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual, scales=layer.scales)
+    return layer.with_shared(x, layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids,
+                                                           scales=layer.scales)))
