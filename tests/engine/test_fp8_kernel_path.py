@@ -96,12 +96,15 @@ def per_token_e4m3(module: torch.nn.Module, inputs: tuple[torch.Tensor]) -> tupl
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_fp8_graphs_give_the_eager_executors_tokens(fp8_core: Path) -> None:
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_fp8_graphs_give_the_eager_executors_tokens(family: str, tmp_path: Path) -> None:
     """One prompt of two whole prefill chunks, then decode steps of one row: every step takes the same kernels
     eager and in its graph (a step just under DEQUANTIZED_ROWS tokens would not where its graph pads it past them:
-    eager the dequantizing GEMM, in its graph the FP8 GEMM)."""
+    eager the dequantizing GEMM, in its graph the FP8 GEMM); a MoE core's FP8 experts through both fused MoE
+    paths."""
     from tests.engine.test_graph_executor import CHUNK, gpu_harness
 
+    fp8_core = as_fp8(write_tiny_core(tmp_path, family), (16, 32))
     prompt = list(range(10, 10 + 2 * CHUNK))
     tokens = []
     for graphs in (True, False):
