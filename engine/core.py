@@ -114,21 +114,26 @@ class Engine:
             self.turn()
             # Whatever could be submitted was; sleep until a message, a completion or the next heartbeat.
             poller.poll(self._sleep_ms())
-        if self.scheduler.prefix.persist():
+        if self.scheduler.prefix.persists:
             self._persist(poller)
 
     def _persist(self, poller: zmq.Poller) -> None:
-        """A clean stop's last steps: the prefix cache's checkpoints written to the disk tier (PrefixReuse.persist),
-        for at most PERSIST_SECONDS (the supervisor waits 30 s for an engine to exit)."""
-        started, prefix = time.monotonic(), self.scheduler.prefix
-        while prefix.pending or self._expected_ends:
-            if time.monotonic() - started > PERSIST_SECONDS:
-                log.warning("stopping before the prefix cache was all written to disk")
+        """A clean stop's last steps: the copies that requests' ends left, then the prefix cache's checkpoints
+        written to the disk tier (PrefixReuse.persist), for at most PERSIST_SECONDS (the supervisor waits 30 s for
+        an engine to exit)."""
+        prefix, deadline = self.scheduler.prefix, time.monotonic() + PERSIST_SECONDS
+        progress = True  # (the first steps make the copies pending from requests' ends, the last the last writes)
+        while True:
+            while prefix.pending or self._expected_ends:
+                if time.monotonic() > deadline:
+                    log.warning("stopping before the prefix cache was all written to disk")
+                    return
+                self.turn()
+                poller.poll(self._sleep_ms())
+            if not progress:
                 break
-            self.turn()
-            poller.poll(self._sleep_ms())
-        log.info("prefix cache written to disk in %.1fs: %d files", time.monotonic() - started,
-                 len(prefix.tiers.disk.disk))
+            progress = prefix.persist()
+        log.info("prefix cache written to disk in %.1fs", PERSIST_SECONDS - (deadline - time.monotonic()))
 
     def turn(self) -> None:
         """One pass of the loop without its sleep (bench/lab/host/first_token.py drives the engine's host work with it)."""

@@ -39,8 +39,10 @@ class _Rows:
         self.dropping: list[int] = []
         self.retiring: list[tuple[int, int]] = []  # heap of (fence, slot)
 
-    def short(self) -> bool:
-        return len(self.free) + len(self.dropping) + len(self.retiring) <= self.reserve
+    def short(self, wanted: int | None = None) -> bool:
+        """Fewer than the reserve (or `wanted`) free or on their way to be."""
+        return len(self.free) + len(self.dropping) + len(self.retiring) < (self.reserve + 1 if wanted is None else
+                                                                           wanted)
 
     def committed(self, fence: int) -> None:
         for slot in self.dropping:
@@ -56,6 +58,7 @@ class HostTier:
     def __init__(self, slots: int, snapshots: int = 0) -> None:
         """`snapshots`: a hybrid model's snapshot rows."""
         self.slots = slots
+        self.snapshot_rows = snapshots
         self._slots = _Rows(slots)
         self._rows = _Rows(snapshots)
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
@@ -92,6 +95,20 @@ class HostTier:
         while self._slots.short() and self._drop_oldest():
             pass
         return self._slots.free.pop() if self._slots.free else None
+
+    def free(self, rows: bool = False) -> int:
+        """Slots (snapshot rows) free now."""
+        return len((self._rows if rows else self._slots).free)
+
+    def give_way(self, slots: int, rows: int) -> bool:
+        """Give up the least recently used entries until `slots` slots and `rows` snapshot rows are free or on
+        their way to be (as many as there are at most); whether any was given up."""
+        dropped = len(self.dropped)
+        while self._slots.short(min(slots, self.slots)) and self._drop_oldest():
+            pass
+        while self._rows.short(min(rows, self.snapshot_rows)) and self._drop_oldest(with_snapshot=True):
+            pass
+        return len(self.dropped) > dropped
 
     def take_row(self) -> int | None:
         """A free snapshot row (least recently used entries with one give way to keep the reserve); None when none

@@ -308,15 +308,25 @@ class PrefixReuse:
     def pending(self) -> bool:
         return bool(self.page_copies.pending or self.snapshots.pending_state or self.tiers.pending)
 
+    @property
+    def persists(self) -> bool:
+        """Whether a clean stop writes the checkpoints to a disk tier (persist)."""
+        return self.tiers.disk is not None
+
     def persist(self) -> bool:
-        """A clean stop with a disk tier: every checkpoint on the device moves to the host as its slots allow (what
-        the host gives up for them goes to disk), and every host entry without a file is written, so that a restart
-        finds them. The steps that follow do the copies and the writes; False: no disk tier, nothing to do."""
-        if self.tiers.disk is None:
-            return False
-        self.free_pages(self.pages.num_pages)
+        """A round of a clean stop with a disk tier, once the copies that requests' ends left are made: as many of
+        the device's checkpoints as the host has free slots (and snapshot rows) for move there, the host gives up
+        entries (to disk) to make room for the rest in the next round, and every host entry without a file is
+        written, so that a restart finds them all. The steps that follow do the copies and the writes; False: no
+        progress (the device's checkpoints are all on the host, or none can move)."""
+        left = self.cache.stats.pages
+        room = min(self.host.free(), self.host.free(rows=True)) if self.hybrid else self.host.free()
+        if room and left:
+            self._retire(self.cache.evict(room))
+        gave_way = self.host.give_way(self.cache.stats.pages, self.cache.snapshots) if self.cache.stats.pages \
+            else False
         self.tiers.disk.write_host()
-        return self.pending
+        return self.cache.stats.pages < left or gave_way
 
     def awaits_room(self, request: Request, completed: int, committed: int) -> bool:
         """Whether a waiting request had better wait before it takes a slot: its prompt extends blocks on the host

@@ -294,16 +294,18 @@ def test_two_ranks_read_a_conversation_back_from_their_disk_tiers_after_a_restar
 @pytest.mark.slow
 def test_two_ranks_restore_an_evicted_hybrid_conversation_with_its_snapshot(tmp_path: Path) -> None:
     """A hybrid's exact checkpoint evicted from two snapshot rows: each rank spills and restores its shard of the
-    pages and of the snapshot (its heads' recurrent state), and the next turn continues from there."""
+    pages and of the snapshot (its heads' recurrent state), and the next turn continues from there. The clean stop
+    writes what the tiers hold to each rank's disk directory, snapshots included, and after a restart the turn
+    after continues from its files."""
     core = write_tiny_core(tmp_path, "qwen3_5")
     row_bytes = 3 * (64 * 3 + 2 * 16 * 16) * 4  # a rank's state row: 3 linear layers of 1 key head, 2 value heads
     page_bytes = 2 * 16 * 2 * 32 * 4  # rank 0's page: 1 attention layer, K and V, tokens, 2 KV heads of 32, fp32
     # Per rank: 2 snapshot rows and 2 slots' rows, 8 pages (rank 0's; rank 1's half pages are 16); on the host 8
     # snapshot rows (a quarter) and pages of the rest.
     address = f"ipc://{tmp_path}/engine.sock"
-    ranks = start_ranks(core, 2, address, tmp_path, extra=[
-        "--max-active", "2", "--kv-cache-bytes", str(4 * row_bytes + 8 * page_bytes),
-        "--host-cache-bytes", str(32 * row_bytes)])
+    extra = ["--max-active", "2", "--kv-cache-bytes", str(4 * row_bytes + 8 * page_bytes),
+             "--host-cache-bytes", str(32 * row_bytes), "--disk-cache", str(tmp_path)]
+    ranks = start_ranks(core, 2, address, tmp_path, extra=extra)
     try:
         client = WireClient(address)
         first = list(range(10, 60))
@@ -320,6 +322,18 @@ def test_two_ranks_restore_an_evicted_hybrid_conversation_with_its_snapshot(tmp_
     finally:
         exit_statuses(ranks, 0.1)
     assert "and 8 snapshot rows" in (tmp_path / "rank1.log").read_text()
+    third = second + got[0] + [4, 5, 6]
+    ranks = start_ranks(core, 2, address, tmp_path, extra=extra)
+    try:
+        client = WireClient(address)
+        again = client.generate([third])["r0"]
+        assert client.cached["r0"] == len(second) + len(got[0]) - 1  # the second turn's end, from both ranks' files
+        assert again == (single_rank_tokens(core, [third], page_size=16, chunk=48)[0], "length", None)
+        client.close()
+        ranks[0].send_signal(signal.SIGTERM)
+        assert exit_statuses(ranks, 30) == [0, 0]
+    finally:
+        exit_statuses(ranks, 0.1)
 
 
 @pytest.mark.slow
