@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -181,6 +183,21 @@ def exit_statuses(ranks: list[subprocess.Popen], timeout: float) -> list[int | N
     return [rank.returncode for rank in ranks]
 
 
+@contextmanager
+def serving_ranks(core: Path, world: int, address: str, logs: Path, extra: list[str] = ()) -> Iterator[WireClient]:
+    """The ranks started, a client on rank 0; after the block the client leaves and SIGTERM to rank 0 stops the
+    group cleanly (rank 0 drains, then stops the others)."""
+    ranks = start_ranks(core, world, address, logs, extra=extra)
+    try:
+        client = WireClient(address)
+        yield client
+        client.close()
+        ranks[0].send_signal(signal.SIGTERM)
+        assert exit_statuses(ranks, 30) == [0] * world
+    finally:
+        exit_statuses(ranks, 0.1)
+
+
 def listening_hosts(port: int) -> set[str]:
     """The local addresses with a TCP socket listening on `port` (hex, as /proc/net/tcp and tcp6 write them)."""
     hosts = set()
@@ -224,10 +241,8 @@ def test_two_ranks_restore_an_evicted_conversation_from_their_host_tiers(tiny_co
     different page counts: all use the fewest (6 KV pages, 16 host pages)."""
     page_bytes = 2 * 2 * 16 * 2 * 16 * 4  # rank 0's page: layers, K and V, tokens, its 2 KV heads, head size, fp32
     address = f"ipc://{tmp_path}/engine.sock"
-    ranks = start_ranks(tiny_core, 2, address, tmp_path, extra=["--kv-cache-bytes", str(6 * page_bytes),
-                                                                  "--host-cache-bytes", str(16 * page_bytes)])
-    try:
-        client = WireClient(address)
+    with serving_ranks(tiny_core, 2, address, tmp_path, ["--kv-cache-bytes", str(6 * page_bytes),
+                                                         "--host-cache-bytes", str(16 * page_bytes)]) as client:
         first = list(range(10, 60))
         reply = client.generate([first])["r0"][0]
         for other in (list(range(100, 150)), list(range(150, 200)), list(range(200, 250))):
@@ -236,11 +251,6 @@ def test_two_ranks_restore_an_evicted_conversation_from_their_host_tiers(tiny_co
         got = client.generate([second])["r0"]
         assert client.cached["r0"] >= 48  # its whole pages, from the host tiers
         assert got == (single_rank_tokens(tiny_core, [second], page_size=16, chunk=48)[0], "length", None)
-        client.close()
-        ranks[0].send_signal(signal.SIGTERM)
-        assert exit_statuses(ranks, 30) == [0, 0]
-    finally:
-        exit_statuses(ranks, 0.1)
     assert "host tier: 16 pages" in (tmp_path / "rank0.log").read_text()
 
 
@@ -255,24 +265,15 @@ def test_two_ranks_read_a_conversation_back_from_their_disk_tiers_after_a_restar
     extra = ["--kv-cache-bytes", str(6 * page_bytes), "--host-cache-bytes", str(6 * page_bytes),
              "--disk-cache", str(tmp_path)]
     conversations = [list(range(10, 60)), list(range(60, 110))]
-    ranks = start_ranks(tiny_core, 2, address, tmp_path, extra=extra)
-    try:
-        client = WireClient(address)
+    with serving_ranks(tiny_core, 2, address, tmp_path, extra) as client:
         replies = [client.generate([first])["r0"][0] for first in conversations]
         for other in (list(range(100, 150)), list(range(150, 200)), list(range(200, 250)), list(range(250, 300))):
             client.generate([other])  # 4 pages each through 6 on the device and 6 on the host: the first two go
-        client.close()
-        ranks[0].send_signal(signal.SIGTERM)
-        assert exit_statuses(ranks, 30) == [0, 0]
-    finally:
-        exit_statuses(ranks, 0.1)
     files = {rank: tmp_path / f"rank{rank}-of-2" for rank in (0, 1)}
     assert all(len(list(files[rank].glob("*.kv"))) >= 6 for rank in (0, 1))
     seconds = [first + reply + [7, 8, 9] for first, reply in zip(conversations, replies)]
     expected = single_rank_tokens(tiny_core, seconds, page_size=16, chunk=48)
-    ranks = start_ranks(tiny_core, 2, address, tmp_path, extra=extra)
-    try:
-        client = WireClient(address)
+    with serving_ranks(tiny_core, 2, address, tmp_path, extra) as client:
         assert client.generate([seconds[0]])["r0"] == (expected[0], "length", None)
         assert client.cached["r0"] >= 48  # its whole pages, read from both ranks' disk tiers
         for path in files[1].glob("*.kv"):  # rank 1's shard of the other conversation turns unreadable
@@ -283,11 +284,6 @@ def test_two_ranks_read_a_conversation_back_from_their_disk_tiers_after_a_restar
         refused = unreadable - {path.name for path in files[1].glob("*.kv")}
         assert len(refused) >= 3  # its three blocks' files, gone from both ranks' directories
         assert not refused & {path.name for path in files[0].glob("*.kv")}
-        client.close()
-        ranks[0].send_signal(signal.SIGTERM)
-        assert exit_statuses(ranks, 30) == [0, 0]
-    finally:
-        exit_statuses(ranks, 0.1)
     assert "skipping" in (tmp_path / "rank1.log").read_text()
 
 
@@ -305,9 +301,7 @@ def test_two_ranks_restore_an_evicted_hybrid_conversation_with_its_snapshot(tmp_
     address = f"ipc://{tmp_path}/engine.sock"
     extra = ["--max-active", "2", "--kv-cache-bytes", str(4 * row_bytes + 8 * page_bytes),
              "--host-cache-bytes", str(32 * row_bytes), "--disk-cache", str(tmp_path)]
-    ranks = start_ranks(core, 2, address, tmp_path, extra=extra)
-    try:
-        client = WireClient(address)
+    with serving_ranks(core, 2, address, tmp_path, extra) as client:
         first = list(range(10, 60))
         reply = client.generate([first])["r0"][0]
         for other in (list(range(100, 150)), list(range(150, 200)), list(range(200, 250))):
@@ -316,24 +310,12 @@ def test_two_ranks_restore_an_evicted_hybrid_conversation_with_its_snapshot(tmp_
         got = client.generate([second])["r0"]
         assert client.cached["r0"] == len(first) + len(reply) - 1  # its terminal endpoint, from the host tiers
         assert got == (single_rank_tokens(core, [second], page_size=16, chunk=48)[0], "length", None)
-        client.close()
-        ranks[0].send_signal(signal.SIGTERM)
-        assert exit_statuses(ranks, 30) == [0, 0]
-    finally:
-        exit_statuses(ranks, 0.1)
     assert "and 8 snapshot rows" in (tmp_path / "rank1.log").read_text()
     third = second + got[0] + [4, 5, 6]
-    ranks = start_ranks(core, 2, address, tmp_path, extra=extra)
-    try:
-        client = WireClient(address)
+    with serving_ranks(core, 2, address, tmp_path, extra) as client:
         again = client.generate([third])["r0"]
         assert client.cached["r0"] == len(second) + len(got[0]) - 1  # the second turn's end, from both ranks' files
         assert again == (single_rank_tokens(core, [third], page_size=16, chunk=48)[0], "length", None)
-        client.close()
-        ranks[0].send_signal(signal.SIGTERM)
-        assert exit_statuses(ranks, 30) == [0, 0]
-    finally:
-        exit_statuses(ranks, 0.1)
 
 
 @pytest.mark.slow
