@@ -168,11 +168,9 @@ class PrefixReuse:
         end, a prompt end or a terminal endpoint of an earlier request), on the device or the host: its blocks'
         pages shared (or restored from the host), its partial page copied (or restored), its snapshot restored into
         the request's slot row (from the host through a snapshot row in transit)."""
-        history, size = self._history(request), self.page_size
-        limit = request.first_computed
-        chain = self.cache.lookup_run(history.block_keys, limit // size)
+        history, size, limit = self._history(request), self.page_size, request.first_computed
+        chain, hosted = self._held_run(history, limit)
         self.counters["prefix_lookups"] += 1
-        hosted = self.tiers.run(history.block_keys[len(chain): limit // size])
         if hosted and not self.tiers.restore_pays(len(hosted)):
             hosted = []
             self.counters["host_declined"] += 1
@@ -328,6 +326,13 @@ class PrefixReuse:
         self.tiers.disk.write_host()
         return self.cache.stats.pages < left or gave_way
 
+    def _held_run(self, history: PrefixHistory, limit: int) -> tuple[list[Checkpoint], list[HostEntry]]:
+        """The device's checkpoints of the prompt's blocks before `limit`, then the host's entries of the blocks
+        after them."""
+        blocks = limit // self.page_size
+        chain = self.cache.lookup_run(history.block_keys, blocks)
+        return chain, self.tiers.run(history.block_keys[len(chain): blocks])
+
     def awaits_room(self, request: Request, completed: int, committed: int) -> bool:
         """Whether a waiting request had better wait before it takes a slot: its prompt extends blocks on the host
         tier, the device has no room to restore them into (pages; for a hybrid, the snapshot row in transit), and
@@ -339,9 +344,7 @@ class PrefixReuse:
         if self.host is None or not self.enabled or committed <= completed or \
                 request.sampling.prompt_logprobs is not None:
             return False
-        history, size, limit = self._history(request), self.page_size, request.first_computed
-        chain = self.cache.lookup_run(history.block_keys, limit // size)
-        hosted = self.tiers.run(history.block_keys[len(chain): limit // size])
+        chain, hosted = self._held_run(self._history(request), request.first_computed)
         if not hosted:
             return False
         wanted = len(hosted) + 1  # (and a partial page beyond them)

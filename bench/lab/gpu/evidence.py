@@ -63,6 +63,23 @@ def run_sections(sections: dict[str, Callable[[], None]], names: list[str], out:
         out.write_text("\n".join(LINES) + "\n")
 
 
+def sections_main(script: str, title: str, sections: dict[str, Callable[[], None]]) -> int:
+    """A kernel bench's command line: `--only SECTION` (repeatable; all by default) and `--out FILE`; each section's
+    tables under `title`, a blank line after each."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="also write the tables to this file")
+    parser.add_argument("--only", choices=list(sections), action="append")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return 2
+    say(f"# {title} on {torch.cuda.get_device_name()}")
+    run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
+                 args.out)
+    return 0
+
+
 def core(cores: Path, name: str) -> Path:
     out = cores / name
     if not (out / "manifest.json").is_file():

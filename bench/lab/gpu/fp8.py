@@ -18,16 +18,14 @@ memory as a decode step does.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from itertools import cycle
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.lab.gpu.evidence import run_sections, say
+from bench.lab.gpu.evidence import say, sections_main
 from bench.lab.gpu.kernels import graph_ms
 from engine.kernels.triton.fp8_linear import (DEQUANTIZED_CONFIG, GEMM_CONFIGS, DequantizedConfig, GemmConfig,
                                               fp8_dequantized_gemm, fp8_gemm, fp8_scaled_mm, gemm_config,
@@ -139,20 +137,5 @@ def bench_gemm() -> None:
                     lambda x, w, config=config: fp8_gemm(x, w[1], w[2], None, config=config))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the tables to this file")
-    parser.add_argument("--only", choices=["gemv", "gemm"], action="append")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench.lab.gpu.fp8 needs a CUDA GPU", file=sys.stderr)
-        return 2
-    say(f"# FP8 products on {torch.cuda.get_device_name()}")
-    sections = {"gemv": bench_gemv, "gemm": bench_gemm}
-    run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
-                 args.out)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(sections_main("bench.lab.gpu.fp8", "FP8 products", {"gemv": bench_gemv, "gemm": bench_gemm}))

@@ -14,14 +14,12 @@ Timing is bench.lab.gpu.kernels.graph_ms: CUDA events around 20 calls replayed f
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from bench.lab.gpu.evidence import run_sections, say
+from bench.lab.gpu.evidence import say, sections_main
 from bench.lab.gpu.kernels import graph_ms, max_diff
 from engine.kernels.triton.activation import silu_and_mul
 from engine.kernels.triton.gemv import GemvConfig, gemv, gemv_reference
@@ -92,20 +90,6 @@ def bench_layer() -> None:
             f"{layer_bytes / after / 1e9:.2f} | {max_diff(fused(), unfused()):.4f} |")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the tables to this file")
-    parser.add_argument("--only", choices=["sweep", "layer"], action="append")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench.lab.gpu.gemv needs a CUDA GPU", file=sys.stderr)
-        return 2
-    say(f"# Projections of a few rows on {torch.cuda.get_device_name()}")
-    sections = {"sweep": bench_sweep, "layer": bench_layer}
-    run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
-                 args.out)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(sections_main("bench.lab.gpu.gemv", "Projections of a few rows", {"sweep": bench_sweep,
+                                                                              "layer": bench_layer}))

@@ -261,9 +261,7 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     sorted_pairs, block_expert, total = align_by_expert(topk_ids, experts, c.block_m)
     blocks_m = block_expert.numel()
     precision = dot_precision(x.dtype)
-    mode, scale_k = (scales.mode, scales.scale_k or 1) if scales is not None else (0, 1)
-    s13, s13_e, s13_n = scale_args(scales, "w13", w13)
-    s2, s2_e, s2_n = scale_args(scales, "w2", w2)
+    mode, scale_k, (s13, s13_e, s13_n), (s2, s2_e, s2_n) = scale_args(scales, w13, w2)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up[(blocks_m * triton.cdiv(inter, c.block_n),)](
         x, w13, s13, h, sorted_pairs, block_expert, total, pairs, blocks_m, hidden, inter, x.stride(0),

@@ -131,17 +131,14 @@ class ExpertScales:
     w2: torch.Tensor
     scale_k: int | None
 
-    @property
-    def mode(self) -> int:
-        return 1 if self.scale_k is None else 2
 
-
-def scale_args(scales: ExpertScales | None, weights: str, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(the scales, their expert stride, their row stride) of `weights` ("w13" or "w2"); a placeholder without."""
+def scale_args(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, tuple, tuple]:
+    """The kernels' W_SCALE (0: no scales, 1: per row, 2: per `scale_k` columns) and scale_k, and for w13 and for
+    w2 (the scales, their expert stride, their row stride); without scales, the weights stand in as placeholders."""
     if scales is None:
-        return fallback, 0, 0
-    scale = getattr(scales, weights)
-    return scale, scale.stride(0), scale.stride(1)
+        return 0, 1, (w13, 0, 0), (w2, 0, 0)
+    return 1 if scales.scale_k is None else 2, scales.scale_k or 1, \
+        (scales.w13, scales.w13.stride(0), scales.w13.stride(1)), (scales.w2, scales.w2.stride(0), scales.w2.stride(1))
 
 
 def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -153,9 +150,7 @@ def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     tokens, hidden = x.shape
     inter, top_k = w2.shape[2], topk_ids.shape[1]
     k_pow2 = triton.next_power_of_2(top_k)
-    mode, scale_k = (scales.mode, scales.scale_k or 1) if scales is not None else (0, 1)
-    s13, s13_e, s13_n = scale_args(scales, "w13", w13)
-    s2, s2_e, s2_n = scale_args(scales, "w2", w2)
+    mode, scale_k, (s13, s13_e, s13_n), (s2, s2_e, s2_n) = scale_args(scales, w13, w2)
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, c.block_n))](
         x, w13, s13, h, topk_ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), s13_e, s13_n,
