@@ -19,7 +19,7 @@ from engine.kernels.triton.fp8_linear import quantize_rows_reference  # noqa: E4
 from engine.model.backends.select import use_backend  # noqa: E402
 from engine.model.fp8_linear import DEQUANTIZED_ROWS, Fp8Linear  # noqa: E402
 from engine.model.loader import load_model  # noqa: E402
-from tests.engine.test_tensor_parallel import write_tiny_core  # noqa: E402
+from tests.support.tiny_cores import write_tiny_core  # noqa: E402
 from tests.support.engine_harness import Harness  # noqa: E402
 from tests.support.fp8_checkpoints import as_fp8  # noqa: E402
 

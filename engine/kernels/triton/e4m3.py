@@ -13,7 +13,8 @@ def to_e4m3(x, scale, dtype: tl.constexpr):
     """x / scale as e4m3 (`dtype`): clamped to +-448 and rounded to nearest, ties to even, on the e4m3 grid in fp32
     first (steps of 2**(e - 3) for a value in [2**e, 2**(e + 1)), 2**-9 below 2**-6), so that the cast itself is
     exact: the Triton interpreter's rounding carries a full mantissa wrongly, and the GPU's then agrees bit for bit."""
-    y = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale), -E4M3_MAX), E4M3_MAX)
+    # The scale in fp32 whatever its buffer's dtype (a model cast to bf16 casts its KV scales with it).
+    y = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), scale.to(tl.float32)), -E4M3_MAX), E4M3_MAX)
     a = tl.abs(y)
     exponent = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)  # biased; subnormals share -6's
     step = ((exponent - 3) << 23).to(tl.float32, bitcast=True)

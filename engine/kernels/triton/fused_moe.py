@@ -17,7 +17,7 @@ the stream, and its second kernel sums a token's experts itself. Routing is engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -239,6 +239,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     # Once here, so that neither path converts per kernel (no-ops when the routing came from route_in_one_program).
     weights, ids = topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous()
     c = config or moe_config(pairs, w2.shape[0])
+    if scales is not None and x.element_size() == 4 and isinstance(c, MoeConfig):
+        # fp32 activations widen each e4m3 weight tile to fp32 through shared memory: three stages of the largest
+        # tiles need 256 KiB, over Hopper's 227.
+        c = replace(c, num_stages=min(c.num_stages, 2))
     if isinstance(c, RowsConfig):
         return fused_moe_rows(x, w13, w2, weights, ids, c, residual, scales)
     out = fused_moe_grouped(x, w13, w2, weights, ids, c, scales)
