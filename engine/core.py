@@ -124,7 +124,7 @@ class Engine:
         prefix, deadline = self.scheduler.prefix, time.monotonic() + PERSIST_SECONDS
         progress = True  # (the first steps make the copies pending from requests' ends, the last the last writes)
         while True:
-            while prefix.pending or self._expected_ends:
+            while prefix.pending or prefix.writing or self._expected_ends:
                 if time.monotonic() > deadline:
                     log.warning("stopping before the prefix cache was all written to disk")
                     return
@@ -142,6 +142,9 @@ class Engine:
         for plan, completion in self.executor.poll():
             self._expected_ends.popleft()
             self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
+        if self.scheduler.prefix.persists:  # (a disk tier's work ends after its steps)
+            for done in self.executor.disk_done():
+                self.scheduler.disk_done(done)
         while self.executor.can_submit():
             self._defer_until = self._deferral()
             if self._defer_until or (plan := self.scheduler.plan()) is None:

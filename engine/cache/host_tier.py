@@ -9,9 +9,11 @@ entry holds both and gives both up at once (pages alone are no place to continue
 tier indexes such entries by their parent's key (`exact_ends`), as the device's cache does.
 
 Entries give way least recently used first, keeping a reserve of slots (and of snapshot rows) free or on their way to
-be, so that a step's evictions find them. A slot given up is reusable once the step committed after that completes:
-the executor may still write it to disk then (a demotion), or copy it to the device for a restore sent earlier. A slot
-that a planned restore reads is pinned (its entry, snapshot row included, stays) until that restore is committed.
+be, so that a step's evictions find them. A slot given up is reusable once the step committed after that completes
+(the executor may still copy it to the device for a restore sent earlier); with a disk tier below, a slot given up
+is held until its file is written (`release`), and held slots count as on their way to be free, so that a slow disk
+makes spills wait for room rather than the tier give up more. A slot that a planned restore reads is pinned (its
+entry, snapshot row included, stays) until that restore is committed.
 """
 
 from __future__ import annotations
@@ -36,13 +38,20 @@ class _Rows:
     def __init__(self, count: int) -> None:
         self.reserve = max(count // 8, 1)
         self.free = list(range(count - 1, -1, -1))
+        self.held: set[int] = set()  # given up, until their files are written
         self.dropping: list[int] = []
         self.retiring: list[tuple[int, int]] = []  # heap of (fence, slot)
 
     def short(self, wanted: int | None = None) -> bool:
         """Fewer than the reserve (or `wanted`) free or on their way to be."""
-        return len(self.free) + len(self.dropping) + len(self.retiring) < (self.reserve + 1 if wanted is None else
-                                                                           wanted)
+        on_their_way = len(self.held) + len(self.dropping) + len(self.retiring)
+        return len(self.free) + on_their_way < (self.reserve + 1 if wanted is None else wanted)
+
+    def give_up(self, slot: int, hold: bool) -> None:
+        if hold:
+            self.held.add(slot)
+        else:
+            self.dropping.append(slot)
 
     def committed(self, fence: int) -> None:
         for slot in self.dropping:
@@ -65,6 +74,7 @@ class HostTier:
         self._pins: dict[int, int] = {}  # slot -> planned restores that read it
         self._exact_ends: dict[bytes, dict[bytes, int]] = {}  # entries with a snapshot, by parent key
         self.dropped: list[tuple[bytes, HostEntry]] = []  # entries given up, for the disk tier and announcements
+        self.holds_dropped = False  # a disk tier below: what is given up keeps its slot until `release`
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -162,14 +172,22 @@ class HostTier:
                        if e.slot not in self._pins and (e.snapshot is not None or not with_snapshot)), None)
         if victim is None:
             return False
-        self.dropped.append((victim, self._remove(victim)))
+        self.dropped.append((victim, self._remove(victim, hold=self.holds_dropped)))
         return True
 
-    def _remove(self, key: bytes) -> HostEntry:
+    def release(self, slot: int, row: int | None = None) -> None:
+        """A slot (and snapshot row) held since its entry was given up is free: its file is written, or need not be."""
+        self._slots.held.remove(slot)
+        self._slots.free.append(slot)
+        if row is not None:
+            self._rows.held.remove(row)
+            self._rows.free.append(row)
+
+    def _remove(self, key: bytes, hold: bool = False) -> HostEntry:
         entry = self._entries.pop(key)
-        self._slots.dropping.append(entry.slot)
+        self._slots.give_up(entry.slot, hold)
         if entry.snapshot is not None:
-            self._rows.dropping.append(entry.snapshot)
+            self._rows.give_up(entry.snapshot, hold)
             ends = self._exact_ends[entry.parent]
             del ends[key]
             if not ends:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from engine.scheduler.plan import Completion, Plan
+from engine.scheduler.plan import Completion, DiskDone, Plan
 
 
 class Executor(Protocol):
@@ -26,6 +26,10 @@ class Executor(Protocol):
     def poll(self) -> list[tuple[Plan, Completion]]:
         """Completions that are ready, in submission order, each with the plan it ran. Raises DeviceFault once the
         device can run nothing more."""
+
+    def disk_done(self) -> list[DiskDone]:
+        """Steps whose disk work (Plan.disk, done after the step completed) ended since the last call; wake_fd wakes
+        the loop for them too. The engine asks only an executor with a disk tier."""
 
     def close(self) -> None:
         """Wait for work in flight, then free device memory."""

@@ -11,11 +11,11 @@ import os
 import queue
 import threading
 import time
-from dataclasses import replace
 
 import torch
 
 from common.protocol import Logprobs
+from engine.executor.disk_worker import DiskWorker
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.images import vision_step
 from engine.executor.inputs import build_inputs
@@ -28,7 +28,7 @@ from engine.model.recurrent_state import RecurrentState
 from engine.sampling.label_scores import eager_scores
 from engine.sampling.penalty_state import apply_known_tokens, known_tokens
 from engine.sampling.sampler import apply_penalties, sample, token_logprobs
-from engine.scheduler.plan import Completion, Plan, Row
+from engine.scheduler.plan import Completion, DiskDone, Plan, Row
 from engine.speculative.verify import accept
 
 MAX_IN_FLIGHT = 2
@@ -88,6 +88,7 @@ class EagerExecutor:
         self._done: queue.SimpleQueue[tuple[Plan, Completion]] = queue.SimpleQueue()
         self.wake_fd, self._wake_write = os.pipe()
         os.set_blocking(self.wake_fd, False)
+        self._disk = DiskWorker(self._wake_write)
         self._worker = threading.Thread(target=self._run, name="eager-executor", daemon=True)
         self._worker.start()
 
@@ -118,9 +119,14 @@ class EagerExecutor:
         self._in_flight -= len(ready)
         return ready
 
+    def disk_done(self) -> list[DiskDone]:
+        """The steps whose disk work ended since the last call (engine/executor/disk_worker.py)."""
+        return self._disk.done()
+
     def close(self) -> None:
         self._work.put(None)
         self._worker.join()
+        self._disk.close()
         os.close(self.wake_fd)
         os.close(self._wake_write)
 
@@ -129,19 +135,17 @@ class EagerExecutor:
             fence, plan = item
             started = time.perf_counter()
             try:
-                completion = self.with_disk_work(plan, self._execute(fence, plan, started))
+                completion = self._execute(fence, plan, started)
+                if plan.disk is not None:
+                    if self.kv_cache.is_cuda:  # its copies done (a step without rows returns before they are)
+                        torch.cuda.current_stream(self.device).synchronize()
+                    self._disk.queue(fence, plan.disk, self.host_pages)
             except Exception as exc:  # a failed step fails its requests; a sticky device fault, the engine
                 self.fault = self.fault or sticky_fault(self.device)
                 completion = Completion(fence, (), (), (), time.perf_counter() - started,
                                         error=f"execution failed: {type(exc).__name__}: {exc}")
             self._done.put((plan, completion))
             os.write(self._wake_write, b"x")
-
-    def with_disk_work(self, plan: Plan, completion: Completion) -> Completion:
-        """The step's disk work (after its copies), and which of its reads were not served."""
-        if plan.disk is None:
-            return completion
-        return replace(completion, unreadable=self.host_pages.disk_work(plan.disk))
 
     @torch.inference_mode()
     def _execute(self, fence: int, plan: Plan, started: float) -> Completion:

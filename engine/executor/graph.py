@@ -42,6 +42,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engine.executor.disk_worker import DiskWorker
 from engine.executor.eager import EagerExecutor, copy_pages, kv_cache_shape
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
@@ -59,7 +60,8 @@ from engine.sampling.graph_extras import (PROMPT_ROWS, ExtrasBuffers, StepExtras
                                           read_logprobs, read_prompt_logprobs, step_extras)
 from engine.sampling.label_scores import Query, assemble, graph_index
 from engine.sampling.penalty_state import apply_known_tokens
-from engine.scheduler.plan import GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, Plan, Row, fields
+from engine.scheduler.plan import (GENERATION, ROPE_SHIFT, SAMPLE, SAMPLING, SCORES, SLOT, Completion, DiskDone, Plan,
+                                  Row, fields)
 
 log = logging.getLogger("flare.engine")
 
@@ -245,8 +247,8 @@ class GraphExecutor:
         self._pending: collections.deque[_Launched | _Ready] = collections.deque()
         self.wake_fd, self._wake_write = os.pipe()
         os.set_blocking(self.wake_fd, False)
+        self._disk = DiskWorker(self._wake_write)
         self._watch: queue.SimpleQueue[tuple[int, int, Plan] | None] = queue.SimpleQueue()
-        self._unreadable: dict[int, tuple[int, ...]] = {}  # per fence: the disk reads not served (DiskWork)
         self._tier_events: dict[int, tuple] = {}  # per fence: timing events around its spills and restores
         self._watcher = threading.Thread(target=self._watch_events, name="graph-completions", daemon=True)
         self._watcher.start()
@@ -316,6 +318,10 @@ class GraphExecutor:
             raise DeviceFault(self.fault)
         return ready
 
+    def disk_done(self) -> list[DiskDone]:
+        """The steps whose disk work ended since the last call (engine/executor/disk_worker.py)."""
+        return self._disk.done()
+
     def close(self) -> None:
         """Drain both streams, then free; if the drain fails the memory is kept, since work may still use it."""
         self._watch.put(None)
@@ -326,6 +332,7 @@ class GraphExecutor:
             log.exception("draining the GPU failed; keeping its memory")
             return
         self._watcher.join()
+        self._disk.close()
         self._eager.close()
         del self._eager
         for event in (*self._start, *self._end, *self._done, self._origin):
@@ -515,12 +522,10 @@ class GraphExecutor:
         ended makes fail."""
         try:
             completion = self._collect(step)
-            unreadable = self._unreadable.pop(step.fence, None)
             events = self._tier_events.pop(step.fence, None)
-            if unreadable is None and events is None:
+            if events is None:
                 return completion
-            return replace(completion, unreadable=unreadable or (),
-                           tier_seconds=events[0].elapsed_time(events[1]) / 1000 if events else 0.0)
+            return replace(completion, tier_seconds=events[0].elapsed_time(events[1]) / 1000)
         except Exception as exc:
             log.exception("reading graph step %d failed", step.fence)
             self.fault = self.fault or sticky_fault(self.kv_cache.device)
@@ -565,7 +570,8 @@ class GraphExecutor:
             completion = self._eager._execute(fence, plan, time.perf_counter())
         if plan.disk is not None:
             self._rt.streamSynchronize(self._model_stream.cuda_stream)  # its spills, before their slots are written
-        return self._eager.with_disk_work(plan, completion)
+            self._disk.queue(fence, plan.disk, self.host_pages)
+        return completion
 
     def _copy_pages(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Private copies of cached pages, before the step that reads them (rare: exact prefix checkpoints)."""
@@ -579,8 +585,8 @@ class GraphExecutor:
             fence, event, plan = item
             try:
                 self._rt.eventSynchronize(event)
-                if plan.disk is not None:  # (off the loop: this thread reports the step only after its disk work)
-                    self._unreadable[fence] = self.host_pages.disk_work(plan.disk)
+                if plan.disk is not None:  # its copies are done
+                    self._disk.queue(fence, plan.disk, self.host_pages)
             except Exception as exc:  # a device fault: sticky, the engine stops (poll raises it)
                 self.fault = f"{type(exc).__name__}: {exc}"
             self._completed = fence

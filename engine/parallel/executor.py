@@ -12,11 +12,11 @@ raises RankFailure, and the engine fails its requests and exits.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections import deque
 
 from engine.executor.base import Executor
 from engine.parallel.step_channel import Leader, RankFailure
-from engine.scheduler.plan import Completion, Plan
+from engine.scheduler.plan import Completion, DiskDone, Plan
 
 
 class TensorParallelExecutor:
@@ -26,6 +26,7 @@ class TensorParallelExecutor:
         self.wake_fd = local.wake_fd
         self.num_pages = local.num_pages
         self.failed = False
+        self._disk_local: deque[DiskDone] = deque()  # rank 0's, until every other rank has reported them too
 
     @property
     def fault(self) -> str | None:
@@ -47,24 +48,30 @@ class TensorParallelExecutor:
         self.local.submit(plan)
 
     def poll(self) -> list[tuple[Plan, Completion]]:
-        """Rank 0's completions once every rank reported the same tokens; a disk read that any rank could not serve
-        (its shard's file) is unserved for all."""
+        """Rank 0's completions once every rank reported the same tokens."""
         ready = []
         try:
             self.channel.tick()
             for plan, completion in self.local.poll():
                 if completion.error is not None:
                     raise RankFailure(f"rank 0: step {completion.fence} failed: {completion.error}")
-                unreadable = set(completion.unreadable)
                 for rank, done in self.channel.done(completion.fence).items():
                     if done.tokens != completion.tokens:
                         raise RankFailure(f"rank {rank} sampled other tokens than rank 0 in step {completion.fence}")
-                    unreadable.update(done.unreadable)
-                if len(unreadable) > len(completion.unreadable):
-                    completion = replace(completion, unreadable=tuple(sorted(unreadable)))
                 ready.append((plan, completion))
         except RankFailure as exc:
             raise self._fail(str(exc)) from None
+        return ready
+
+    def disk_done(self) -> list[DiskDone]:
+        """Steps whose disk work ended on every rank (rank 0's first, then the others' reports as they arrive); a
+        disk read that any rank could not serve (its shard's file) is unserved for all."""
+        self._disk_local.extend(self.local.disk_done())
+        ready = []
+        while self._disk_local and (reports := self.channel.disk_done(self._disk_local[0].fence)) is not None:
+            done = self._disk_local.popleft()
+            unreadable = {*done.unreadable, *(slot for report in reports.values() for slot in report.unreadable)}
+            ready.append(DiskDone(done.fence, tuple(sorted(unreadable))))
         return ready
 
     def close(self) -> None:

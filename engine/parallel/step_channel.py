@@ -2,7 +2,8 @@
 
 Per step: Prepare (rank 0 sends the fence and the Plan) -> Ready (each rank has validated it) -> Commit (rank 0
 releases it once every rank is ready) -> every rank runs it, collectives inside the forward -> Done (each rank's
-sampled tokens, which rank 0 checks against its own before it publishes). No rank enters a step's collectives unless
+sampled tokens, which rank 0 checks against its own before it publishes); a step with disk work, later, DiskWorkDone
+once its files are written and read. No rank enters a step's collectives unless
 every rank has accepted the step, so a rank that cannot run it fails the group with a reason instead of leaving the
 others blocked in a collective.
 
@@ -76,6 +77,12 @@ class Commit(_Message, tag="commit"):
 class Done(_Message, tag="done"):
     fence: int
     tokens: tuple[int, ...]
+
+
+class DiskWorkDone(_Message, tag="disk-done"):
+    """A step's disk work ended on this rank (after the step's Done, whenever its files are written and read)."""
+
+    fence: int
     unreadable: tuple[int, ...] = ()  # host slots of the step's disk reads whose files this rank could not serve
 
 
@@ -91,7 +98,7 @@ class Stop(_Message, tag="stop"):
     reason: str | None = None  # None: a clean stop
 
 
-Message = Hello | Setup | Prepare | Ready | Commit | Done | Beat | Failed | Stop
+Message = Hello | Setup | Prepare | Ready | Commit | Done | DiskWorkDone | Beat | Failed | Stop
 _decoder = msgspec.msgpack.Decoder(Message)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -162,6 +169,12 @@ class Leader:
     def done(self, fence: int) -> dict[int, Done]:
         """Every other rank's report of a step that rank 0 has completed."""
         return self._gather(Done, fence, SILENCE_LIMIT)
+
+    def disk_done(self, fence: int) -> dict[int, DiskWorkDone] | None:
+        """Every other rank's report that the step's disk work ended, once all have sent it (None until then)."""
+        if len(self._inbox.get((DiskWorkDone, fence), {})) < len(self.ranks):
+            return None
+        return self._inbox.pop((DiskWorkDone, fence))
 
     def tick(self) -> None:
         """Read what arrived, beat when due, and fail on a rank that went silent or gave up."""

@@ -14,7 +14,8 @@ import zmq
 from common.ranks import DEVICE_FAULT, GROUP_FAILED
 from engine.executor.base import Executor
 from engine.executor.faults import DeviceFault
-from engine.parallel.step_channel import BEAT_INTERVAL, Commit, Done, Follower, Prepare, RankFailure, Ready, Stop
+from engine.parallel.step_channel import (BEAT_INTERVAL, Commit, DiskWorkDone, Done, Follower, Prepare, RankFailure,
+                                         Ready, Stop)
 from engine.scheduler.plan import Plan
 
 log = logging.getLogger("flare.engine")
@@ -86,7 +87,9 @@ def serve(channel: Follower, executor: Executor, page_size: int, max_active: int
             for _, completion in executor.poll():
                 if completion.error is not None:
                     raise RankFailure(f"step {completion.fence} failed: {completion.error}")
-                channel.send(Done(completion.fence, completion.tokens, completion.unreadable))
+                channel.send(Done(completion.fence, completion.tokens))
+            for done in executor.disk_done():
+                channel.send(DiskWorkDone(done.fence, done.unreadable))
             channel.tick()
             poller.poll(int(BEAT_INTERVAL * 1000))
     except RankFailure as exc:

@@ -2,10 +2,11 @@
 extends checkpoints found only on disk has them read into host slots before it takes a slot, so that its placement
 restores them from the host as any host hit (docs/design.md, Host retention).
 
-The work is planned (Plan.disk) and done by the executor after the step's copies, before its completion is reported;
-a write's file joins the disk tier, and a read's slot the host tier, once that step completes. A read whose file
-turned out unreadable (on any rank of a tensor-parallel group) gives its slot back and its key up, and its file is
-deleted.
+The work is planned (Plan.disk) and done by the executor's disk thread after the step's copies, apart from the step:
+a write's file joins the disk tier (and the host slot it was written from is free), and a read's slot the host tier,
+once the executor reports the step's disk work done (DiskDone). A read whose file turned out unreadable (on any rank
+of a tensor-parallel group) gives its slot back and its key up, and its file is deleted. A failed step's disk work
+did not happen.
 """
 
 from __future__ import annotations
@@ -34,27 +35,39 @@ class DiskReuse:
         self._writes: list[DiskWrite] = []  # not yet sent
         self._reads: list[DiskRead] = []  # not yet sent
         self._loading: dict[bytes, tuple[DiskRead, DiskEntry]] = {}  # planned or in flight
-        self._sent: list[tuple[int, DiskWork]] = []  # committed work by fence, until its step completes
+        self._sent: dict[int, DiskWork] = {}  # committed work by fence, until it is done
+        self._releases: dict[int, int | None] = {}  # host slots given up -> snapshot row: free once written
         self.gone: list[bytes] = []  # keys neither the host nor the disk holds any more (for announcements)
+        host.holds_dropped = True
 
     def held(self) -> set[bytes]:
         """The keys the disk tier holds or will once the writes to plan, planned and sent complete, and those it gave
         up whose files are not deleted yet (gone once their deletion is sent)."""
         return {*self.disk.keys(), *(key for key, _ in self.host.dropped), *(w.key for w in self._writes),
-                *(w.key for _, work in self._sent for w in work.writes), *self.disk.erased}
+                *(w.key for work in self._sent.values() for w in work.writes), *self.disk.erased}
 
     @property
     def pending(self) -> bool:
+        """Disk work to send with the next step."""
         return bool(self._writes or self._reads or self.disk.erased or self.host.dropped)
 
+    @property
+    def in_flight(self) -> bool:
+        """Disk work sent and not done yet."""
+        return bool(self._sent)
+
     def planned(self) -> DiskWork | None:
-        """The next step's disk work: the host tier's dropped entries written (unless a file holds them already),
-        the reads planned, the files given up deleted."""
+        """The next step's disk work: the host tier's dropped entries written (unless a file holds them already, or
+        one is on its way from the same slot), the reads planned, the files given up deleted."""
+        writing = {w.slot for w in self._writes} | {w.slot for work in self._sent.values() for w in work.writes}
         for key, entry in self.host.dropped:
-            if key in self.disk or any(w.key == key for w in self._writes):
+            if entry.slot not in writing and key in self.disk:
                 self.disk.get(key)
-            else:
+                self.host.release(entry.slot, entry.snapshot)
+                continue
+            if entry.slot not in writing:
                 self._write(key, entry)
+            self._releases[entry.slot] = entry.snapshot
         self.host.dropped = []
         if not (self._writes or self._reads or self.disk.erased):
             return None
@@ -78,27 +91,34 @@ class DiskReuse:
         self._reads = self._reads[len(work.reads):]
         self.disk.erased = self.disk.erased[len(work.erasures):]
         self.gone.extend(key for key in work.erasures if key not in self.host and key not in self.cache)
-        self._sent.append((fence, work))
+        self._sent[fence] = work
 
-    def completed(self, fence: int, unreadable: tuple[int, ...]) -> None:
-        while self._sent and self._sent[0][0] <= fence:
-            _, work = self._sent.pop(0)
-            for write in work.writes:
+    def done(self, fence: int, unreadable: tuple[int, ...] | None) -> None:
+        """The disk work sent with the step of `fence` ended; None: the step failed, and none of it happened."""
+        work = self._sent.pop(fence, None)
+        if work is None:
+            return
+        for write in work.writes:
+            if unreadable is not None:
                 self.disk.add(write.key, DiskEntry(write.length, write.snapshot >= 0, write.parent))
                 self.counters["disk_writes"] += 1
                 self.counters["disk_bytes_out"] += self.page_bytes + (write.snapshot >= 0) * self.snapshot_bytes
-            for read in work.reads:
-                _, entry = self._loading.pop(read.key)
-                row = read.snapshot if read.snapshot >= 0 else None
-                if read.slot in unreadable:  # (its file goes, on every rank, with the next step's disk work)
-                    self.host.give_back(read.slot, row)
-                    self.disk.remove(read.key)
-                    self.disk.erased.append(read.key)
-                    self.counters["disk_unreadable"] += 1
-                else:
-                    self.host.adopt(read.key, HostEntry(read.slot, entry.length, row, entry.parent))
-                    self.counters["disk_reads"] += 1
-                    self.counters["disk_bytes_in"] += self.page_bytes + (row is not None) * self.snapshot_bytes
+            elif write.key not in self.host and write.key not in self.cache:
+                self.gone.append(write.key)
+            if write.slot in self._releases:
+                self.host.release(write.slot, self._releases.pop(write.slot))
+        for read in work.reads:
+            _, entry = self._loading.pop(read.key)
+            row = read.snapshot if read.snapshot >= 0 else None
+            if unreadable is None or read.slot in unreadable:  # (its file goes, on every rank, with the next step)
+                self.host.give_back(read.slot, row)
+                self.disk.remove(read.key)
+                self.disk.erased.append(read.key)
+                self.counters["disk_unreadable"] += unreadable is not None
+            else:
+                self.host.adopt(read.key, HostEntry(read.slot, entry.length, row, entry.parent))
+                self.counters["disk_reads"] += 1
+                self.counters["disk_bytes_in"] += self.page_bytes + (row is not None) * self.snapshot_bytes
 
     def awaits_load(self, history: PrefixHistory, limit: int, message_ends: list[int], size: int) -> bool:
         """Whether a waiting prompt had better wait for checkpoints that extend its cached prefix to be read from

@@ -19,7 +19,7 @@ from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostEntry, HostTier
 from engine.scheduler.copies import Copy, PageCopy, Restore, SnapshotRestore, Spill, StateCopy
 from engine.scheduler.disk_reuse import DiskReuse
-from engine.scheduler.plan import Completion, DiskWork, Plan
+from engine.scheduler.plan import Completion, DiskDone, DiskWork, Plan
 from engine.scheduler.request import Request
 
 
@@ -156,22 +156,23 @@ class HostTraffic:
         return tuple(c for c in copies if not isinstance(c, (Spill, Restore, SnapshotRestore)))
 
     def completed(self, completion: Completion, plan: Plan) -> None:
-        """Steps up to the completion's fence completed: their disk work is done, the host slots they last used are
-        free; what the plan's spills and restores took is learned. A failed step's spills and reads may not have
-        happened: what they would have filled is given up."""
+        """Steps up to the completion's fence completed: the host slots they last used are free; what the plan's
+        spills and restores took is learned. A failed step's spills and disk work may not have happened: what they
+        would have filled is given up."""
         if completion.tier_seconds and (plan.spills or plan.restores):  # (a snapshot's copy counts with its page)
             self.page_copy_seconds.append(completion.tier_seconds / (len(plan.spills) + len(plan.restores)))
         if self.host is None:
             return
-        fence, unreadable = completion.fence, completion.unreadable
         if completion.error is not None:
             for _, slot in plan.spills:
                 self.host.forget(slot)
-            if plan.disk is not None:
-                unreadable = tuple(read.slot for read in plan.disk.reads)
-        if self.disk is not None:
-            self.disk.completed(fence, unreadable)
-        self.host.completed(fence)
+            if self.disk is not None:
+                self.disk.done(completion.fence, None)
+        self.host.completed(completion.fence)
+
+    def disk_done(self, done: DiskDone) -> None:
+        """A step's disk work ended (after the step completed: engine/executor/disk_worker.py)."""
+        self.disk.done(done.fence, done.unreadable)
 
     def release(self, request: Request) -> None:
         """A request's end: its restores not sent are moot (its pages and transit row are given back with it)."""

@@ -131,12 +131,21 @@ class DiskRead(NamedTuple):
 
 @dataclass(frozen=True)
 class DiskWork:
-    """The disk tier's work of a step (docs/design.md, Host retention), done after its copies and before its
-    completion is reported: host slots written to files, files read into host slots, files deleted (keys)."""
+    """The disk tier's work of a step (docs/design.md, Host retention), done on the executor's disk thread once the
+    step's copies are (its completion does not wait for it): host slots written to files, files read into host
+    slots, files deleted (keys). Its end is reported apart, as DiskDone."""
 
     writes: tuple[DiskWrite, ...] = ()
     reads: tuple[DiskRead, ...] = ()
     erasures: tuple[bytes, ...] = ()
+
+
+class DiskDone(NamedTuple):
+    """The disk work of the step of `fence` is done; `unreadable`: the host slots of its reads whose files were not
+    served (on any rank of a tensor-parallel group)."""
+
+    fence: int
+    unreadable: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,5 +212,4 @@ class Completion:
     accepted: tuple[int, ...] = ()
     # (slot, generation, row start, float32 vector) per pooling row of the plan (Row.pool), in plan order.
     pooled: tuple[tuple[int, int, int, np.ndarray], ...] = ()
-    unreadable: tuple[int, ...] = ()  # host slots of the plan's disk reads whose files were not served
     tier_seconds: float = 0.0  # what the plan's spills and restores took (0.0: not measured)

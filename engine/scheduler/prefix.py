@@ -311,6 +311,11 @@ class PrefixReuse:
         """Whether a clean stop writes the checkpoints to a disk tier (persist)."""
         return self.tiers.disk is not None
 
+    @property
+    def writing(self) -> bool:
+        """Whether disk work sent with steps has not ended yet."""
+        return self.tiers.disk is not None and self.tiers.disk.in_flight
+
     def persist(self) -> bool:
         """A round of a clean stop with a disk tier, once the copies that requests' ends left are made: as many of
         the device's checkpoints as the host has free slots (and snapshot rows) for move there, the host gives up

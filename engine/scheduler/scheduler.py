@@ -24,7 +24,7 @@ from engine.scheduler.candidates import CandidateSteps
 from engine.scheduler.cohort import AT_OUTPUT_INDEX, AT_PAGE_TABLE, AT_START, DecodeCohort
 from engine.scheduler.completion import StepCompleter, end_reason, validate
 from engine.scheduler.copies import copy_fields
-from engine.scheduler.plan import SLOT, Completion, DecodeRows, Plan, Row
+from engine.scheduler.plan import SLOT, Completion, DecodeRows, DiskDone, Plan, Row
 from engine.scheduler.policy import GraphCostModel, PolicyConfig, decode_capacity
 from engine.scheduler.prefix import PrefixReuse
 from engine.scheduler.request import Phase, Request
@@ -406,6 +406,11 @@ class RequestScheduler:
         completer.prompt_news(completion, plan, result)
         completer.rounds(sampled, completion, fence, result)
         return result
+
+    def disk_done(self, done: DiskDone) -> None:
+        """A step's disk work ended, after the step (the executor's disk thread): the disk tier's files and the host
+        slots they were written from or read into are its own from now on."""
+        self.prefix.tiers.disk_done(done)
 
     def _retire(self, fence: int) -> None:
         """Requests that ended with steps in flight are gone once the last of those steps completed."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from common.protocol import SamplingParams
 from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostTier
-from engine.scheduler.plan import Completion, Plan
+from engine.scheduler.plan import Completion, DiskDone, Plan
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.scheduler import RequestScheduler
 
@@ -30,12 +30,19 @@ def add(scheduler: RequestScheduler, tokens: list[int]) -> Request:
     return request
 
 
-def step(scheduler: RequestScheduler, plan: Plan) -> None:
-    fence = scheduler._completed_fence + 1
-    scheduler.commit(plan, fence)
+def complete(scheduler: RequestScheduler, plan: Plan, fence: int) -> None:
+    """The step completes, and its disk work (if any) ends right after."""
     sampled = [row for row in plan.rows if row.sample]
     scheduler.complete(Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
                                   (7,) * len(sampled), 0.01), plan)
+    if plan.disk is not None:
+        scheduler.disk_done(DiskDone(fence))
+
+
+def step(scheduler: RequestScheduler, plan: Plan) -> None:
+    fence = scheduler._completed_fence + 1
+    scheduler.commit(plan, fence)
+    complete(scheduler, plan, fence)
 
 
 def run(scheduler: RequestScheduler) -> list[Plan]:
@@ -125,10 +132,6 @@ def test_an_exact_checkpoint_given_up_to_disk_is_read_back_with_its_snapshot() -
     assert s.counters["disk_bytes_in"] == PAGE_BYTES + SNAPSHOT_BYTES
 
 
-def complete(scheduler: RequestScheduler, plan: Plan, fence: int) -> None:
-    sampled = [row for row in plan.rows if row.sample]
-    scheduler.complete(Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled),
-                                  (7,) * len(sampled), 0.01), plan)
 
 
 def test_a_restore_waits_for_room_retiring_behind_a_step_in_flight() -> None:

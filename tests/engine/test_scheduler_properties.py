@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from common.protocol import SamplingParams
 from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostTier
-from engine.scheduler.plan import Completion, Plan
+from engine.scheduler.plan import Completion, DiskDone, Plan
 from engine.scheduler.request import Phase, Request
 from engine.scheduler.rows import next_row
 from engine.scheduler.scheduler import RequestScheduler, StalePlan
@@ -32,6 +32,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8)
         self.in_flight: deque[tuple[int, Plan]] = deque()
+        self.disk_in_flight: list[tuple[int, Plan]] = []  # completed steps whose disk work has not ended
         self.fence = 0
         self.completed = 0
         self.last_use: dict[int, int] = {}
@@ -86,14 +87,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         accepted = tuple(self.random.randint(0, len(r.draft)) for r in sampled) if plan.kind == "verify" else ()
         # Durations grow with the step's tokens, so a verify round is not always worth its cost (or its bubble).
         completion = Completion(fence, tuple(r.slot for r in sampled), tuple(r.generation for r in sampled), tokens,
-                                0.001 * (4 + plan.num_tokens), accepted=accepted, unreadable=self.unreadable(plan))
+                                0.001 * (4 + plan.num_tokens), accepted=accepted)
         self.scheduler.complete(completion, plan)
         self.completed = fence
+        if plan.disk is not None:
+            self.disk_in_flight.append((fence, plan))
         for row in plan.rows:
             request = self.scheduler.slots[row.slot]
             if row.draft and request is not None and request.generation == row.generation and \
                     not self.scheduler.in_flight(request):
                 assert len(request.pages) <= -(-len(request.tokens) // PAGE)  # rejected positions' pages went back
+
+    @precondition(lambda self: self.disk_in_flight)
+    @rule(index=st.integers(0, 3))
+    def end_disk_work(self, index: int) -> None:
+        """A completed step's disk work ends, at any time after the step and in any order (the executor's disk
+        thread keeps the order it was handed, which a tensor-parallel group's ranks may not share)."""
+        fence, plan = self.disk_in_flight.pop(index % len(self.disk_in_flight))
+        self.scheduler.disk_done(DiskDone(fence, self.unreadable(plan)))
 
     def unreadable(self, plan: Plan) -> tuple[int, ...]:
         """The host slots of the plan's disk reads whose files the executor found unreadable."""
@@ -107,6 +118,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.plan_and_commit()
             if self.in_flight:
                 self.complete()
+            if self.disk_in_flight and self.random.random() < 0.5:
+                self.end_disk_work(0)
 
     @rule(index=st.integers(0, 50))
     def cancel(self, index: int) -> None:
@@ -192,9 +205,16 @@ class HostTierSchedulerMachine(SchedulerMachine):
     def every_host_slot_in_exactly_one_place(self) -> None:
         host, disk = self.scheduler.prefix.host, self.scheduler.prefix.tiers.disk
         places = host._slots.free + host._slots.dropping + [slot for _, slot in host._slots.retiring]
-        places += [entry.slot for entry in host._entries.values()]
+        places += [*host._slots.held, *(entry.slot for entry in host._entries.values())]
         places += [read.slot for read, _ in disk._loading.values()] if disk is not None else []
         assert sorted(places) == list(range(host.slots)), places
+
+    @invariant()
+    def no_free_host_slot_has_disk_work_in_flight(self) -> None:
+        rows, slots = self.scheduler.prefix.host._rows.free, self.scheduler.prefix.host._slots.free
+        for _, plan in self.disk_in_flight:
+            assert not {work.slot for work in plan.disk.writes + plan.disk.reads} & set(slots)
+            assert not {work.snapshot for work in plan.disk.writes + plan.disk.reads} & set(rows)
 
     @rule(pages=st.integers(1, PAGES))
     def evict_cached(self, pages: int) -> None:
@@ -283,7 +303,7 @@ class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
         places += [c.snapshot for c in prefix.snapshots.pending_state if c.transit]
         assert sorted(places) == list(range(self.SNAPSHOTS)), places
         rows = prefix.host._rows
-        places = rows.free + rows.dropping + [row for _, row in rows.retiring]
+        places = rows.free + rows.dropping + [row for _, row in rows.retiring] + list(rows.held)
         places += [e.snapshot for e in prefix.host._entries.values() if e.snapshot is not None]
         places += [read.snapshot for read, _ in prefix.tiers.disk._loading.values() if read.snapshot >= 0]
         assert sorted(places) == list(range(self.HOST_SNAPSHOTS)), places
