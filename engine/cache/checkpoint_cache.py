@@ -17,6 +17,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from engine.cache.exact_ends import ExactEnds
+
 
 @dataclass(eq=False)
 class Checkpoint:
@@ -74,8 +76,7 @@ class PrefixCheckpointCache:
         # routing indexes: engine/telemetry.py announces them).
         self._stored: list[bytes] = []
         self._evicted: list[bytes] = []
-        # Checkpoints with a snapshot, by the id of their parent (0: no parent): their keys and lengths.
-        self._exact_ends: dict[int, dict[bytes, int]] = {}
+        self._exact_ends = ExactEnds()  # checkpoints with a snapshot, by their parent's id (0: no parent)
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -128,11 +129,11 @@ class PrefixCheckpointCache:
         """The checkpoint's state snapshot (a hybrid model's); it retires with the checkpoint."""
         checkpoint.snapshot = snapshot
         parent = checkpoint.parent.id if checkpoint.parent is not None else 0
-        self._exact_ends.setdefault(parent, {})[checkpoint.key] = checkpoint.length
+        self._exact_ends.add(parent, checkpoint.key, checkpoint.length)
 
     def exact_ends(self, parent: Checkpoint | None) -> list[int]:
         """The lengths of the checkpoints with a snapshot under `parent` (None: the root), deepest first."""
-        return sorted(set(self._exact_ends.get(parent.id if parent is not None else 0, {}).values()), reverse=True)
+        return sorted(set(self._exact_ends.under(parent.id if parent is not None else 0).values()), reverse=True)
 
     def pending_snapshots(self) -> list[Checkpoint]:
         """The checkpoints with a snapshot that are not visible yet (the step that makes them has not completed)."""
@@ -140,7 +141,7 @@ class PrefixCheckpointCache:
 
     @property
     def snapshots(self) -> int:
-        return sum(map(len, self._exact_ends.values()))
+        return len(self._exact_ends)
 
     def set_ready_fence(self, checkpoint: Checkpoint, fence: int) -> None:
         """The step that writes the checkpoint's page was submitted with this fence."""
@@ -218,9 +219,7 @@ class PrefixCheckpointCache:
         snapshots = ()
         if checkpoint.snapshot is not None:
             parent = checkpoint.parent.id if checkpoint.parent is not None else 0
-            del self._exact_ends[parent][checkpoint.key]
-            if not self._exact_ends[parent]:
-                del self._exact_ends[parent]
+            self._exact_ends.remove(parent, checkpoint.key)
             snapshots = (checkpoint.snapshot,)
         return RetiredResources([checkpoint.page], checkpoint.last_use_fence, snapshots, checkpoint.key,
                                 checkpoint.length, checkpoint.parent.key if checkpoint.parent is not None else b"")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from engine.cache.disk_files import DiskEntry
+from engine.cache.exact_ends import ExactEnds
 
 
 class DiskTier:
@@ -18,7 +19,7 @@ class DiskTier:
         """`found`: the files already there (disk_files.scan), least recently written first."""
         self.capacity = capacity
         self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()
-        self._exact_ends: dict[bytes, dict[bytes, int]] = {}  # entries with a snapshot, by parent key
+        self._exact_ends = ExactEnds()  # entries with a snapshot
         self.erased: list[bytes] = []  # entries dropped whose files are to be deleted
         for key, entry in found:
             self.add(key, entry)
@@ -41,13 +42,13 @@ class DiskTier:
 
     def exact_ends(self, parent: bytes) -> dict[bytes, int]:
         """The keys and lengths of the entries with a snapshot whose parent key is `parent` (b"": the root)."""
-        return self._exact_ends.get(parent, {})
+        return self._exact_ends.under(parent)
 
     def add(self, key: bytes, entry: DiskEntry) -> None:
         self.remove(key)
         self._entries[key] = entry
         if entry.snapshot:
-            self._exact_ends.setdefault(entry.parent, {})[key] = entry.length
+            self._exact_ends.add(entry.parent, key, entry.length)
         while len(self._entries) > self.capacity:
             oldest = next(iter(self._entries))
             self.remove(oldest)
@@ -56,7 +57,4 @@ class DiskTier:
     def remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None and entry.snapshot:
-            ends = self._exact_ends[entry.parent]
-            del ends[key]
-            if not ends:
-                del self._exact_ends[entry.parent]
+            self._exact_ends.remove(entry.parent, key)

@@ -22,6 +22,8 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from engine.cache.exact_ends import ExactEnds
+
 
 @dataclass(frozen=True)
 class HostEntry:
@@ -72,7 +74,7 @@ class HostTier:
         self._rows = _Rows(snapshots)
         self._entries: OrderedDict[bytes, HostEntry] = OrderedDict()  # least recently used first
         self._pins: dict[int, int] = {}  # slot -> planned restores that read it
-        self._exact_ends: dict[bytes, dict[bytes, int]] = {}  # entries with a snapshot, by parent key
+        self._exact_ends = ExactEnds()  # entries with a snapshot
         self.dropped: list[tuple[bytes, HostEntry]] = []  # entries given up, for the disk tier and announcements
         self.holds_dropped = False  # a disk tier below: what is given up keeps its slot until `release`
 
@@ -87,7 +89,7 @@ class HostTier:
 
     @property
     def snapshots(self) -> int:
-        return sum(map(len, self._exact_ends.values()))
+        return len(self._exact_ends)
 
     def get(self, key: bytes) -> HostEntry | None:
         """The entry of `key`, now the most recently used."""
@@ -98,7 +100,7 @@ class HostTier:
 
     def exact_ends(self, parent: bytes) -> list[int]:
         """The lengths of the entries with a snapshot whose parent key is `parent` (b"": the root)."""
-        return list(self._exact_ends.get(parent, {}).values())
+        return list(self._exact_ends.under(parent).values())
 
     def take_slot(self) -> int | None:
         """A free slot (least recently used entries give way to keep the reserve); None when none is free."""
@@ -146,7 +148,7 @@ class HostTier:
     def _add(self, key: bytes, entry: HostEntry) -> None:
         self._entries[key] = entry
         if entry.snapshot is not None:
-            self._exact_ends.setdefault(entry.parent, {})[key] = entry.length
+            self._exact_ends.add(entry.parent, key, entry.length)
 
     def adopt(self, key: bytes, entry: HostEntry) -> None:
         """A slot (and snapshot row) taken (take_slot, take_row) and filled from disk becomes `key`'s entry."""
@@ -188,10 +190,7 @@ class HostTier:
         self._slots.give_up(entry.slot, hold)
         if entry.snapshot is not None:
             self._rows.give_up(entry.snapshot, hold)
-            ends = self._exact_ends[entry.parent]
-            del ends[key]
-            if not ends:
-                del self._exact_ends[entry.parent]
+            self._exact_ends.remove(entry.parent, key)
         return entry
 
     def committed(self, fence: int) -> None:

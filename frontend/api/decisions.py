@@ -15,14 +15,14 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 
 from common.errors import ExecutionFailed, InvalidRequest
 from common.protocol import LabelQuery, SamplingParams, Submit
+from frontend.api.fan_out import all_or_nothing
 from frontend.api.json_body import json_response
 from frontend.api.models import resolve
 from frontend.decisions.prompts import Decider, Prompt
@@ -32,7 +32,6 @@ from frontend.server import Frontend, frontend_of, read_json
 
 DECIDER_KEY = web.AppKey("decider", Decider)
 MAX_STATES = 256
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,17 +56,6 @@ async def score(client: Replicas, decider: Decider, prompt: Prompt, shared: int 
                     raise ExecutionFailed(f"the scored prefill ended: {update.finish_reason}")
                 return Scored(update.label_logits, update.prompt_tokens, update.cached_tokens)
     raise ExecutionFailed("the scored prefill ended without a result")
-
-
-async def all_or_nothing(jobs: list[Awaitable[T]]) -> list[T]:
-    """Every result, or the first failure, after cancelling the rest."""
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def decide(frontend: Frontend, decider: Decider, state: Any, questions: list[Question],

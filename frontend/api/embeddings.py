@@ -23,7 +23,7 @@ from aiohttp import web
 from common.errors import ExecutionFailed, InvalidRequest
 from common.manifest import Pooling
 from common.protocol import SamplingParams, Submit
-from frontend.api.decisions import all_or_nothing
+from frontend.api.fan_out import all_or_nothing
 from frontend.api.json_body import json_response
 from frontend.api.models import requested_model
 from frontend.api.params import get_bool, get_int, get_str

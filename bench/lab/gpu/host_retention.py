@@ -29,6 +29,7 @@ import torch
 
 from bench.lab.gpu.evidence import LINES, say
 from bench.lab.gpu.serving import FlareServer, synth
+from bench.lab.host.served import model_name
 
 KV_BYTES = 8 << 30
 NEW_TOKENS = 32  # the second turn's new user tokens
@@ -40,11 +41,6 @@ def metrics(url: str) -> dict[str, float]:
         lines = response.read().decode().splitlines()
     return {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in lines
             if line.startswith("flare_engine_") and "{" not in line}
-
-
-def model_name(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
-        return json.load(response)["data"][0]["id"]
 
 
 def first_token(url: str, tokens: list[int], max_tokens: int) -> tuple[float, int, str]:

@@ -18,15 +18,12 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
+from bench.lab.host.served import add_server_flags, print_rows, served
 from frontend.chat.templates import ChatTemplate
 from frontend.decisions.prompts import GENERIC_PROMPT
 from frontend.decisions.questions import parse_question
@@ -117,23 +114,6 @@ async def measure(url: str, model: str, route: str, states: int, concurrency: in
             "prompt tokens": sum(r[0] for r in results), "cached tokens": sum(r[1] for r in results)}
 
 
-def start_server(core: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    # `flare` as a module of this interpreter: it runs from a checkout whose scripts are not installed, too.
-    process = subprocess.Popen([sys.executable, "-m", "common.cli", "run", str(core), "--port", str(port), *extra],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"flare run exited with status {process.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return process
-        except OSError:
-            time.sleep(0.5)
-    process.kill()
-    raise SystemExit("flare run did not become healthy")
-
-
 def write_decision_config(core: Path, labels: dict[str, list[str]]) -> None:
     """decision.json with these labels, recorded in the manifest as `ignition export` would."""
     from common.manifest import load_manifest, sha256_file, write_manifest
@@ -144,45 +124,24 @@ def write_decision_config(core: Path, labels: dict[str, list[str]]) -> None:
     write_manifest(core, manifest)
 
 
-def model_name(url: str) -> str:
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as response:
-        return json.load(response)["data"][0]["id"]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.lab.host.decisions", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--core", type=Path, help="start `flare run CORE` and measure it")
-    where.add_argument("--url", help="a running server")
-    parser.add_argument("--port", type=int, default=8123, help="with --core")
+    add_server_flags(parser, 8123)
     parser.add_argument("--states", type=int, default=8, help="states per route")
     parser.add_argument("--concurrency", type=int, default=4, help="states in flight at once")
     parser.add_argument("--lines", type=int, default=19, help="lines of conversation per state (~26 tokens each)")
-    parser.add_argument("--flare-arg", action="append", default=[], help="passed on to `flare run` (repeatable)")
     parser.add_argument("--noul-labels", help="with --core: single-token labels of true,false (e.g. Y,N)")
     args = parser.parse_args(argv)
     labels = {"noul": args.noul_labels.split(",")} if args.noul_labels else {}
     if labels and args.core:
         write_decision_config(args.core, labels)
-    server = start_server(args.core, args.port, args.flare_arg) if args.core else None
-    url = args.url.rstrip("/").removesuffix("/v1") if args.url else f"http://127.0.0.1:{args.port}"
-    try:
-        model = model_name(url)
+    with served(args, args.flare_arg) as (url, model):
         rows = [asyncio.run(measure(url, model, route, args.states, args.concurrency, args.lines, offset, labels))
                 for route, offset in (("systemone", 1000), ("chat", 2000))]
-    finally:
-        if server is not None:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
     print(f"model {model}, {len(QUESTIONS)} questions per state, {args.concurrency} states in flight, "
           f"{os.cpu_count()} CPUs here")
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + " --- |" * len(keys))
-    for row in rows:
-        print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
-
+    print_rows(rows)
 
 if __name__ == "__main__":
     main()

@@ -15,13 +15,11 @@ import argparse
 import asyncio
 import os
 import random
-import signal
 import time
-from pathlib import Path
 
 import aiohttp
 
-from bench.lab.host.decisions import model_name, start_server
+from bench.lab.host.served import add_server_flags, print_rows, served
 
 FIRST_ID, IDS = 100, 2000  # ids every real vocabulary holds
 
@@ -66,36 +64,21 @@ async def measure(url: str, model: str, sequences: int, length: int, batch: int,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.lab.host.embeddings", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--core", type=Path, help="start `flare run CORE` and measure it")
-    where.add_argument("--url", help="a running server")
-    parser.add_argument("--port", type=int, default=8124, help="with --core")
+    add_server_flags(parser, 8124)
     parser.add_argument("--pooling", choices=("last", "mean"), help="with --core: serve it with flare run --pooling "
                                                                      "(a generation core)")
     parser.add_argument("--sequences", type=int, default=256, help="sequences per row")
     parser.add_argument("--length", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--rows", default="1x64,32x4", metavar="BxC,...",
                         help="rows of B inputs per request with C requests in flight")
-    parser.add_argument("--flare-arg", action="append", default=[], help="passed on to `flare run` (repeatable)")
     args = parser.parse_args(argv)
     rows = [tuple(int(n) for n in row.split("x")) for row in args.rows.split(",")]
     extra = args.flare_arg + (["--pooling", args.pooling] if args.pooling else [])
-    server = start_server(args.core, args.port, extra) if args.core else None
-    url = args.url.rstrip("/").removesuffix("/v1") if args.url else f"http://127.0.0.1:{args.port}"
-    try:
-        model = model_name(url)
+    with served(args, extra) as (url, model):
         results = [asyncio.run(measure(url, model, args.sequences, args.length, batch, concurrency,
                                        (i + 1) * 100_000)) for i, (batch, concurrency) in enumerate(rows)]
-    finally:
-        if server is not None:
-            server.send_signal(signal.SIGTERM)
-            server.wait(60)
     print(f"model {model}, {args.length} tokens per sequence, {os.cpu_count()} CPUs here")
-    keys = list(results[0])
-    print("| " + " | ".join(keys) + " |")
-    print("|" + " --- |" * len(keys))
-    for row in results:
-        print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    print_rows(results)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from pathlib import Path
 import openai
 from openai.types.chat import ChatCompletionTokenLogprob
 
-from bench.lab.host.decisions import start_server
+from bench.lab.host.served import start_server
 
 DEFAULT_SOURCE = Path(".cache/SmolLM2-135M-Instruct.Q4_1.gguf")
 # Each core's name and the flags `ignition export` writes it with; fp32 is the reference the others are held to.
