@@ -23,6 +23,7 @@ class DiskWorker:
         self._work: queue.SimpleQueue[tuple[int, DiskWork, HostPages] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[DiskDone] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # started with the first work
+        self._closing = False
 
     def queue(self, fence: int, work: DiskWork, pages: HostPages) -> None:
         """The disk work of the step of `fence`, whose copies are done."""
@@ -41,13 +42,17 @@ class DiskWorker:
                 return ready
 
     def close(self) -> None:
-        """Finish the work handed over, then stop."""
+        """Finish the work under way and stop; the work queued behind it is dropped (a clean stop waits for the disk
+        work in flight up to its deadline: past it, fewer files are written rather than the stop held up)."""
         if self._thread is not None:
+            self._closing = True
             self._work.put(None)
             self._thread.join()
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
+            if self._closing:
+                continue
             fence, work, pages = item
             self._done.put(DiskDone(fence, pages.disk_work(work)))
             os.write(self._wake_write, b"x")

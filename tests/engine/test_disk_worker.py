@@ -27,20 +27,34 @@ def wait_for(executor: object, ready: Callable[[], list]) -> list:
     return items
 
 
-def test_a_step_completes_before_its_disk_work_ends(tmp_path: Path) -> None:
+def slow_disk_executor(directory: Path, disk_free: threading.Event,
+                       under_way: threading.Event | None = None) -> object:
+    """An eager executor with a host tier of two slots over a disk whose work waits for `disk_free` (and sets
+    `under_way` once it has begun)."""
     executor = make_executor(tiny_model(), 8, PAGE, 2, torch.device("cpu"), 512, 48, False, host_slots=2,
-                             disk=(tmp_path, b"i" * 32))
-    disk_free = threading.Event()
+                             disk=(directory, b"i" * 32))
     write_files = executor.host_pages.disk_work
 
     def slow_disk(work: DiskWork) -> tuple[int, ...]:  # a disk busy with other writes
+        if under_way is not None:
+            under_way.set()
         disk_free.wait(10)
         return write_files(work)
 
     executor.host_pages.disk_work = slow_disk
+    return executor
+
+
+def spill_and_write(page: int, slot: int, key: bytes) -> Plan:
+    return Plan((), spills=((page, slot),), disk=DiskWork(writes=(DiskWrite(slot, key, PAGE),)))
+
+
+def test_a_step_completes_before_its_disk_work_ends(tmp_path: Path) -> None:
+    disk_free = threading.Event()
+    executor = slow_disk_executor(tmp_path, disk_free)
     key = bytes(range(16))
     try:
-        executor.submit(Plan((), spills=((2, 0),), disk=DiskWork(writes=(DiskWrite(0, key, PAGE),))))
+        executor.submit(spill_and_write(2, 0, key))
         [(_, completion)] = wait_for(executor, executor.poll)
         assert completion.error is None and executor.can_submit()
         assert executor.disk_done() == [] and not (tmp_path / disk_files.file_name(key)).exists()
@@ -50,3 +64,17 @@ def test_a_step_completes_before_its_disk_work_ends(tmp_path: Path) -> None:
     finally:
         disk_free.set()
         executor.close()
+
+
+def test_a_stop_drops_the_disk_work_queued_behind_the_work_under_way(tmp_path: Path) -> None:
+    """Files not written are only a colder next start; a stop held up by a slow disk past its deadline is killed."""
+    disk_free, under_way = threading.Event(), threading.Event()
+    executor = slow_disk_executor(tmp_path, disk_free, under_way)
+    first, second = bytes(range(16)), bytes(range(1, 17))
+    executor.submit(spill_and_write(2, 0, first))
+    executor.submit(spill_and_write(3, 1, second))
+    assert under_way.wait(10)
+    threading.Timer(0.5, disk_free.set).start()  # the first write is under way when the stop comes
+    executor.close()  # (its steps end first: the second step's disk work is queued before the stop)
+    assert (tmp_path / disk_files.file_name(first)).is_file()
+    assert not (tmp_path / disk_files.file_name(second)).exists()
