@@ -8,12 +8,15 @@ end reported as a DiskDone that the engine loop collects, the executor's wake pi
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 
 from engine.executor.tier_copies import HostPages
 from engine.scheduler.plan import DiskDone, DiskWork
+
+log = logging.getLogger("flare.engine")
 
 
 class DiskWorker:
@@ -54,5 +57,10 @@ class DiskWorker:
             if self._closing:
                 continue
             fence, work, pages = item
-            self._done.put(DiskDone(fence, pages.disk_work(work)))
+            try:
+                unreadable = pages.disk_work(work)
+            except Exception:  # (bad files are handled inside: this is a fault of ours, which must not end the thread)
+                log.exception("the disk work of step %d failed", fence)
+                unreadable = tuple(read.slot for read in work.reads)  # (writes not made read as missing files later)
+            self._done.put(DiskDone(fence, unreadable))
             os.write(self._wake_write, b"x")

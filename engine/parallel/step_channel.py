@@ -3,9 +3,8 @@
 Per step: Prepare (rank 0 sends the fence and the Plan) -> Ready (each rank has validated it) -> Commit (rank 0
 releases it once every rank is ready) -> every rank runs it, collectives inside the forward -> Done (each rank's
 sampled tokens, which rank 0 checks against its own before it publishes); a step with disk work, later, DiskWorkDone
-once its files are written and read. No rank enters a step's collectives unless
-every rank has accepted the step, so a rank that cannot run it fails the group with a reason instead of leaving the
-others blocked in a collective.
+once its files are written and read. No rank enters a step's collectives unless every rank has accepted the step, so
+a rank that cannot run it fails the group with a reason instead of leaving the others blocked in a collective.
 
 ZeroMQ over TCP rather than torch.distributed: the descriptor is Python data, which NCCL can carry only through GPU
 buffers and host syncs; ZeroMQ sends never block rank 0's loop; every wait has a timeout; and a heartbeat runs while
