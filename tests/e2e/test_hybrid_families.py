@@ -175,10 +175,15 @@ def test_a_request_restored_then_cancelled_leaves_the_snapshot_for_the_next(hybr
     """A restore copies the snapshot into the request's own state row: the request writes only there, so after it
     is cancelled mid-stream the snapshot still starts the next request, whose tokens equal transformers'."""
     name, server, reference = hybrid
+    start = wait_for(server.base_url, lambda m: "flare_engine_completions_total" in m)
     base = ids_of(chat(server, [{"role": "system", "content": text(25, 4)}, {"role": "user", "content": "Hi"}],
                        max_tokens=1))[0]
     prompt = base + base[-9:]
-    before = wait_for(server.base_url, lambda m: "flare_engine_snapshot_restores_total" in m)
+    # The engine's counters once they count that request (they reach /metrics with its telemetry, a moment after the
+    # reply): compared before, a restore of its own would count as the stream's.
+    done = start["flare_engine_completions_total"]
+    before = wait_for(server.base_url, lambda m: m["flare_engine_completions_total"] > done
+                      and "flare_engine_snapshot_restores_total" in m)
     stream = complete(server, prompt, max_tokens=400, stream=True)
     next(iter(stream))  # restored, decoding: then gone
     stream.close()
