@@ -4,6 +4,8 @@ count_tokens, and the model listing."""
 
 from __future__ import annotations
 
+import uuid
+
 import anthropic
 import httpx
 import pytest
@@ -51,11 +53,14 @@ def test_stop_reasons(claude: anthropic.Anthropic, model: str) -> None:
 
 
 def test_the_stream_event_sequence_and_helper(claude: anthropic.Anthropic, model: str) -> None:
-    # Every request compared below reuses the same cached prefix: a prompt computed whole and one whose prefix came
-    # from the cache round differently (other matrix shapes), which can part greedy near-ties.
-    claude.messages.create(model=model, max_tokens=1, messages=QUESTION, extra_body=GREEDY)
-    whole = claude.messages.create(model=model, max_tokens=20, messages=QUESTION, extra_body=GREEDY)
-    events = list(claude.messages.create(model=model, max_tokens=20, messages=QUESTION, extra_body=GREEDY,
+    # Every request compared below computes its whole prompt, under a cache salt of its own: how much of a prompt comes
+    # from the cache depends on when the copies an earlier request's end left were made, and a prompt whose prefix
+    # came from the cache rounds differently (other matrix shapes), which can part greedy near-ties.
+    def alone(index: int) -> dict:
+        return {**GREEDY, "cache_salt": f"stream-test-{uuid.uuid4().hex}-{index}"}
+
+    whole = claude.messages.create(model=model, max_tokens=20, messages=QUESTION, extra_body=alone(0))
+    events = list(claude.messages.create(model=model, max_tokens=20, messages=QUESTION, extra_body=alone(1),
                                          stream=True))
     types = [e.type for e in events]
     assert types[:2] == ["message_start", "content_block_start"] and types[-2:] == ["message_delta", "message_stop"]
@@ -64,7 +69,7 @@ def test_the_stream_event_sequence_and_helper(claude: anthropic.Anthropic, model
     assert events[-2].delta.stop_reason == whole.stop_reason
     assert events[-2].usage.output_tokens == whole.usage.output_tokens
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == whole.content[0].text
-    with claude.messages.stream(model=model, max_tokens=20, messages=QUESTION, extra_body=GREEDY) as stream:
+    with claude.messages.stream(model=model, max_tokens=20, messages=QUESTION, extra_body=alone(2)) as stream:
         final = stream.get_final_message()
     assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
