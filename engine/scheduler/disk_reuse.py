@@ -59,16 +59,18 @@ class DiskReuse:
     def planned(self) -> DiskWork | None:
         """The next step's disk work: the host tier's dropped entries written (unless a file holds them already, or
         one is on its way from the same slot), the reads planned, the files given up deleted."""
-        writing = {w.slot for w in self._writes} | {w.slot for work in self._sent.values() for w in work.writes}
-        for key, entry in self.host.dropped:
-            if entry.slot not in writing and key in self.disk:
-                self.disk.get(key)
-                self.host.release(entry.slot, entry.snapshot)
-                continue
-            if entry.slot not in writing:
-                self._write(key, entry)
-            self._releases[entry.slot] = entry.snapshot
-        self.host.dropped = []
+        if self.host.dropped:  # (most steps drop nothing: the writes in flight are looked at only when some did)
+            writing = {w.slot for w in self._writes} | {w.slot for work in self._sent.values() for w in work.writes}
+            for key, entry in self.host.dropped:
+                if entry.slot in writing:  # its file is on its way: the slot is free once it is written
+                    self._releases[entry.slot] = entry.snapshot
+                elif key in self.disk:
+                    self.disk.get(key)
+                    self.host.release(entry.slot, entry.snapshot)
+                else:
+                    self._write(key, entry)
+                    self._releases[entry.slot] = entry.snapshot
+            self.host.dropped = []
         if not (self._writes or self._reads or self.disk.erased):
             return None
         return DiskWork(tuple(self._writes), tuple(self._reads), tuple(self.disk.erased))
