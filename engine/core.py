@@ -19,7 +19,7 @@ from common.prefix_history import IDENTITY_BYTES
 from common.sampling_bounds import sampling_problem
 from common.vision import ImageProcessing
 from engine.executor.base import Executor
-from engine.sampling.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
+from engine.sampling.grammar import GrammarCompiler, GrammarSpec, constrained_rows, mask_words, plan_masks
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Request
 from engine.scheduler.results import Finished, StepResult
@@ -99,6 +99,7 @@ class Engine:
         self._last_heartbeat = 0.0
         self.grammars = grammars  # None: structured output is refused (no tokenizer for the grammar engine)
         self._compiling: dict[str, tuple[bytes, wire.Submit]] = {}  # request id -> submit awaiting its grammar
+        self._late: Plan | None = None  # the step submitted with Plan.masks_later, until its masks are given
         self._columns = RequestColumns.of([])  # the last published step's
         self.drops = Drops(log, "engine socket")  # messages of the wrong shape or undecodable
         self.unsent = Drops(log, "engine socket, sending")  # to frontends gone (or peers that only said Hello)
@@ -142,6 +143,9 @@ class Engine:
         for plan, completion in self.executor.poll():
             self._expected_ends.popleft()
             self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
+        if self._late is not None and len(self._expected_ends) == 1:  # the steps before it have completed
+            self.executor.give_masks(self._masks(self._late))
+            self._late = None
         if self.scheduler.prefix.persists:  # (a disk tier's work ends after its steps)
             for done in self.executor.disk_done():
                 self.scheduler.disk_done(done)
@@ -360,19 +364,30 @@ class Engine:
                 self._start(identity, submit, future.result())
 
     def _with_masks(self, plan: Plan) -> Plan:
-        """The committed plan with its rows' grammar masks. A request whose matcher failed to compute one ends
-        here with the error; the step's token for it is then discarded as for any request that ended."""
-        if not self.scheduler.constrained:
+        """The committed plan with its rows' grammar masks; with a step in flight, the masks come once it has
+        completed (Plan.masks_later), where the executor can take them late: its tokens advance the matchers
+        first, while this step's forward runs."""
+        if not self.scheduler.constrained or not constrained_rows(plan, self._matchers()):
             return plan
-        constrained = {r.slot: r for r in self.scheduler.slots if r is not None and r.grammar is not None}
-        if not constrained:
-            return plan
-        masks = plan_masks(plan, {slot: r.grammar for slot, r in constrained.items()}, mask_words(self.vocab_size),
-                           self.grammars.executor)
-        for request in constrained.values():
-            if request.grammar.is_error():
-                self._publish(StepResult([self._grammar_failed(request)]))
-        return replace(plan, masks=masks)
+        if self._expected_ends and self.executor.late_masks:
+            self._late = plan
+            return replace(plan, masks_later=True)
+        return replace(plan, masks=self._masks(plan))
+
+    def _matchers(self) -> dict[int, object]:
+        """Each live constrained request's matcher, by slot."""
+        return {r.slot: r.grammar for r in self.scheduler.slots if r is not None and r.grammar is not None}
+
+    def _masks(self, plan: Plan) -> bytes:
+        """The plan's grammar masks from its requests' matchers as they are now. A request whose matcher failed to
+        compute one ends here with the error; the step's token for it is then discarded as for any request that
+        ended."""
+        matchers = self._matchers()
+        masks = plan_masks(plan, matchers, mask_words(self.vocab_size), self.grammars.executor)
+        for slot, matcher in matchers.items():
+            if matcher.is_error():
+                self._publish(StepResult([self._grammar_failed(self.scheduler.slots[slot])]))
+        return masks
 
     def _grammar_failed(self, request: Request) -> Finished:
         error = request.grammar.get_error()

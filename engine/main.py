@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
                                  identity, proposer=proposer,
                                  snapshots=snapshots, snapshot_bytes=RecurrentState.row_bytes(model.config, dtype),
                                  host=HostTier(host_slots, host_snapshots) if host_slots else None,
-                                 page_bytes=host_slot_bytes(model.config, caps.page_size, kv_dtype), disk=disk)
+                                 page_bytes=host_slot_bytes(model.config, caps.page_size, kv_dtype), disk=disk,
+                                 late_masks=executor.late_masks)
     card = ModelCard(served_names=manifest.served_names, checkpoint=manifest.checkpoint,
                      architecture=manifest.architecture, context_limit=manifest.context_limit,
                      eos_token_ids=manifest.eos_token_ids, created=manifest.created)

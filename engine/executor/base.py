@@ -14,6 +14,8 @@ class Executor(Protocol):
     #: What the device reports once it can run nothing more (engine/executor/faults.py); `poll` then raises
     #: DeviceFault. None while it works.
     fault: str | None
+    #: Whether `submit` takes a plan whose grammar masks come later (Plan.masks_later), through `give_masks`.
+    late_masks: bool
 
     def can_submit(self) -> bool:
         """True while fewer than two submissions are in flight."""
@@ -22,6 +24,10 @@ class Executor(Protocol):
         """The fence the next `submit` will carry; fences complete in submission order."""
 
     def submit(self, plan: Plan) -> None: ...
+
+    def give_masks(self, masks: bytes) -> None:
+        """The masks of the step submitted last, with Plan.masks_later (only where `late_masks`); its sampling runs
+        after them."""
 
     def poll(self) -> list[tuple[Plan, Completion]]:
         """Completions that are ready, in submission order, each with the plan it ran. Raises DeviceFault once the

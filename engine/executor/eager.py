@@ -2,7 +2,8 @@
 
 The engine loop keeps ingesting and planning while the worker runs a step (torch releases the GIL in its kernels).
 Each slot's last sampled token stays in a device tensor, so decode step N+1 can be submitted before step N's tokens
-reach the host.
+reach the host. A step whose grammar masks come later (Plan.masks_later) waits whole for them: the worker runs one
+step at a time, so there is no forward to overlap with them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -84,6 +86,8 @@ class EagerExecutor:
         self.host_pages: HostPages | None = None  # the host tier's slots, when there is one (make_executor)
         self._fence = 0
         self._in_flight = 0
+        self.late_masks = True
+        self._awaiting: tuple[int, Plan] | None = None  # the step submitted whose masks are to come
         self._work: queue.SimpleQueue[tuple[int, Plan] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[tuple[Plan, Completion]] = queue.SimpleQueue()
         self.wake_fd, self._wake_write = os.pipe()
@@ -101,7 +105,15 @@ class EagerExecutor:
     def submit(self, plan: Plan) -> None:
         self._fence += 1
         self._in_flight += 1
-        self._work.put((self._fence, plan))
+        if plan.masks_later:
+            self._awaiting = (self._fence, plan)
+        else:
+            self._work.put((self._fence, plan))
+
+    def give_masks(self, masks: bytes) -> None:
+        fence, plan = self._awaiting
+        self._awaiting = None
+        self._work.put((fence, replace(plan, masks=masks, masks_later=False)))
 
     def poll(self) -> list[tuple[Plan, Completion]]:
         if self.fault is not None:

@@ -9,7 +9,8 @@ waits for the device. The sampled token of each slot stays on the device, where 
 Graphs: one per decode capacity (1, 2, 4, ... max_active) and one per extend capacity (64-token steps up to 512,
 then 256-token steps, up to the prefill chunk plus a decode row per slot), so prefill and mixed steps are graphs
 too; one sampling graph per sequence capacity, greedy and random, each plain, with grammar masks (a constrained
-step uploads its packed masks beside its frame and launches the masked variant) or with the extras: penalties,
+step uploads its packed masks and launches the masked variant; when they come later, Plan.masks_later, the model
+graph runs at submit and the sampling graph once `give_masks` brings them) or with the extras: penalties,
 min_tokens bans and logprobs, and one prompt-logprobs graph (engine/sampling/graph_extras.py). Scored prefills
 (decisions) run in the extend graphs: the logits of a row's last token are in the logits buffer, and one gather by
 flat index, uploaded with the step, reads their labels' (engine/sampling/label_scores.py). Verify steps
@@ -245,6 +246,10 @@ class GraphExecutor:
         self._completed = 0  # the last fence whose completion frame is ready, as the watcher saw it
         self.fault: str | None = None  # once set, every step fails: engine/executor/faults.py
         self._pending: collections.deque[_Launched | _Ready] = collections.deque()
+        self.late_masks = True
+        # The step submitted with Plan.masks_later, until its masks come: (fence, plan, its graph or None when it
+        # runs eagerly, its extras). None also when its submit failed.
+        self._awaiting: tuple[int, Plan, Layout | None, StepExtras | None] | None = None
         self.wake_fd, self._wake_write = os.pipe()
         os.set_blocking(self.wake_fd, False)
         self._disk = DiskWorker(self._wake_write)
@@ -279,19 +284,46 @@ class GraphExecutor:
         self._fence += 1
         self._in_flight += 1
         fence = self._fence
+        self._guarded(fence, plan, lambda: self._start_step(fence, plan))
+
+    def _start_step(self, fence: int, plan: Plan) -> None:
+        layout = self._layout_for(plan)
+        extras = step_extras(plan.rows, self._vocab) if layout is not None else None
+        if layout is None or extras is not None and (extras.known_count > self._max_known or
+                                                     not graph_holds_extras(plan.rows)):
+            layout = extras = None  # it runs eagerly, at once or once its masks come
+        else:
+            self._launch_model(fence, plan, layout, extras)
+        if plan.masks_later:
+            self._awaiting = (fence, plan, layout, extras)
+        else:
+            self._finish_step(fence, plan, layout, extras)
+
+    def give_masks(self, masks: bytes) -> None:
+        if self._awaiting is None:
+            return  # its submit failed: its completion says so
+        fence, plan, layout, extras = self._awaiting
+        self._awaiting = None
+        plan = replace(plan, masks=masks, masks_later=False)
+        self._guarded(fence, plan, lambda: self._finish_step(fence, plan, layout, extras))
+
+    def _finish_step(self, fence: int, plan: Plan, layout: Layout | None, extras: StepExtras | None) -> None:
+        """A graph step's sampling and copies back, or an eager step whole."""
+        if layout is not None:
+            self._launch_sampling(fence, plan, layout, extras)
+        else:
+            self._pending.append(_Ready(plan, self._run_eager(fence, plan)))
+            os.write(self._wake_write, b"x")
+
+    def _guarded(self, fence: int, plan: Plan, work: Callable[[], None]) -> None:
+        """Run part of a step; a failure fails its requests (a sticky device fault, the engine)."""
         try:
-            layout = self._layout_for(plan)
-            extras = step_extras(plan.rows, self._vocab) if layout is not None else None
-            if layout is None or extras is not None and (extras.known_count > self._max_known or
-                                                         not graph_holds_extras(plan.rows)):
-                self._pending.append(_Ready(plan, self._run_eager(fence, plan)))
-                os.write(self._wake_write, b"x")
-            else:
-                self._launch(fence, plan, layout, extras)
-        except Exception as exc:  # a failed step fails its requests; a sticky device fault, the engine
+            work()
+        except Exception as exc:
             log.exception("graph step %d failed", fence)
             self.fault = self.fault or sticky_fault(self.kv_cache.device)
             self._mirror.forget([row.slot for row in plan.rows])
+            self._awaiting = None
             self._pending.append(_Ready(plan, Completion(fence, (), (), (), 0.0,
                                                          error=f"execution failed: {type(exc).__name__}: {exc}")))
             os.write(self._wake_write, b"x")
@@ -361,7 +393,7 @@ class GraphExecutor:
         if None in fields(rows, ROPE_SHIFT) or len(plan.state_copies) > self._state_copies:
             return None
         if plan.kind == "verify":  # one-token rows in a decode graph, when nothing else needs a span
-            if plan.masks or step_extras(rows, self._vocab) is not None or \
+            if plan.masks or plan.masks_later or step_extras(rows, self._vocab) is not None or \
                     any(row.scores or row.pool or (row.length > 1 and not row.draft) for row in rows):
                 return None
             i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
@@ -385,29 +417,38 @@ class GraphExecutor:
         """The host tier's slots; the eager steps copy them too."""
         self._eager.host_pages = pages
 
-    def _launch(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
+    def _launch_model(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
+        """On the model stream: the step's tier and page copies, its frame and extras, the model graph."""
         if self.host_pages is not None and moves(plan):
             with torch.cuda.stream(self._model_stream):
                 self._tier_events[fence] = self.host_pages.copy(self.kv_cache, self.state, plan, self._copy_stream)
         self._copy_pages(plan.copies)
         k = fence % MAX_IN_FLIGHT
-        verify = plan.kind == "verify"
-        packed = replace(plan, rows=verify_rows(plan.rows)) if verify else plan
+        packed = replace(plan, rows=verify_rows(plan.rows)) if plan.kind == "verify" else plan
         words = pack(packed, layout, self._host_np[k], self._views[k][layout], self._mirror, self.page_size,
                      self.trash)
-        greedy = not any(map(TEMPERATURE, compress(fields(plan.rows, SAMPLING), fields(plan.rows, SAMPLE))))
-        rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
+        rt, model = self._rt, self._model_stream.cuda_stream
         rt.eventRecord(self._start[k], model)
         rt.memcpyAsync(self._buffers.frame.data_ptr(), self._host[k].data_ptr(), words * 4, H2D, model)
         if extras is not None:
-            self._upload_extras(plan, extras, k, seqs)
+            self._upload_extras(plan, extras, k, layout.seqs)
+        rt.graphLaunch(self._exec[layout], model)
+        if extras is not None and extras.prompt.shape[1]:
+            self._prompt_logprobs(extras.prompt, k)
+
+    def _launch_sampling(self, fence: int, plan: Plan, layout: Layout, extras: StepExtras | None) -> None:
+        """On the model stream after the model graph: the masks, the sampling graph and what reads its tokens; then
+        the copies back, on the copy stream, and the step handed to the watcher."""
+        k = fence % MAX_IN_FLIGHT
+        verify = plan.kind == "verify"
+        greedy = not any(map(TEMPERATURE, compress(fields(plan.rows, SAMPLING), fields(plan.rows, SAMPLE))))
+        rt, model, copy, seqs = self._rt, self._model_stream.cuda_stream, self._copy_stream.cuda_stream, layout.seqs
         if plan.masks:  # grammar masks, one row per plan row; rows past the plan are padding and sample nothing
             self._masks_host[k].numpy().reshape(-1)[:len(plan.masks) // 4] = np.frombuffer(plan.masks, np.int32)
             rt.memcpyAsync(self._buffers.masks.data_ptr(), self._masks_host[k].data_ptr(), len(plan.masks), H2D,
                            model)
-        rt.graphLaunch(self._exec[layout], model)
-        if extras is not None and extras.prompt.shape[1]:
-            self._prompt_logprobs(extras.prompt, k)
+        elif extras is not None and extras.sample:  # the extras sampler applies masks: these allow everything
+            rt.memsetAsync(self._buffers.masks.data_ptr(), 255, self._buffers.masks[:seqs].nbytes, model)
         mode = "extras" if extras is not None and extras.sample else "masked" if plan.masks else "plain"
         rt.graphLaunch(self._exec[(seqs, greedy, mode)], model)
         labels = self._gather_labels(plan, k) if any(fields(plan.rows, SCORES)) else ()
@@ -438,20 +479,19 @@ class GraphExecutor:
             rt.memcpyAsync(self._prompt_out_host[k].data_ptr(), self._prompt_dev[k].data_ptr(),
                            self._prompt_dev[k][:extras.prompt.shape[1]].nbytes, D2H, copy)
         rt.eventRecord(self._done[k], copy)
-        self._pending.append(_Launched(fence, plan, k, layout.kind, labels, len(packed.rows), verified, extras,
-                                       pooled))
+        # (sequence rows: a verify row is one per position, as verify_rows makes them)
+        rows = sum(row.length if row.draft else 1 for row in plan.rows) if verify else len(plan.rows)
+        self._pending.append(_Launched(fence, plan, k, layout.kind, labels, rows, verified, extras, pooled))
         self._watch.put((fence, self._done[k], plan))
 
     def _upload_extras(self, plan: Plan, extras: StepExtras, k: int, seqs: int) -> None:
-        """On the model stream, before the graphs: the extras frame, masks that allow everything when the step has
-        none (the extras sampler applies them), and the penalty state of the tokens the host gives."""
+        """On the model stream, before the graphs: the extras frame and the penalty state of the tokens the host
+        gives."""
         rt, model = self._rt, self._model_stream.cuda_stream
         if extras.sample:
             pack_extras(plan.rows, self._extras_views[k][seqs])
             rt.memcpyAsync(self._extras.inputs.data_ptr(), self._extras_host[k].data_ptr(), extras_words(seqs) * 4,
                            H2D, model)
-            if not plan.masks:
-                rt.memsetAsync(self._buffers.masks.data_ptr(), 255, self._buffers.masks[:seqs].nbytes, model)
         count = extras.known_count
         if not count:
             return

@@ -26,6 +26,8 @@ class TensorParallelExecutor:
         self.wake_fd = local.wake_fd
         self.num_pages = local.num_pages
         self.failed = False
+        # The other ranks sample too, with the masks that come with the step: they never come later.
+        self.late_masks = False
         self._disk_local: deque[DiskDone] = deque()  # rank 0's, until every other rank has reported them too
 
     @property

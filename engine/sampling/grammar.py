@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from collections.abc import Container
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import numpy as np
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from common.constraint_limits import LLGUIDANCE_LIMITS, constraint_problem
-from engine.scheduler.plan import Plan
+from engine.scheduler.plan import SAMPLE, SLOT, Plan, fields
 
 CACHE_SIZE = 256  # compiled grammars kept (least recently used ones go first)
 COMPILE_THREADS = 2
@@ -110,15 +111,21 @@ class GrammarCompiler:
         os.close(self._wake_write)
 
 
+def constrained_rows(plan: Plan, slots: Container[int]) -> list[tuple[int, int]]:
+    """(row index, slot) of the plan's sampled rows whose slot is in `slots`."""
+    rows = plan.rows
+    return [(i, slot) for i, (slot, sample) in enumerate(zip(fields(rows, SLOT), fields(rows, SAMPLE)))
+            if sample and slot in slots]
+
+
 def plan_masks(plan: Plan, matchers: dict[int, llguidance.LLMatcher], words: int,
                executor: llguidance.LLExecutor) -> bytes:
     """The plan's masks: one row per plan row, all ones except sampled rows of constrained slots (`matchers` maps
     a slot to its request's matcher). Empty when no row is constrained. A matcher that fails to compute its mask
     (a parser limit) is left in its error state, for the caller to end its request."""
-    constrained = [(matchers[row.slot], i) for i, row in enumerate(plan.rows) if row.sample and row.slot in matchers]
+    constrained = [(matchers[slot], i) for i, slot in constrained_rows(plan, matchers)]
     if not constrained:
         return b""
     masks = np.full((len(plan.rows), words), -1, dtype=np.int32)
     fill_next_token_bitmask_par(executor, constrained, masks)
     return masks.tobytes()
-

@@ -61,9 +61,9 @@ class DecodeCohort:
     @classmethod
     def of(cls, requests: list[Request], version: tuple[int, int], page_size: int) -> DecodeCohort | None:
         """The cohort of these decode candidates; None when some has no decode row to move on (its first in this
-        epoch, or min_tokens still bans its stop ids) or is constrained (its rows wait for its last token): the
-        scheduler plans that step row by row."""
-        if not requests or None in [r.decode_row for r in requests] or any([r.grammar is not None for r in requests]):
+        epoch, or min_tokens still bans its stop ids): the scheduler plans that step row by row. (A constrained
+        request is in a cohort only where its masks may come after submit: RequestScheduler.plan.)"""
+        if not requests or None in [r.decode_row for r in requests]:
             return None
         return cls(requests, version, page_size)
 

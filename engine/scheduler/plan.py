@@ -172,6 +172,9 @@ class Plan:
     # Grammar masks (engine/sampling/grammar.py): int32 [len(rows), words] as bytes, a row per plan row; empty when no row
     # of the step is constrained. Set by the engine after commit, from the matchers' state after the last token.
     masks: bytes = b""
+    # The masks come after submit (Executor.give_masks), once the steps before this one have completed and their
+    # tokens have advanced the matchers: the step's forward runs meanwhile, and only its sampling waits for them.
+    masks_later: bool = False
 
     @classmethod
     def of_kind(cls, kind: str, rows: Sequence[Row], **values: object) -> Plan:

@@ -50,11 +50,13 @@ class RequestScheduler:
     def __init__(self, max_active: int, queue_capacity: int, num_pages: int, page_size: int,
                  prefill_chunk_size: int, identity: bytes = bytes(32), policy: PolicyConfig = PolicyConfig(),
                  proposer: Proposer | None = None, snapshots: int | None = None, snapshot_bytes: int = 0,
-                 host: HostTier | None = None, page_bytes: int = 0, disk: DiskTier | None = None) -> None:
+                 host: HostTier | None = None, page_bytes: int = 0, disk: DiskTier | None = None,
+                 late_masks: bool = False) -> None:
         """`proposer`: speculative decoding's (engine/speculative/); None decodes one token per step.
         `snapshots`: a hybrid model's recurrent-state snapshot rows (of `snapshot_bytes` each), which its prefix
         reuse needs (PrefixReuse). `host`: the host tier evicted checkpoints move to, `page_bytes` a page; `disk`: the
-        disk tier below it."""
+        disk tier below it. `late_masks`: the executor takes a step's grammar masks after its submit
+        (Executor.late_masks), so constrained requests keep a second step in flight as free ones do."""
         self.max_active = max_active
         self.queue_capacity = queue_capacity
         self.page_size = page_size
@@ -66,6 +68,7 @@ class RequestScheduler:
         self._by_id: dict[str, Request] = {}
         self._retiring: set[Request] = set()  # finished, but steps using the slot's state are still in flight
         self.constrained = 0  # requests added and not finished that have an output grammar (none: no grammar work)
+        self.late_masks = late_masks
         self._prefilling = 0  # requests in the PREFILL phase (none: no pass over the slots for them)
         self.counters: Counter[str] = Counter()
         self.prefix = PrefixReuse(identity, page_size, self.pages, self.counters, snapshots, max_active,
@@ -145,7 +148,7 @@ class RequestScheduler:
 
     # --- planning -----------------------------------------------------------------------------------------------
     def plan(self) -> Plan | None:
-        if self.speculation is None and not self.constrained and not self._prefilling and \
+        if self.speculation is None and (self.late_masks or not self.constrained) and not self._prefilling and \
                 not self.prefix.pending and (not self.waiting or None not in self.slots):
             plan = self._plan_steady()
             if plan is not None:
@@ -217,9 +220,9 @@ class RequestScheduler:
     def _plan_steady(self) -> Plan | None:
         """A decode step of the cohort's requests, as columns; None when the step is not steady (some candidate
         has no row to move on, or a page is missing and none is free): it is planned row by row then. The same
-        plan as the row-by-row one: nothing waits to prefill, copies, drafts or is constrained, so the decode step
-        is the only candidate, and each row is its request's last decode row moved on, on pages allocated in row
-        order."""
+        plan as the row-by-row one: nothing waits to prefill, copies or drafts, and no constrained request waits
+        for its last token (late masks), so the decode step is the only candidate, and each row is its request's
+        last decode row moved on, on pages allocated in row order."""
         version = (self._epoch_bumps, self._decoding_starts)
         cohort = self._cohort
         if cohort is None or not cohort.steady(version):
@@ -281,14 +284,15 @@ class RequestScheduler:
 
     def _decode_candidates(self) -> list[Request]:
         """Decoding requests with tokens left to draw; a constrained one only once its last step has completed
-        (its mask depends on that step's token), while free ones keep a second step in flight."""
+        (its mask depends on that step's token) unless its masks may come after submit, while free ones keep a
+        second step in flight."""
         # The output tokens that committed or submitted steps will have produced: a decoding request's scheduled
         # positions reach its prefill target (prompt and earlier outputs), and each position past the prompt's last
         # yields one.
-        done = self._completed_fence
+        done, waits = self._completed_fence, not self.late_masks
         return [r for r in self.slots if r is not None and r.phase is DECODE
                 and r.scheduled - r.prompt_len + 1 < r.max_outputs
-                and not (r.grammar is not None and r.row_fence > done)]
+                and not (waits and r.grammar is not None and r.row_fence > done)]
 
     def _prefill_candidates(self) -> list[Request]:
         running = [r for r in self.slots if r is not None and r.phase is PREFILL] if self._prefilling else []

@@ -99,18 +99,37 @@ def model():
     return tiny_model()
 
 
+def outputs(request) -> int:
+    return len(request.tokens) - request.prompt_len
+
+
 def test_constrained_requests_wait_for_their_token_while_free_ones_keep_two_steps_in_flight(model) -> None:
     harness = Harness(model)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     free = harness.add(prompts[0], temperature=0.0, max_tokens=12)
-    constrained = harness.add(prompts[1], temperature=1.0, seed=3, max_tokens=12)
-    constrained.grammar = object()  # the scheduler only asks whether there is one
-    steps = run_split(harness, {constrained}, model.config.vocab_size, allowed_token=42)
+    constrained = harness.add(prompts[1], temperature=1.0, seed=3, max_tokens=12, grammar=object())
+    steps = run_split(harness, {constrained}, model.config.vocab_size, allowed=lambda request: 42)
     assert constrained.tokens[len(prompts[1]):] == [42] * 12  # the masks reached sampling
     assert free.tokens[len(prompts[0]):] == reference_greedy(model, prompts[0], 12)  # unchanged by its neighbour
     slot = constrained.slot
     assert not any(slot in rows and slot in busy for rows, busy in steps)  # never the second step in flight
     assert any(free.slot in rows and free.slot in busy for rows, busy in steps)  # free ones do go two deep
+    harness.close()
+
+
+def test_late_masks_let_constrained_requests_go_two_deep_with_masks_after_their_last_token(model) -> None:
+    """Each mask allows one token that depends on the outputs committed when it is made (40, 41, 42, ...): a step
+    planned before its request's last token came back gets its masks only after that token was committed."""
+    harness = Harness(model, late_masks=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12], [20, 21]]
+    free = harness.add(prompts[0], temperature=0.0, max_tokens=12)
+    constrained = [harness.add(prompts[1], temperature=1.0, seed=3, max_tokens=12, grammar=object()),
+                   harness.add(prompts[2], temperature=0.0, max_tokens=9, grammar=object())]
+    steps = run_split(harness, set(constrained), model.config.vocab_size, allowed=lambda r: 40 + outputs(r))
+    assert constrained[0].tokens[len(prompts[1]):] == list(range(40, 52))
+    assert constrained[1].tokens[len(prompts[2]):] == list(range(40, 49))
+    assert free.tokens[len(prompts[0]):] == reference_greedy(model, prompts[0], 12)
+    assert all(any(r.slot in rows and r.slot in busy for rows, busy in steps) for r in constrained)
     harness.close()
 
 

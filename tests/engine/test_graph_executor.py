@@ -265,11 +265,11 @@ def test_frame_verify_steps_keep_plain_decodings_tokens(sampling: dict) -> None:
 
 
 def masked_run(harness: Harness, vocab: int) -> tuple[list[int], list[int]]:
-    """A free greedy request beside a sampled one whose masks allow a single token (tests/engine/test_grammar_engine.py)."""
+    """A free greedy request beside a sampled one whose masks allow a single token, 40 plus its outputs so far
+    (tests/engine/test_grammar_engine.py)."""
     free = harness.add(PROMPTS[0], temperature=0.0, max_tokens=10)
-    constrained = harness.add(PROMPTS[1], temperature=1.0, seed=3, max_tokens=10)
-    constrained.grammar = object()
-    run_split(harness, {constrained}, vocab, allowed_token=42)
+    constrained = harness.add(PROMPTS[1], temperature=1.0, seed=3, max_tokens=10, grammar=object())
+    run_split(harness, {constrained}, vocab, allowed=lambda request: 40 + len(request.tokens) - request.prompt_len)
     harness.close()
     return free.tokens, constrained.tokens
 
@@ -278,7 +278,7 @@ def masked_run(harness: Harness, vocab: int) -> tuple[list[int], list[int]]:
 def test_frame_steps_apply_grammar_masks_as_the_eager_executor_does() -> None:
     model = tiny_model()
     expected = masked_run(Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK), model.config.vocab_size)
-    assert expected[1][-10:] == [42] * 10
+    assert expected[1][-10:] == list(range(40, 50))
     use_backend(model, "triton", CONTEXT)
     harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK)
     harness.executor.close()
@@ -459,12 +459,12 @@ def test_frame_steps_pool_the_eager_executors_embeddings() -> None:
     assert_same_vectors(vectors, eager_vectors, 1e-4)
 
 
-def gpu_harness(model, graphs: bool, snapshots: int | None = None) -> Harness:
-    """`snapshots`: a hybrid's snapshot rows (None: the engine's default)."""
+def gpu_harness(model, graphs: bool, snapshots: int | None = None, late_masks: bool = False) -> Harness:
+    """`snapshots`: a hybrid's snapshot rows (None: the engine's default); `late_masks`: the Harness's."""
     from engine.executor.eager import EagerExecutor
     from engine.executor.graph import GraphExecutor
 
-    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, snapshots=snapshots)
+    harness = Harness(model, PAGES, PAGE_SIZE, MAX_ACTIVE, CHUNK, snapshots=snapshots, late_masks=late_masks)
     harness.executor.close()
     cuda = torch.device("cuda")
     rows = (SNAPSHOTS_PER_SLOT * MAX_ACTIVE if snapshots is None else snapshots) if model.config.hybrid else 0
@@ -625,12 +625,14 @@ def test_scored_prefills_run_in_the_extend_graphs_and_read_the_eager_label_logit
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_graph_executor_applies_grammar_masks_as_the_eager_executor_does() -> None:
+@pytest.mark.parametrize("late", [False, True], ids=["with-the-step", "late"])
+def test_graph_executor_applies_grammar_masks_as_the_eager_executor_does(late: bool) -> None:
+    """Masks with the step, and masks given after submit (Plan.masks_later: the model graph runs before them)."""
     model = tiny_model().to("cuda")
     use_backend(model, "triton", CONTEXT)
-    graph = masked_run(gpu_harness(model, graphs=True), model.config.vocab_size)
-    assert graph == masked_run(gpu_harness(model, graphs=False), model.config.vocab_size)
-    assert graph[1][-10:] == [42] * 10
+    graph = masked_run(gpu_harness(model, graphs=True, late_masks=late), model.config.vocab_size)
+    assert graph == masked_run(gpu_harness(model, graphs=False, late_masks=late), model.config.vocab_size)
+    assert graph[1][-10:] == list(range(40, 50))
 
 
 # The hybrids (Gated DeltaNet layers beside gated attention: engine/model/backends/triton_linear.py).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import select
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +18,7 @@ from engine.model.config import DecoderConfig
 from engine.model.decoder import CausalLM
 from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT, RecurrentState
 from engine.sampling.grammar import mask_words
+from engine.scheduler.plan import Plan
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import RequestScheduler
 
@@ -62,10 +64,12 @@ def tiny_model(seed: int = 0, family: str = "llama", **changes: object) -> Causa
 class Harness:
     def __init__(self, model: CausalLM, num_pages: int = 64, page_size: int = 16, max_active: int = 8,
                  chunk: int = 48, proposer: object = None, snapshots: int | None = None,
-                 device: str = "cpu", host_slots: int = 0, graphs: bool = False, host_snapshots: int = 0) -> None:
+                 device: str = "cpu", host_slots: int = 0, graphs: bool = False, host_snapshots: int = 0,
+                 late_masks: bool = False) -> None:
         """`snapshots`: a hybrid model's snapshot rows (None: as many as the engine would keep; 0: none); `device`:
         the model's; `host_slots`: a host tier's pages, `host_snapshots` its snapshot rows; `graphs`: the graph
-        executor (on a GPU)."""
+        executor (on a GPU); `late_masks`: constrained steps go two deep, their masks given once the step before
+        completed (run_split)."""
         if snapshots is None and model.config.hybrid:
             snapshots = SNAPSHOTS_PER_SLOT * max_active
         self.executor = make_executor(model, num_pages, page_size, max_active, torch.device(device), 512, chunk,
@@ -75,19 +79,23 @@ class Harness:
         self.scheduler = RequestScheduler(max_active, 64, num_pages, page_size, chunk, proposer=proposer,
                                           snapshots=snapshots, host=host,
                                           page_bytes=host_slot_bytes(model.config, page_size, model.cache_dtype),
-                                          snapshot_bytes=RecurrentState.row_bytes(model.config, dtype))
+                                          snapshot_bytes=RecurrentState.row_bytes(model.config, dtype),
+                                          late_masks=late_masks)
         self._ids = itertools.count()
         self.steps = 0
 
     def add(self, prompt: list[int], message_ends: list[int] = (),
-            label_queries: list[tuple[int, tuple[int, ...]]] = (), pooling: str = "", **sampling: object) -> Request:
+            label_queries: list[tuple[int, tuple[int, ...]]] = (), pooling: str = "", grammar: object = None,
+            **sampling: object) -> Request:
         """A request as the engine admits it; with label queries a scored prefill, with a pooling an embedding
-        (either generates nothing)."""
+        (either generates nothing); `grammar`: a constrained request's matcher (the scheduler only asks whether
+        there is one)."""
         params = SamplingParams(**sampling)
         request = Request(f"r{next(self._ids)}", b"test", len(prompt), list(prompt), params,
                           params.seed if params.seed is not None else 0, frozenset(params.stop_token_ids),
                           0 if label_queries or pooling else params.max_tokens, float(next(self._ids)),
-                          message_ends=list(message_ends), label_queries=list(label_queries), pooling=pooling)
+                          message_ends=list(message_ends), label_queries=list(label_queries), pooling=pooling,
+                          grammar=grammar)
         self.scheduler.add(request)
         return request
 
@@ -120,27 +128,40 @@ class Harness:
         self.executor.close()
 
 
-def run_split(harness: Harness, constrained: set, vocab: int, allowed_token: int | None = None
+def run_split(harness: Harness, constrained: set, vocab: int, allowed: Callable[[Request], int] | None = None
               ) -> list[tuple[set, set]]:
-    """Run the harness as the engine loop does; masks (when `allowed_token` is set) allow only that token for
-    constrained rows. Returns, per submitted plan, (slots in it, slots of every step then in flight)."""
-    steps, in_flight = [], []
+    """Run the harness as the engine loop does; masks (when `allowed` is given) allow constrained rows only the token
+    it names for their request as it is when the masks are made (as a matcher, it sees the tokens committed before).
+    With the scheduler's late masks, a step planned while another is in flight gets its masks once that one has
+    completed (Plan.masks_later). Returns, per submitted plan, (slots in it, slots of every step then in flight)."""
+    steps, in_flight, late = [], [], None
+
+    def masks(plan: Plan) -> bytes:
+        words = np.full((len(plan.rows), mask_words(vocab)), -1, dtype=np.int32)
+        for i, row in enumerate(plan.rows):
+            if (request := harness.scheduler.slots[row.slot]) in constrained:
+                token = allowed(request)
+                words[i] = 0
+                words[i, token // 32] = np.int32(np.uint32(1 << token % 32))
+        return words.tobytes()
+
     while harness.scheduler.has_work():
         while harness.executor.can_submit() and (plan := harness.scheduler.plan()) is not None:
             harness.scheduler.commit(plan, harness.executor.next_fence())
             rows = {r.slot for r in plan.rows}
+            if allowed is not None and any(harness.scheduler.slots[s] in constrained for s in rows):
+                if in_flight and harness.scheduler.late_masks:
+                    late, plan = plan, replace(plan, masks_later=True)
+                else:
+                    plan = replace(plan, masks=masks(plan))
             steps.append((rows, set().union(*in_flight) if in_flight else set()))
             in_flight.append(rows)
-            if allowed_token is not None and any(harness.scheduler.slots[s] in constrained for s in rows):
-                masks = np.full((len(plan.rows), mask_words(vocab)), -1, dtype=np.int32)
-                for i, row in enumerate(plan.rows):
-                    if harness.scheduler.slots[row.slot] in constrained:
-                        masks[i] = 0
-                        masks[i, allowed_token // 32] = np.int32(np.uint32(1 << allowed_token % 32))
-                plan = replace(plan, masks=masks.tobytes())
             harness.executor.submit(plan)
         select.select([harness.executor.wake_fd], [], [], 5)
         for plan, completion in harness.executor.poll():
             in_flight.pop(0)
             harness.scheduler.complete(completion, plan)
+        if late is not None and len(in_flight) == 1:
+            harness.executor.give_masks(masks(late))
+            late = None
     return steps
