@@ -26,7 +26,7 @@ class DiskWorker:
         self._work: queue.SimpleQueue[tuple[int, DiskWork, HostPages] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[DiskDone] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None  # started with the first work
-        self._closing = False
+        self._closing = threading.Event()
 
     def queue(self, fence: int, work: DiskWork, pages: HostPages) -> None:
         """The disk work of the step of `fence`, whose copies are done."""
@@ -45,20 +45,21 @@ class DiskWorker:
                 return ready
 
     def close(self) -> None:
-        """Finish the work under way and stop; the work queued behind it is dropped (a clean stop waits for the disk
-        work in flight up to its deadline: past it, fewer files are written rather than the stop held up)."""
+        """Finish the file under way and stop; the rest of its step's writes and the work queued behind are dropped
+        (a clean stop waits for the disk work in flight up to its deadline: past it, fewer files are written rather
+        than the stop held up)."""
         if self._thread is not None:
-            self._closing = True
+            self._closing.set()
             self._work.put(None)
             self._thread.join()
 
     def _run(self) -> None:
         while (item := self._work.get()) is not None:
-            if self._closing:
+            if self._closing.is_set():
                 continue
             fence, work, pages = item
             try:
-                unreadable = pages.disk_work(work)
+                unreadable = pages.disk_work(work, self._closing)
             except Exception:  # (bad files are handled inside: this is a fault of ours, which must not end the thread)
                 log.exception("the disk work of step %d failed", fence)
                 unreadable = tuple(read.slot for read in work.reads)  # (writes not made read as missing files later)

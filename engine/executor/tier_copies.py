@@ -11,6 +11,7 @@ whose forward (or state copies) writes it.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -54,10 +55,13 @@ class HostPages:
         self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size), snapshot_bytes) \
             if disk else None
 
-    def disk_work(self, work: DiskWork) -> tuple[int, ...]:
+    def disk_work(self, work: DiskWork, stop: threading.Event | None = None) -> tuple[int, ...]:
         """Writes, reads and deletions of the disk tier's files, once the step's copies are done (the caller waits
-        for them); the slots of the reads that found no servable file, each logged."""
+        for them); the slots of the reads that found no servable file, each logged. Once `stop` is set the writes
+        left are not made: a clean stop's last step writes every host entry, minutes of a slow disk's time."""
         for write in work.writes:
+            if stop is not None and stop.is_set():
+                break
             entry = disk_files.DiskEntry(write.length, write.snapshot >= 0, write.parent)
             try:
                 disk_files.write(self.directory, write.key, entry, self.layout, self._bytes(write.slot),
