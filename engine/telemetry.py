@@ -162,11 +162,12 @@ class EngineTelemetry:
     @staticmethod
     def _tier_gauges(scheduler: RequestScheduler) -> dict[str, float]:
         """The host and disk tiers (docs/design.md, Host retention): pages (and a hybrid model's snapshots) held,
-        and a host page copy's recent median seconds (a restore's time per page)."""
+        a host page copy's recent median seconds (a restore's time per page) and a disk file's."""
         prefix, tiers = scheduler.prefix, scheduler.prefix.tiers
-        copies = tiers.page_copy_seconds
+        copies, files = tiers.page_copy_seconds, tiers.disk.file_seconds if tiers.disk else ()
         return {"host_pages": len(prefix.host), "disk_pages": len(tiers.disk.disk) if tiers.disk else 0,
                 "host_page_copy_seconds": statistics.median(copies) if copies else 0.0,
+                "disk_file_seconds": statistics.median(files) if files else 0.0,
                 **({"host_snapshots": prefix.host.snapshots} if prefix.hybrid else {})}
 
     @staticmethod

@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 from engine.executor.tier_copies import HostPages
 from engine.scheduler.plan import DiskDone, DiskWork
@@ -58,10 +59,11 @@ class DiskWorker:
             if self._closing.is_set():
                 continue
             fence, work, pages = item
+            started = time.perf_counter()
             try:
                 unreadable = pages.disk_work(work, self._closing)
             except Exception:  # (bad files are handled inside: this is a fault of ours, which must not end the thread)
                 log.exception("the disk work of step %d failed", fence)
                 unreadable = tuple(read.slot for read in work.reads)  # (writes not made read as missing files later)
-            self._done.put(DiskDone(fence, unreadable))
+            self._done.put(DiskDone(fence, unreadable, time.perf_counter() - started))
             os.write(self._wake_write, b"x")

@@ -67,13 +67,15 @@ class TensorParallelExecutor:
 
     def disk_done(self) -> list[DiskDone]:
         """Steps whose disk work ended on every rank (rank 0's first, then the others' reports as they arrive); a
-        disk read that any rank could not serve (its shard's file) is unserved for all."""
+        disk read that any rank could not serve (its shard's file) is unserved for all, and the work took what the
+        slowest rank's did."""
         self._disk_local.extend(self.local.disk_done())
         ready = []
         while self._disk_local and (reports := self.channel.disk_done(self._disk_local[0].fence)) is not None:
             done = self._disk_local.popleft()
             unreadable = {*done.unreadable, *(slot for report in reports.values() for slot in report.unreadable)}
-            ready.append(DiskDone(done.fence, tuple(sorted(unreadable))))
+            seconds = max([done.seconds, *(report.seconds for report in reports.values())])
+            ready.append(DiskDone(done.fence, tuple(sorted(unreadable)), seconds))
         return ready
 
     def close(self) -> None:

@@ -83,6 +83,7 @@ class DiskWorkDone(_Message, tag="disk-done"):
 
     fence: int
     unreadable: tuple[int, ...] = ()  # host slots of the step's disk reads whose files this rank could not serve
+    seconds: float = 0.0  # what the work took on this rank's disk thread
 
 
 class Beat(_Message, tag="beat"):

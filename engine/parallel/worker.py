@@ -89,7 +89,7 @@ def serve(channel: Follower, executor: Executor, page_size: int, max_active: int
                     raise RankFailure(f"step {completion.fence} failed: {completion.error}")
                 channel.send(Done(completion.fence, completion.tokens))
             for done in executor.disk_done():
-                channel.send(DiskWorkDone(done.fence, done.unreadable))
+                channel.send(DiskWorkDone(done.fence, done.unreadable, done.seconds))
             channel.tick()
             poller.poll(int(BEAT_INTERVAL * 1000))
     except RankFailure as exc:

@@ -7,11 +7,18 @@ a write's file joins the disk tier (and the host slot it was written from is fre
 once the executor reports the step's disk work done (DiskDone). A read whose file turned out unreadable (on any rank
 of a tensor-parallel group) gives its slot back and its key up, and its file is deleted. A failed step's disk work
 did not happen.
+
+A disk is slow beside the GPU (the H200 machine's wrote about 200 MB/s: 2.5 s for the pages of a 4,000-token history
+of an 8B model, which it prefills in 70 ms), and its reads queue behind the writes sent before them, so a prompt waits
+for reads only while the learned costs say it beats computing the tokens again: the median seconds a file took in
+recent disk work, times the files ahead of the reads and the reads, against the learned prefill cost of the tokens.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
+from collections.abc import Callable
 
 from common.prefix_history import PrefixHistory
 from engine.cache.checkpoint_cache import PrefixCheckpointCache
@@ -38,6 +45,7 @@ class DiskReuse:
         self._sent: dict[int, DiskWork] = {}  # committed work by fence, until it is done
         self._releases: dict[int, int | None] = {}  # host slots given up -> snapshot row: free once written
         self.gone: list[bytes] = []  # keys neither the host nor the disk holds any more (for announcements)
+        self.file_seconds: deque[float] = deque(maxlen=9)  # what a file (written or read) took in recent disk work
         host.holds_dropped = True
 
     def held(self) -> set[bytes]:
@@ -95,11 +103,14 @@ class DiskReuse:
         self.gone.extend(key for key in work.erasures if key not in self.host and key not in self.cache)
         self._sent[fence] = work
 
-    def done(self, fence: int, unreadable: tuple[int, ...] | None) -> None:
-        """The disk work sent with the step of `fence` ended; None: the step failed, and none of it happened."""
+    def done(self, fence: int, unreadable: tuple[int, ...] | None, seconds: float = 0.0) -> None:
+        """The disk work sent with the step of `fence` ended, having taken `seconds`; `unreadable` None: the step
+        failed, and none of it happened."""
         work = self._sent.pop(fence, None)
         if work is None:
             return
+        if seconds and (files := len(work.writes) + len(work.reads)):
+            self.file_seconds.append(seconds / files)
         for write in work.writes:
             if unreadable is not None:
                 self.disk.add(write.key, DiskEntry(write.length, write.snapshot >= 0, write.parent))
@@ -122,11 +133,13 @@ class DiskReuse:
                 self.counters["disk_reads"] += 1
                 self.counters["disk_bytes_in"] += self.page_bytes + (row is not None) * self.snapshot_bytes
 
-    def awaits_load(self, history: PrefixHistory, limit: int, message_ends: list[int], size: int) -> bool:
+    def awaits_load(self, history: PrefixHistory, limit: int, message_ends: list[int], size: int,
+                    recompute: Callable[[int], float]) -> bool:
         """Whether a waiting prompt had better wait for checkpoints that extend its cached prefix to be read from
         disk (reads planned here), rather than take a slot and compute them again: the blocks after those the
         device and the host hold, then the latest message end just beyond them (an exact checkpoint); for a hybrid
-        model, the blocks up to its deepest exact checkpoint on disk and that checkpoint."""
+        model, the blocks up to its deepest exact checkpoint on disk and that checkpoint. Not when the reads would
+        take longer than computing their tokens (`recompute(tokens)`: seconds, 0.0 unknown) again."""
         if not (len(self.disk) or self._loading):
             return False
         keys = history.block_keys[: limit // size]
@@ -140,14 +153,26 @@ class DiskReuse:
             wanted = self._exact_on_disk(history, keys, depth, on_disk, limit, size)
         else:
             wanted = keys[depth:on_disk] + self._end_on_disk(history, on_disk, limit, message_ends, size)
+        reads = [key for key in wanted if key not in self._loading]
+        if reads and not self._reading_pays(len(reads), len(wanted) * size, recompute):
+            self.counters["disk_declined"] += 1
+            return False
         planned = 0
-        for key in [key for key in wanted if key not in self._loading]:
+        for key in reads:
             if not self._read(key):
                 break
             planned += 1
         if planned:
             self.counters["disk_hits"] += 1
         return any(key in self._loading for key in wanted)
+
+    def _reading_pays(self, reads: int, tokens: int, recompute: Callable[[int], float]) -> bool:
+        """Whether `reads` more files, behind the disk work planned and sent, are expected to be read sooner than
+        `tokens` computed again (taken while either is unmeasured)."""
+        if not self.file_seconds or not (again := recompute(tokens)):
+            return True
+        ahead = len(self._writes) + len(self._reads) + sum(len(w.writes) + len(w.reads) for w in self._sent.values())
+        return (ahead + reads) * statistics.median(self.file_seconds) <= again
 
     def _end_on_disk(self, history: PrefixHistory, depth: int, limit: int, message_ends: list[int],
                      size: int) -> list[bytes]:

@@ -172,7 +172,7 @@ class HostTraffic:
 
     def disk_done(self, done: DiskDone) -> None:
         """A step's disk work ended (after the step completed: engine/executor/disk_worker.py)."""
-        self.disk.done(done.fence, done.unreadable)
+        self.disk.done(done.fence, done.unreadable, done.seconds)
 
     def release(self, request: Request) -> None:
         """A request's end: its restores not sent are moot (its pages and transit row are given back with it)."""

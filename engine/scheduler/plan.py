@@ -142,10 +142,12 @@ class DiskWork:
 
 class DiskDone(NamedTuple):
     """The disk work of the step of `fence` is done; `unreadable`: the host slots of its reads whose files were not
-    served (on any rank of a tensor-parallel group)."""
+    served (on any rank of a tensor-parallel group); `seconds`: what the work took on the disk thread (the slowest
+    rank's)."""
 
     fence: int
     unreadable: tuple[int, ...] = ()
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, eq=False)

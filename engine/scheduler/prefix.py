@@ -372,11 +372,12 @@ class PrefixReuse:
         return short
 
     def awaits_load(self, request: Request) -> bool:
-        """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk."""
+        """Whether a waiting request had better wait for checkpoints its prompt extends to be read from disk (not
+        when recomputing them is expected to be faster)."""
         if self.tiers.disk is None or request.sampling.prompt_logprobs is not None:
             return False
         return self.tiers.disk.awaits_load(self._history(request), request.first_computed, request.message_ends,
-                                           self.page_size)
+                                           self.page_size, self.tiers.recompute_seconds)
 
     def planned_copies(self) -> tuple[Copy, ...]:
         """The copies the next plan makes: spills, restores, page copies then state copies, in the order the

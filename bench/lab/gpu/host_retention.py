@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
 import time
 import urllib.request
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     logs = args.out.parent if args.out else Path(".")
     tiers = ("--host-cache-bytes", str(int(args.host_gib * (1 << 30))))
     if args.disk_gib:
-        args.disk_dir.mkdir(parents=True, exist_ok=True)
+        # A fresh directory: files of an earlier run of the same core would be found and read at the first turns.
+        shutil.rmtree(args.disk_dir, ignore_errors=True)
+        args.disk_dir.mkdir(parents=True)
         tiers += ("--disk-cache", str(args.disk_dir), "--disk-cache-bytes", str(int(args.disk_gib * (1 << 30))))
     retained = run(core, tiers, histories, logs / "host_retention_on.log")
     recomputed = run(core, ("--host-cache-bytes", "0"), histories, logs / "host_retention_off.log")
@@ -143,11 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     copy = m.get("flare_engine_host_page_copy_seconds", 0.0)
     restore = page_bytes / copy if copy else 0.0
     say("| restore GB/s (page / median copy) | copy engine H2D peak GB/s | host restores | spills | declined | disk "
-        "reads | disk writes |")
-    say("|---|---|---|---|---|---|---|")
+        "reads | disk writes | disk declined |")
+    say("|---|---|---|---|---|---|---|---|")
     say(f"| {restore / 1e9:.1f} | {copy_engine_peak() / 1e9:.1f} | {m.get('flare_engine_host_restores_total', 0):.0f}"
         f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_declined_total', 0):.0f}"
-        f" | {m.get('flare_engine_disk_reads_total', 0):.0f} | {m.get('flare_engine_disk_writes_total', 0):.0f} |")
+        f" | {m.get('flare_engine_disk_reads_total', 0):.0f} | {m.get('flare_engine_disk_writes_total', 0):.0f}"
+        f" | {m.get('flare_engine_disk_declined_total', 0):.0f} |")
     if args.out:
         args.out.write_text("\n".join(LINES) + "\n")
 
