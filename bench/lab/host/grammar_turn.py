@@ -1,0 +1,83 @@
+"""Host time of structured output per step: advancing B constrained requests' matchers by the tokens a step drew,
+then computing their next masks (engine/sampling/grammar.py). With late masks this is the host's work between a
+step's completion and the next step's sampling, hidden while it is shorter than that step's forward (docs/gpu.md,
+Two steps in flight).
+
+    python -m bench.lab.host.grammar_turn --core DIR [--rows 16 64 256] [--steps 100]
+
+Every request is constrained by the 8b-c64-json serving row's schema (bench/lab/gpu/serving.py), compiled once and
+deep-copied per request as the engine does; each token is drawn at random among those its mask allows, as sampling
+over random weights does, and a request whose grammar ends starts again. Prints, per row count, the medians over the
+steps: ms advancing (one consume_token per row, as Engine._advance_grammars), ms computing the masks (llguidance's
+parallel fill, as Engine._masks), and their sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.lab.gpu.serving import JSON64
+from common.manifest import load_manifest
+from common.protocol import SamplingParams
+from engine.sampling.grammar import GrammarCompiler, GrammarSpec, mask_words, plan_masks
+from engine.scheduler.plan import Plan, Row
+from frontend.chat.structured import json_schema_text
+
+
+def allowed_token(rng: np.random.Generator, mask: np.ndarray, vocab: int) -> int:
+    allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab])
+    return int(rng.choice(allowed))
+
+
+def measure(compiler: GrammarCompiler, spec: GrammarSpec, rows: int, steps: int) -> tuple[float, float]:
+    """Median milliseconds a step spends advancing `rows` matchers and computing their masks."""
+    vocab = compiler.vocab_size
+    matchers = {slot: compiler.compile(spec) for slot in range(rows)}
+    plan = Plan(tuple(Row(slot, 0, 0, 1, None, (), True, 0, SamplingParams(), 0, 1) for slot in range(rows)))
+    words, rng = mask_words(vocab), np.random.default_rng(0)
+    masks = np.frombuffer(plan_masks(plan, matchers, words, compiler.executor), np.int32).reshape(rows, words)
+    advancing, masking = [], []
+    for _ in range(steps):
+        tokens = [allowed_token(rng, masks[slot], vocab) for slot in range(rows)]
+        started = time.perf_counter()
+        for slot, token in enumerate(tokens):
+            matchers[slot].consume_token(token)
+        advanced = time.perf_counter()
+        for slot, matcher in matchers.items():
+            if matcher.is_stopped() or matcher.is_error():
+                matchers[slot] = compiler.compile(spec)
+        begun = time.perf_counter()
+        masks = np.frombuffer(plan_masks(plan, matchers, words, compiler.executor), np.int32).reshape(rows, words)
+        masking.append(time.perf_counter() - begun)
+        advancing.append(advanced - started)
+    return 1000 * statistics.median(advancing), 1000 * statistics.median(masking)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.lab.host.grammar_turn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--core", type=Path, required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--steps", type=int, default=100)
+    args = parser.parse_args(argv)
+    manifest = load_manifest(args.core)
+    vocab = manifest.config["vocab_size"]
+    compiler = GrammarCompiler((args.core / "tokenizer.json").read_text(), vocab, manifest.eos_token_ids)
+    schema = json.loads(JSON64)["response_format"]["json_schema"]["schema"]
+    spec = GrammarSpec("json_schema", json_schema_text(schema, "response_format"))
+    print(f"vocabulary {vocab:,}; medians over {args.steps} steps\n")
+    print("| rows | advance ms | masks ms | sum ms |\n| ---: | ---: | ---: | ---: |")
+    for rows in args.rows:
+        advance, masks = measure(compiler, spec, rows, args.steps)
+        print(f"| {rows} | {advance:.2f} | {masks:.2f} | {advance + masks:.2f} |", flush=True)
+    compiler.close()
+
+
+if __name__ == "__main__":
+    main()
