@@ -51,7 +51,7 @@ class HostPages:
         self.conv = torch.empty((snapshots, *conv), dtype=state_dtype or dtype, pin_memory=pinned and snapshots > 0)
         self.delta = torch.empty((snapshots, *delta), dtype=torch.float32, pin_memory=pinned and snapshots > 0)
         self.directory = disk[0] if disk is not None else None
-        snapshot_bytes = self.conv[0].nbytes + self.delta[0].nbytes if snapshots else 0
+        snapshot_bytes = RecurrentState.row_bytes(config, state_dtype or dtype) if snapshots else 0
         self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size), snapshot_bytes) \
             if disk else None
 

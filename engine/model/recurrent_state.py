@@ -9,6 +9,7 @@ the layers: the storage and which row each decode row and prefill span reads and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,12 +48,11 @@ class RecurrentState:
 
     @staticmethod
     def row_bytes(c: DecoderConfig, dtype: torch.dtype) -> int:
-        linear = c.linear
-        if linear is None:
+        """A row's bytes: its conv inputs in `dtype`, its delta-rule state in float32 (0 without linear layers)."""
+        if c.linear is None:
             return 0
-        conv = linear.conv_dim * (linear.conv_kernel - 1) * dtype.itemsize
-        delta = linear.num_value_heads * linear.key_head_dim * linear.value_head_dim * 4
-        return sum(c.layer_linear) * (conv + delta)
+        conv, delta = RecurrentState.row_shapes(c)
+        return math.prod(conv) * dtype.itemsize + math.prod(delta) * 4
 
 
 SNAPSHOTS_PER_SLOT = 4
