@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.lab.gpu.evidence import LINES, say
-from bench.lab.gpu.serving import FlareServer, synth
+from bench.lab.gpu.serving import FlareServer, exit_on_sigterm, synth
 from bench.lab.host.served import model_name
 
 KV_BYTES = 8 << 30
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disk-dir", type=Path, default=Path("/tmp/flare-disk-cache"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     core = synth("llama-3.1-8b", args.cores / "llama-3.1-8b", None)
     histories = conversations(args.conversations, args.history)
     logs = args.out.parent if args.out else Path(".")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -140,6 +141,12 @@ def synth(preset: str, target: Path, layers: int | None, quant: str | None = Non
     return target
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a job's stop) ends the run through its finally blocks, which stop the servers it
+    started: killed outright, it would leave `flare run` serving, holding the GPU and the host memory."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 class FlareServer:
     def __init__(self, core: Path, flags: tuple[str, ...], port: int, log: Path, device: str) -> None:
         self.url = f"http://127.0.0.1:{port}"
@@ -231,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, help="reduce every synth core to this many layers (quick checks)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to check the script itself")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
     wanted = args.rows.split(",") if args.rows else [r.name for r in ROWS]
     unknown = set(wanted) - {r.name for r in ROWS}
     if unknown:
