@@ -28,6 +28,7 @@ class HeldExecutor:
 
     def __init__(self) -> None:
         self.wake_fd = -1
+        self.late_masks = False  # (no grammar runs here)
         self._fence = 0
         self.in_flight: list[Plan] = []
         self._done: list[tuple[Plan, Completion]] = []

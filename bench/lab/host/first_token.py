@@ -68,6 +68,7 @@ class InstantExecutor:
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self.wake_fd = -1
+        self.late_masks = False  # (no grammar runs here)
         self._fence = 0
         self._done: list[tuple[Plan, Completion]] = []
 

@@ -47,6 +47,7 @@ class TimedExecutor:
         self.step_seconds = step_seconds
         self.wake_fd, self._wake_write = os.pipe()
         os.set_blocking(self.wake_fd, False)
+        self.late_masks = False  # (no grammar runs here)
         self._fence = 0
         self._in_flight = 0
         self._submitted: queue.SimpleQueue[tuple[Plan, int] | None] = queue.SimpleQueue()
