@@ -21,11 +21,9 @@ import argparse
 import json
 import multiprocessing
 import os
-import queue
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -33,91 +31,57 @@ import zmq
 from tokenizers import Tokenizer
 
 from bench.lab.gpu.serving import JSON64
+from bench.lab.host.loop_engine import NUM_PAGES, TimedExecutor, engine_on
 from common import protocol as wire
 from common.manifest import load_manifest
-from engine.core import Engine
 from engine.sampling.grammar import GrammarCompiler, mask_words
 from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, TOKENS, Completion, Plan, fields
 from engine.scheduler.scheduler import RequestScheduler
-from engine.telemetry import EngineTelemetry
 from frontend.chat.structured import json_schema_text
 
-MAX_IN_FLIGHT = 2
 MAX_ACTIVE = 256  # as the serving rows run (--max-active 256)
 STEP_TOKENS = 8192  # the step budget on an H200
 PROMPT = 64
 
 
-class EmulatedGpu:
+class EmulatedGpu(TimedExecutor):
     """The executor protocol over one emulated stream (see the module's docstring); `late_masks` as the graph
     executor's, or off."""
 
     def __init__(self, late_masks: bool, forward: float, sample: float, per_token: float, vocab: int,
                  token: int) -> None:
-        self.late_masks = late_masks
-        self.num_pages = 1 << 14
-        self.fault: str | None = None
         self._forward, self._sample, self._per_token = forward, sample, per_token
-        self._words, self._token = mask_words(vocab), token
-        self.wake_fd, self._wake_write = os.pipe()
-        os.set_blocking(self.wake_fd, False)
-        self._fence = self._in_flight = 0
+        self._words = mask_words(vocab)
         self._late = 0  # the fence submitted with its masks to come
         self._masks: dict[int, tuple[bytes, float]] = {}  # fence -> (masks, when given)
+        self._submitted_at: dict[int, float] = {}
         self._given = threading.Condition()
-        self._steps: queue.SimpleQueue[tuple[int, Plan, float] | None] = queue.SimpleQueue()
-        self._done: list[tuple[Plan, Completion]] = []
-        self._lock = threading.Lock()
         self._rng = np.random.default_rng(0)
         self.busy = self.waited = 0.0
         self.span: list[float] = []  # the first step's start, the last one's end
-        self._thread = threading.Thread(target=self._run, name="emulated-gpu", daemon=True)
-        self._thread.start()
-
-    def can_submit(self) -> bool:
-        return self._in_flight < MAX_IN_FLIGHT
-
-    def next_fence(self) -> int:
-        return self._fence + 1
+        super().__init__(NUM_PAGES, token, 0.0)
+        self.late_masks = late_masks
 
     def submit(self, plan: Plan) -> None:
-        self._fence += 1
-        self._in_flight += 1
-        now = time.perf_counter()
-        if plan.masks_later:
-            self._late = self._fence
-        else:
-            with self._given:
-                self._masks[self._fence] = (plan.masks, now)
-        self._steps.put((self._fence, plan, now))
+        fence, now = self._fence + 1, time.perf_counter()
+        with self._given:
+            if plan.masks_later:
+                self._late = fence
+            else:
+                self._masks[fence] = (plan.masks, now)
+        self._submitted_at[fence] = now
+        super().submit(plan)
 
     def give_masks(self, masks: bytes) -> None:
         with self._given:
             self._masks[self._late] = (masks, time.perf_counter())
             self._given.notify()
 
-    def poll(self) -> list[tuple[Plan, Completion]]:
-        try:
-            os.read(self.wake_fd, 1 << 16)
-        except BlockingIOError:
-            pass
-        with self._lock:
-            done, self._done = self._done, []
-        self._in_flight -= len(done)
-        return done
-
-    def disk_done(self) -> list:
-        return []
-
-    def close(self) -> None:
-        self._steps.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
+    def _watch(self) -> None:
         free_at = 0.0
-        while (item := self._steps.get()) is not None:
-            fence, plan, submitted = item
-            start = max(free_at, submitted)
+        while (item := self._submitted.get()) is not None:
+            plan, fence = item
+            start = max(free_at, self._submitted_at.pop(fence))
             prompt_tokens = sum(len(tokens) for tokens in fields(plan.rows, TOKENS) if tokens)
             forward_end = start + self._forward + self._per_token * prompt_tokens
             sleep_until(forward_end)
@@ -140,7 +104,7 @@ class EmulatedGpu:
     def _completion(self, fence: int, plan: Plan, masks: bytes, duration: float) -> Completion:
         rows = plan.rows
         sample = np.fromiter(fields(rows, SAMPLE), bool, len(rows))
-        tokens = np.full(len(rows), self._token)
+        tokens = np.full(len(rows), self.token)
         if masks:  # a random allowed word of each row, then a random allowed bit of it: numpy over every row at once
             words = np.frombuffer(masks, np.int32).reshape(len(rows), self._words)
             word = np.argmax(self._rng.random(words.shape) * (words != 0), axis=1)
@@ -198,24 +162,13 @@ def run(core: Path, late_masks: bool, constrained: bool, args: argparse.Namespac
     vocab = int(manifest.config["vocab_size"])
     tokenizer = (core / "tokenizer.json").read_text()
     token = Tokenizer.from_str(tokenizer).encode(" {", add_special_tokens=False).ids[0]
-    card = wire.ModelCard(manifest.served_names, manifest.checkpoint, manifest.architecture, manifest.context_limit,
-                          manifest.eos_token_ids, manifest.created)
     executor = EmulatedGpu(late_masks, args.forward_ms / 1000, args.sample_ms / 1000, args.prefill_us / 1e6, vocab,
                            token)
-    scheduler = RequestScheduler(MAX_ACTIVE, 4 * MAX_ACTIVE, executor.num_pages, manifest.capacities.page_size,
-                                 STEP_TOKENS, bytes(32), late_masks=late_masks)
-    context = zmq.Context()
-    address = f"ipc://{tempfile.mkdtemp()}/engine.sock"
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    socket.bind(address)
-    telemetry_socket = context.socket(zmq.XPUB)
-    telemetry_address = wire.telemetry_address(address)
-    telemetry_socket.bind(telemetry_address)
+    scheduler = RequestScheduler(MAX_ACTIVE, 4 * MAX_ACTIVE, NUM_PAGES, manifest.capacities.page_size, STEP_TOKENS,
+                                 bytes(32), late_masks=late_masks)
     grammars = GrammarCompiler(tokenizer, vocab, manifest.eos_token_ids)
-    engine = Engine(card, executor, scheduler, vocab, socket,
-                    EngineTelemetry(telemetry_socket, f"constrained-{uuid.uuid4().hex[:8]}"), telemetry_address,
-                    grammars)
+    context, address = zmq.Context(), f"ipc://{tempfile.mkdtemp()}/engine.sock"
+    engine = engine_on(core, address, context, executor, scheduler, grammars)
     schema = json.loads(JSON64)["response_format"]["json_schema"]["schema"]
     constraint = wire.Constraint("json_schema", json_schema_text(schema, "response_format")) if constrained else None
     spawn = multiprocessing.get_context("spawn")  # (a fork would copy the engine's threads' state)
@@ -231,12 +184,10 @@ def run(core: Path, late_masks: bool, constrained: bool, args: argparse.Namespac
     loop.join()
     executor.close()
     grammars.close()
-    socket.close(linger=0)
-    telemetry_socket.close(linger=0)
-    context.term()
-    steps = executor.busy and (executor.span[1] - executor.span[0])
+    context.destroy(linger=0)
+    steps = executor.span[1] - executor.span[0] if executor.span else 0.0
     return {"tok/s": tokens / seconds, "busy": executor.busy / steps if steps else 0.0,
-            "waited": 1000 * executor.waited / max(engine.executor._fence, 1)}
+            "waited": 1000 * executor.waited / max(executor.next_fence() - 1, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:

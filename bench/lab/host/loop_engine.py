@@ -24,11 +24,14 @@ from tokenizers import Tokenizer
 from common import protocol as wire
 from common.manifest import load_manifest
 from engine.core import Engine
+from engine.executor.base import Executor
+from engine.sampling.grammar import GrammarCompiler
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
 
 MAX_IN_FLIGHT = 2
+NUM_PAGES = 1 << 14  # pages are only counted here: plenty of them
 
 
 def token_completion(fence: int, plan: Plan, token: int, duration: float) -> Completion:
@@ -99,22 +102,28 @@ def serve(core: Path, listen: str, step_seconds: float) -> None:
     manifest = load_manifest(core, verify=False)
     caps = manifest.capacities
     token = Tokenizer.from_file(str(core / "tokenizer.json")).encode(" Hello", add_special_tokens=False).ids[0]
+    executor = TimedExecutor(NUM_PAGES, token, step_seconds)
+    scheduler = RequestScheduler(caps.max_active, caps.queue_capacity, NUM_PAGES, caps.page_size,
+                                 caps.prefill_chunk_size, bytes(32))
+    engine_on(core, listen, zmq.Context(), executor, scheduler).run()
+
+
+def engine_on(core: Path, listen: str, context: zmq.Context, executor: Executor, scheduler: RequestScheduler,
+              grammars: GrammarCompiler | None = None) -> Engine:
+    """The engine loop of `core`'s card over `executor` and `scheduler`, its ROUTER bound to `listen` and its
+    telemetry beside it, sockets of `context`."""
+    manifest = load_manifest(core, verify=False)
     card = wire.ModelCard(manifest.served_names, manifest.checkpoint, manifest.architecture, manifest.context_limit,
                           manifest.eos_token_ids, manifest.created)
-    num_pages = 1 << 14  # pages are only counted here: plenty of them
-    scheduler = RequestScheduler(caps.max_active, caps.queue_capacity, num_pages, caps.page_size,
-                                 caps.prefill_chunk_size, bytes(32))
-    context = zmq.Context()
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     socket.bind(listen)
     telemetry_socket = context.socket(zmq.XPUB)
     telemetry_address = wire.telemetry_address(listen)
     telemetry_socket.bind(telemetry_address)
-    executor = TimedExecutor(num_pages, token, step_seconds)
-    engine = Engine(card, executor, scheduler, int(manifest.config["vocab_size"]), socket,
-                    EngineTelemetry(telemetry_socket, f"loop-engine-{uuid.uuid4().hex[:8]}"), telemetry_address)
-    engine.run()
+    return Engine(card, executor, scheduler, int(manifest.config["vocab_size"]), socket,
+                  EngineTelemetry(telemetry_socket, f"loop-engine-{uuid.uuid4().hex[:8]}"), telemetry_address,
+                  grammars)
 
 
 def main(argv: list[str] | None = None) -> None:
