@@ -144,7 +144,7 @@ class Engine:
             self._expected_ends.popleft()
             self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
         if self._late is not None and len(self._expected_ends) == 1:  # the steps before it have completed
-            self.executor.give_masks(self._masks(self._late))
+            self.executor.give_masks(self._masks(self._late, self._matchers()))
             self._late = None
         if self.scheduler.prefix.persists:  # (a disk tier's work ends after its steps)
             for done in self.executor.disk_done():
@@ -367,22 +367,21 @@ class Engine:
         """The committed plan with its rows' grammar masks; with a step in flight, the masks come once it has
         completed (Plan.masks_later), where the executor can take them late: its tokens advance the matchers
         first, while this step's forward runs."""
-        if not self.scheduler.constrained or not constrained_rows(plan, self._matchers()):
+        if not self.scheduler.constrained or not constrained_rows(plan, matchers := self._matchers()):
             return plan
         if self._expected_ends and self.executor.late_masks:
             self._late = plan
             return replace(plan, masks_later=True)
-        return replace(plan, masks=self._masks(plan))
+        return replace(plan, masks=self._masks(plan, matchers))
 
     def _matchers(self) -> dict[int, object]:
         """Each live constrained request's matcher, by slot."""
         return {r.slot: r.grammar for r in self.scheduler.slots if r is not None and r.grammar is not None}
 
-    def _masks(self, plan: Plan) -> bytes:
-        """The plan's grammar masks from its requests' matchers as they are now. A request whose matcher failed to
-        compute one ends here with the error; the step's token for it is then discarded as for any request that
-        ended."""
-        matchers = self._matchers()
+    def _masks(self, plan: Plan, matchers: dict[int, object]) -> bytes:
+        """The plan's grammar masks from its requests' matchers (`_matchers`) as they are now. A request whose
+        matcher failed to compute one ends here with the error; the step's token for it is then discarded as for
+        any request that ended."""
         masks = plan_masks(plan, matchers, mask_words(self.vocab_size), self.grammars.executor)
         for slot, matcher in matchers.items():
             if matcher.is_error():

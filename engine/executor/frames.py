@@ -231,6 +231,11 @@ def verify_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
     return tuple(out)
 
 
+def sequence_rows(rows: tuple[Row, ...]) -> int:
+    """The one-token rows `verify_rows` makes of a verify plan's rows: a row per position of each verify row."""
+    return sum(row.length if row.draft else 1 for row in rows)
+
+
 def verify_spans(rows: tuple[Row, ...]) -> tuple[np.ndarray, int]:
     """int64 [3, R]: each verify row's first one-token row in `verify_rows`, its width and its slot; and the
     widest row's width."""

@@ -46,8 +46,8 @@ import torch
 from engine.executor.disk_worker import DiskWorker
 from engine.executor.eager import EagerExecutor, copy_pages, kv_cache_shape
 from engine.executor.faults import DeviceFault, sticky_fault
-from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack, verify_results,
-                                    verify_rows, verify_spans)
+from engine.executor.frames import (TEMPERATURE, Layout, PageTableMirror, host_views, make_layout, pack,
+                                    sequence_rows, verify_results, verify_rows, verify_spans)
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step
 from engine.executor.pooling import assemble as assemble_pooled
 from engine.executor.pooling import pool_index, pool_rows, pools
@@ -396,7 +396,7 @@ class GraphExecutor:
             if plan.masks or plan.masks_later or step_extras(rows, self._vocab) is not None or \
                     any(row.scores or row.pool or (row.length > 1 and not row.draft) for row in rows):
                 return None
-            i = bisect.bisect_left(self._decode_caps, sum(row.length if row.draft else 1 for row in rows))
+            i = bisect.bisect_left(self._decode_caps, sequence_rows(rows))
             return self._decode[self._decode_caps[i]] if i < len(self._decode_caps) else None
         if any(fields(rows, SCORES)):
             index = graph_index(plan, self._vocab)
@@ -479,8 +479,7 @@ class GraphExecutor:
             rt.memcpyAsync(self._prompt_out_host[k].data_ptr(), self._prompt_dev[k].data_ptr(),
                            self._prompt_dev[k][:extras.prompt.shape[1]].nbytes, D2H, copy)
         rt.eventRecord(self._done[k], copy)
-        # (sequence rows: a verify row is one per position, as verify_rows makes them)
-        rows = sum(row.length if row.draft else 1 for row in plan.rows) if verify else len(plan.rows)
+        rows = sequence_rows(plan.rows) if verify else len(plan.rows)
         self._pending.append(_Launched(fence, plan, k, layout.kind, labels, rows, verified, extras, pooled))
         self._watch.put((fence, self._done[k], plan))
 

@@ -16,7 +16,6 @@ recent disk work, times the files ahead of the reads and the reads, against the 
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -26,6 +25,7 @@ from engine.cache.disk_files import DiskEntry
 from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostEntry, HostTier
 from engine.scheduler.plan import DiskRead, DiskWork, DiskWrite
+from engine.scheduler.policy import beats_recomputing
 
 
 class DiskReuse:
@@ -169,10 +169,8 @@ class DiskReuse:
     def _reading_pays(self, reads: int, tokens: int, recompute: Callable[[int], float]) -> bool:
         """Whether `reads` more files, behind the disk work planned and sent, are expected to be read sooner than
         `tokens` computed again (taken while either is unmeasured)."""
-        if not self.file_seconds or not (again := recompute(tokens)):
-            return True
         ahead = len(self._writes) + len(self._reads) + sum(len(w.writes) + len(w.reads) for w in self._sent.values())
-        return (ahead + reads) * statistics.median(self.file_seconds) <= again
+        return beats_recomputing(self.file_seconds, ahead + reads, recompute(tokens))
 
     def _end_on_disk(self, history: PrefixHistory, depth: int, limit: int, message_ends: list[int],
                      size: int) -> list[bytes]:

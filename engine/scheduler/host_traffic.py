@@ -10,7 +10,6 @@ restore's host slot is pinned until then. The host slots a step last used are fr
 
 from __future__ import annotations
 
-import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -20,6 +19,7 @@ from engine.cache.host_tier import HostEntry, HostTier
 from engine.scheduler.copies import Copy, PageCopy, Restore, SnapshotRestore, Spill, StateCopy
 from engine.scheduler.disk_reuse import DiskReuse
 from engine.scheduler.plan import Completion, DiskDone, DiskWork, Plan
+from engine.scheduler.policy import beats_recomputing
 from engine.scheduler.request import Request
 
 
@@ -83,10 +83,7 @@ class HostTraffic:
     def restore_pays(self, pages: int) -> bool:
         """Whether restoring `pages` from the host is expected to beat computing their tokens again (taken while
         either is unmeasured)."""
-        if not self.page_copy_seconds:
-            return True
-        recompute = self.recompute_seconds(pages * self.page_size)
-        return recompute == 0.0 or pages * statistics.median(self.page_copy_seconds) <= recompute
+        return beats_recomputing(self.page_copy_seconds, pages, self.recompute_seconds(pages * self.page_size))
 
     def run(self, keys: list[bytes]) -> list[HostEntry]:
         """The host tier's entries of keys[0], keys[1], ... up to the first it lacks."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -34,6 +35,13 @@ class PolicyConfig:
 
 
 Shape = tuple  # (kind, capacity), or ("verify", batch capacity, width): the step shape whose cost is learned
+
+
+def beats_recomputing(unit_seconds: Sequence[float], units: int, recompute: float) -> bool:
+    """Whether `units` of copying (host pages, disk files) at the median of the recent `unit_seconds` each are
+    expected to take no longer than computing their tokens again, `recompute` seconds by the learned step costs;
+    taken while either is unmeasured (no samples, 0.0)."""
+    return not unit_seconds or not recompute or units * statistics.median(unit_seconds) <= recompute
 
 
 @dataclass
