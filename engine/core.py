@@ -140,12 +140,20 @@ class Engine:
         """One pass of the loop without its sleep (bench/lab/host/first_token.py drives the engine's host work with it)."""
         self._ingest()
         self._admit_compiled()
+        completed = []
         for plan, completion in self.executor.poll():
             self._expected_ends.popleft()
-            self.publish_step(plan, completion, self.scheduler.complete(completion, plan))
+            completed.append((plan, completion, self._advance_grammars(self.scheduler.complete(completion, plan))))
+        # A late step's masks before the tokens go out: its sampling waits for them on the GPU, the frontends can wait.
+        failed: list[Finished] = []
         if self._late is not None and len(self._expected_ends) == 1:  # the steps before it have completed
-            self.executor.give_masks(self._masks(self._late, self._matchers()))
+            masks, failed = self._masks(self._late, self._matchers())
+            self.executor.give_masks(masks)
             self._late = None
+        for step in completed:
+            self.publish_step(*step)
+        if failed:
+            self._publish(StepResult(failed))
         if self.scheduler.prefix.persists:  # (a disk tier's work ends after its steps)
             for done in self.executor.disk_done():
                 self.scheduler.disk_done(done)
@@ -170,10 +178,13 @@ class Engine:
         """0.0 to plan a step now, else when to (monotonic seconds). The first step in flight, always; a second one,
         when a prompt waits for it, when every slot is taken (no prompt could join it), or SUBMIT_LEAD before the
         first is expected to end: planned earlier, a prompt that arrives in the meantime would wait for the step
-        after it (the queue time of the 8b-sharegpt serving row, docs/gpu.md). A step that ends before its expected end leaves the GPU
-        idle for the host's planning, so a full server does not defer."""
+        after it (the queue time of the 8b-sharegpt serving row, docs/gpu.md). A step that ends before its expected
+        end leaves the GPU idle for the host's planning, so a full server does not defer; nor does one whose
+        constrained requests take late masks: a step planned after the one in flight ended would compute its masks
+        while the GPU waits (the 8b-c64-json row)."""
         scheduler = self.scheduler
-        if not self._expected_ends or scheduler.waiting or scheduler.prefilling or None not in scheduler.slots:
+        if not self._expected_ends or scheduler.waiting or scheduler.prefilling or None not in scheduler.slots or \
+                scheduler.constrained and self.executor.late_masks:
             return 0.0
         due = self._expected_ends[-1] - SUBMIT_LEAD
         return due if self._expected_ends[-1] and due > time.monotonic() else 0.0
@@ -187,10 +198,10 @@ class Engine:
                                    else 0.0)
 
     def publish_step(self, plan: Plan, completion: Completion, result: StepResult) -> None:
-        """A completed step's telemetry, and its tokens and finishes to their frontends."""
+        """A completed step's telemetry, and its tokens and finishes (its grammars advanced) to their frontends."""
         if completion.error is None:
             self.telemetry.observe_step(plan, completion.duration)
-        self._publish(self._advance_grammars(result))
+        self._publish(result)
 
     def count_start(self, plan: Plan) -> None:
         """Counters of a step about to be submitted: prompt tokens, and the queue time of requests it starts."""
@@ -372,21 +383,23 @@ class Engine:
         if self._expected_ends and self.executor.late_masks:
             self._late = plan
             return replace(plan, masks_later=True)
-        return replace(plan, masks=self._masks(plan, matchers))
+        masks, failed = self._masks(plan, matchers)
+        if failed:
+            self._publish(StepResult(failed))
+        return replace(plan, masks=masks)
 
     def _matchers(self) -> dict[int, object]:
         """Each live constrained request's matcher, by slot."""
         return {r.slot: r.grammar for r in self.scheduler.slots if r is not None and r.grammar is not None}
 
-    def _masks(self, plan: Plan, matchers: dict[int, object]) -> bytes:
-        """The plan's grammar masks from its requests' matchers (`_matchers`) as they are now. A request whose
-        matcher failed to compute one ends here with the error; the step's token for it is then discarded as for
-        any request that ended."""
+    def _masks(self, plan: Plan, matchers: dict[int, object]) -> tuple[bytes, list[Finished]]:
+        """The plan's grammar masks from its requests' matchers (`_matchers`) as they are now, and the ends of the
+        requests whose matcher failed to compute one (the caller publishes them); the step's token for such a
+        request is then discarded as for any request that ended."""
         masks = plan_masks(plan, matchers, mask_words(self.vocab_size), self.grammars.executor)
-        for slot, matcher in matchers.items():
-            if matcher.is_error():
-                self._publish(StepResult([self._grammar_failed(self.scheduler.slots[slot])]))
-        return masks
+        failed = [self._grammar_failed(self.scheduler.slots[slot]) for slot, matcher in matchers.items()
+                  if matcher.is_error()]
+        return masks, failed
 
     def _grammar_failed(self, request: Request) -> Finished:
         error = request.grammar.get_error()

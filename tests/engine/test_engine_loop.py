@@ -3,12 +3,16 @@ sockets, with an executor whose steps complete only when the test releases them.
 
 from __future__ import annotations
 
+import json
+import time
 import uuid
 
+import numpy as np
 import zmq
 
 from common import protocol as wire
 from engine.core import Engine
+from engine.sampling.grammar import GrammarCompiler
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.scheduler import RequestScheduler
 from engine.telemetry import EngineTelemetry
@@ -24,11 +28,14 @@ def token_completion(fence: int, plan: Plan, token: int, duration: float) -> Com
 
 
 class HeldExecutor:
-    """Two steps in flight at most, each completed (token 1, STEP_SECONDS) only by release()."""
+    """Two steps in flight at most, each completed (`token`, STEP_SECONDS) only by release(); with `late_masks`, it
+    keeps the masks given late."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: int = 1, late_masks: bool = False) -> None:
         self.wake_fd = -1
-        self.late_masks = False  # (no grammar runs here)
+        self.token = token
+        self.late_masks = late_masks
+        self.given: list[bytes] = []
         self._fence = 0
         self.in_flight: list[Plan] = []
         self._done: list[tuple[Plan, Completion]] = []
@@ -43,11 +50,15 @@ class HeldExecutor:
         self._fence += 1
         self.in_flight.append(plan)
 
-    def release(self) -> None:
+    def give_masks(self, masks: bytes) -> None:
+        self.given.append(masks)
+
+    def release(self, steps: int = 2) -> None:
+        """Complete the first `steps` in flight."""
         first = self._fence - len(self.in_flight) + 1
-        self._done += [(plan, token_completion(first + i, plan, 1, STEP_SECONDS)) for i, plan in
-                       enumerate(self.in_flight)]
-        self.in_flight = []
+        self._done += [(plan, token_completion(first + i, plan, self.token, STEP_SECONDS)) for i, plan in
+                       enumerate(self.in_flight[:steps])]
+        self.in_flight = self.in_flight[steps:]
 
     def poll(self) -> list[tuple[Plan, Completion]]:
         done, self._done = self._done, []
@@ -57,7 +68,8 @@ class HeldExecutor:
         pass
 
 
-def make_engine(max_active: int = 8) -> tuple[Engine, HeldExecutor, zmq.Socket]:
+def make_engine(max_active: int = 8, executor: HeldExecutor | None = None, vocab: int = 1000,
+                grammars: GrammarCompiler | None = None) -> tuple[Engine, HeldExecutor, zmq.Socket]:
     context = zmq.Context.instance()
     address = f"inproc://engine-loop-{uuid.uuid4().hex[:8]}"
     router = context.socket(zmq.ROUTER)
@@ -67,21 +79,25 @@ def make_engine(max_active: int = 8) -> tuple[Engine, HeldExecutor, zmq.Socket]:
     dealer = context.socket(zmq.DEALER)
     dealer.setsockopt(zmq.IDENTITY, b"test")
     dealer.connect(address)
-    executor = HeldExecutor()
+    executor = executor or HeldExecutor()
     card = wire.ModelCard(["test"], "test", "llama", 4096, [0])
-    scheduler = RequestScheduler(max_active, 64, 64, 16, 512, bytes(range(32)))
-    engine = Engine(card, executor, scheduler, 1000, router, EngineTelemetry(telemetry, "engine-loop"),
-                    address + "-telemetry")
+    scheduler = RequestScheduler(max_active, 64, 64, 16, 512, bytes(range(32)), late_masks=executor.late_masks)
+    engine = Engine(card, executor, scheduler, vocab, router, EngineTelemetry(telemetry, "engine-loop"),
+                    address + "-telemetry", grammars)
     return engine, executor, dealer
 
 
-def submit(engine: Engine, dealer: zmq.Socket, prompt: list[int]) -> str:
+def submit(engine: Engine, dealer: zmq.Socket, prompt: list[int], constraint: wire.Constraint | None = None,
+           max_tokens: int = 50) -> str:
     request_id = uuid.uuid4().hex
-    dealer.send(wire.encode(wire.Submit(request_id, prompt, wire.SamplingParams(max_tokens=50))))
-    for _ in range(100):  # inproc delivery is asynchronous: turn until the engine has it
+    dealer.send(wire.encode(wire.Submit(request_id, prompt, wire.SamplingParams(max_tokens=max_tokens),
+                                        constraint=constraint)))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # inproc delivery (and a grammar's compile) is asynchronous: turn until admitted
         engine.turn()
         if any(r is not None and r.request_id == request_id for r in engine.scheduler.slots):
             return request_id
+        time.sleep(0.001)
     raise AssertionError("the engine never admitted the request")
 
 
@@ -113,3 +129,30 @@ def test_a_full_server_does_not_defer_its_second_step() -> None:
     engine.turn()
     engine.turn()
     assert len(executor.in_flight) == 2
+
+
+def test_constrained_requests_with_late_masks_do_not_defer_their_second_step(core_dir) -> None:
+    """Deferred, the next step would be planned after the one in flight ended and compute its masks while the GPU
+    waits: with late masks a constrained request's next step goes in at once, and its masks once the step before
+    it completed."""
+    manifest = json.loads((core_dir / "manifest.json").read_text())
+    vocab = manifest["config"]["vocab_size"]
+    grammars = GrammarCompiler((core_dir / "tokenizer.json").read_text(), vocab, manifest["eos_token_ids"])
+    token = grammars.tokenizer.tokenize_str("a")[0]
+    engine, executor, dealer = make_engine(executor=HeldExecutor(token, late_masks=True), vocab=vocab,
+                                           grammars=grammars)
+    submit(engine, dealer, [5, 6, 7, 8], max_tokens=2)  # a free request's two steps: their costs become known
+    engine.turn()
+    executor.release()
+    engine.turn()
+    assert not any(engine.scheduler.slots)
+    # A constrained request of the same shapes: a free one's second step would now be deferred (as above).
+    submit(engine, dealer, [9, 10, 11, 12], wire.Constraint("regex", "a{1,200}"))
+    for _ in range(3):
+        assert len(executor.in_flight) == 2 and executor.in_flight[1].masks_later
+        executor.release(1)
+        engine.turn()
+    assert len(executor.given) == 3  # each late step's masks, given when the step before it completed
+    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(executor.given[-1], np.uint8), bitorder="little"))
+    assert token in allowed and len(allowed) < vocab
+    grammars.close()

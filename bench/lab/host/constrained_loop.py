@@ -122,8 +122,9 @@ def sleep_until(moment: float) -> None:
 
 
 def client(address: str, requests: int, concurrency: int, max_tokens: int, constraint: wire.Constraint | None,
-           results: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    """Keeps `concurrency` requests in flight until `requests` ended; puts (output tokens, seconds)."""
+           results: multiprocessing.Queue, prompt_len: int = PROMPT) -> None:  # type: ignore[type-arg]
+    """Keeps `concurrency` requests of `prompt_len` random tokens in flight until `requests` ended; puts (output
+    tokens, seconds)."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.connect(address)
@@ -132,7 +133,7 @@ def client(address: str, requests: int, concurrency: int, max_tokens: int, const
 
     def send() -> None:
         nonlocal sent
-        prompt = rng.integers(100, 20000, PROMPT).tolist()
+        prompt = rng.integers(100, 20000, prompt_len).tolist()
         params = wire.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=sent)
         socket.send(wire.encode(wire.Submit(f"r{sent}", prompt, params, constraint=constraint)))
         sent += 1
