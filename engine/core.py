@@ -179,12 +179,9 @@ class Engine:
         when a prompt waits for it, when every slot is taken (no prompt could join it), or SUBMIT_LEAD before the
         first is expected to end: planned earlier, a prompt that arrives in the meantime would wait for the step
         after it (the queue time of the 8b-sharegpt serving row, docs/gpu.md). A step that ends before its expected
-        end leaves the GPU idle for the host's planning, so a full server does not defer; nor does one whose
-        constrained requests take late masks: a step planned after the one in flight ended would compute its masks
-        while the GPU waits (the 8b-c64-json row)."""
+        end leaves the GPU idle for the host's planning, so a full server does not defer."""
         scheduler = self.scheduler
-        if not self._expected_ends or scheduler.waiting or scheduler.prefilling or None not in scheduler.slots or \
-                scheduler.constrained and self.executor.late_masks:
+        if not self._expected_ends or scheduler.waiting or scheduler.prefilling or None not in scheduler.slots:
             return 0.0
         due = self._expected_ends[-1] - SUBMIT_LEAD
         return due if self._expected_ends[-1] and due > time.monotonic() else 0.0

@@ -131,28 +131,28 @@ def test_a_full_server_does_not_defer_its_second_step() -> None:
     assert len(executor.in_flight) == 2
 
 
-def test_constrained_requests_with_late_masks_do_not_defer_their_second_step(core_dir) -> None:
-    """Deferred, the next step would be planned after the one in flight ended and compute its masks while the GPU
-    waits: with late masks a constrained request's next step goes in at once, and its masks once the step before
-    it completed."""
+def test_a_late_step_gets_its_masks_before_the_step_before_it_publishes_its_tokens(core_dir) -> None:
+    """The late step's sampling waits on the GPU for its masks; the frontends can wait for the tokens of the step
+    that completed, so the masks go first."""
     manifest = json.loads((core_dir / "manifest.json").read_text())
     vocab = manifest["config"]["vocab_size"]
     grammars = GrammarCompiler((core_dir / "tokenizer.json").read_text(), vocab, manifest["eos_token_ids"])
     token = grammars.tokenizer.tokenize_str("a")[0]
-    engine, executor, dealer = make_engine(executor=HeldExecutor(token, late_masks=True), vocab=vocab,
-                                           grammars=grammars)
-    submit(engine, dealer, [5, 6, 7, 8], max_tokens=2)  # a free request's two steps: their costs become known
-    engine.turn()
-    executor.release()
-    engine.turn()
-    assert not any(engine.scheduler.slots)
-    # A constrained request of the same shapes: a free one's second step would now be deferred (as above).
+    executor = HeldExecutor(token, late_masks=True)
+    engine, _, dealer = make_engine(executor=executor, vocab=vocab, grammars=grammars)
+    published_before: list[bool] = []  # per masks given: had the frontend any message then
+    give = executor.give_masks
+    executor.give_masks = lambda masks: (published_before.append(bool(dealer.poll(0))), give(masks))
     submit(engine, dealer, [9, 10, 11, 12], wire.Constraint("regex", "a{1,200}"))
     for _ in range(3):
         assert len(executor.in_flight) == 2 and executor.in_flight[1].masks_later
+        while dealer.poll(0):
+            dealer.recv()
         executor.release(1)
         engine.turn()
-    assert len(executor.given) == 3  # each late step's masks, given when the step before it completed
+        outputs = wire.decode_engine_message(dealer.recv())  # (the step's token, published after the masks)
+        assert isinstance(outputs, wire.Outputs) and outputs.token_ids == [[token]]
+    assert published_before == [False] * 3 and len(executor.given) == 3
     allowed = np.flatnonzero(np.unpackbits(np.frombuffer(executor.given[-1], np.uint8), bitorder="little"))
     assert token in allowed and len(allowed) < vocab
     grammars.close()
