@@ -1,11 +1,10 @@
-"""Structured output in the engine (docs/design.md, Beyond plain decoding): grammars compiled off the loop and cached,
-a matcher per constrained request, and the packed token masks a step's sampling applies.
+"""Structured output in the engine (docs/design.md, Beyond plain decoding): grammars compiled off the loop, a matcher
+per constrained request, and the packed token masks a step's sampling applies.
 
 The grammar engine is llguidance: a grammar spec (kind, text) from the wire becomes an llguidance grammar, and a
 matcher built from it for this engine's tokenizer is the compiled form. Compiles run on a small thread pool (the
 library drops the GIL), so a slow one never stalls the loop; finished compiles wake the loop through `wake_fd`.
-Compiled matchers are cached by spec: each request gets a cheap deep copy of the cached, never-advanced one (the
-cache belongs to this engine's one tokenizer, so the tokenizer is part of every key implicitly).
+Each request compiles a matcher of its own, so that a step's masks are computed in parallel (GrammarCompiler.compile).
 
 Masks are int32 words, bit i of word w allowing token 32 w + i, one row per plan row (all ones for rows that are
 not constrained), carried in the Plan as bytes so that tensor-parallel ranks receive them with the step.
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
 from collections.abc import Container
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +25,6 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from common.constraint_limits import LLGUIDANCE_LIMITS, constraint_problem
 from engine.scheduler.plan import SAMPLE, SLOT, Plan, fields
 
-CACHE_SIZE = 256  # compiled grammars kept (least recently used ones go first)
 COMPILE_THREADS = 2
 
 
@@ -52,8 +49,6 @@ class GrammarCompiler:
         self.tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size,
                                                 eos_token=list(eos_token_ids) or None)
         self.vocab_size = vocab_size
-        self._cache: collections.OrderedDict[GrammarSpec, llguidance.LLMatcher] = collections.OrderedDict()
-        self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._done: collections.deque[tuple[object, Future]] = collections.deque()
         self.wake_fd, self._wake_write = os.pipe()
@@ -61,30 +56,23 @@ class GrammarCompiler:
         self.executor = llguidance.LLExecutor()  # computes a batch's masks in parallel, GIL released
 
     def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
-        """A fresh matcher for the spec (blocking); raises GrammarError."""
-        with self._lock:
-            cached = self._cache.get(spec)
-            if cached is not None:
-                self._cache.move_to_end(spec)
-        if cached is None:
-            # The frontend refused whatever is over these bounds (and validated the rest in a process of its own);
-            # checked again here because llguidance runs in this process, and a grammar past them can crash it.
-            problem = constraint_problem(spec.kind, spec.text)
-            if problem is not None:
-                raise GrammarError(problem)
-            try:
-                grammar = llguidance.grammar_from(spec.kind, spec.text)  # type: ignore[arg-type]
-            except ValueError as exc:
-                raise GrammarError(str(exc)) from exc
-            cached = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
-                                          limits=llguidance.LLParserLimits(**LLGUIDANCE_LIMITS))
-            if cached.is_error():
-                raise GrammarError(cached.get_error())
-            with self._lock:
-                self._cache[spec] = cached
-                while len(self._cache) > CACHE_SIZE:
-                    self._cache.popitem(last=False)
-        return cached.deep_copy()
+        """A matcher of its own for the spec (blocking); raises GrammarError. Never a copy of another request's:
+        llguidance's copies share their lexer state behind one lock, which would make a step's masks for them run one
+        after another whatever the executor's threads (a JSON schema's matcher compiles in under a millisecond)."""
+        # The frontend refused whatever is over these bounds (and validated the rest in a process of its own);
+        # checked again here because llguidance runs in this process, and a grammar past them can crash it.
+        problem = constraint_problem(spec.kind, spec.text)
+        if problem is not None:
+            raise GrammarError(problem)
+        try:
+            grammar = llguidance.grammar_from(spec.kind, spec.text)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from exc
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                       limits=llguidance.LLParserLimits(**LLGUIDANCE_LIMITS))
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
 
     def submit(self, key: object, spec: GrammarSpec) -> None:
         """Compile in the background; (key, future) comes back from take_done()."""

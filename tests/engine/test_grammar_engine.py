@@ -28,10 +28,10 @@ def compiler(core_dir):
     compiler.close()
 
 
-def test_compiles_are_cached_and_each_request_gets_its_own_matcher(compiler) -> None:
+def test_each_request_gets_its_own_matcher(compiler) -> None:
     spec = GrammarSpec("json_schema", json_schema_text({"enum": ["yes", "no"]}, "schema"))
     first, second = compiler.compile(spec), compiler.compile(spec)
-    assert first is not second and len(compiler._cache) == 1
+    assert first is not second
     assert first.consume_tokens(compiler.tokenizer.tokenize_str('"yes"')) and first.is_accepting()
     assert not second.is_accepting()  # untouched by the first request's tokens
 

@@ -3,13 +3,15 @@ then computing their next masks (engine/sampling/grammar.py). With late masks th
 step's completion and the next step's sampling, hidden while it is shorter than that step's forward (docs/gpu.md,
 Two steps in flight).
 
-    python -m bench.lab.host.grammar_turn --core DIR [--rows 16 64 256] [--steps 100]
+    python -m bench.lab.host.grammar_turn --core DIR [--rows 16 64 256] [--steps 100] [--threads N] [--shared]
 
-Every request is constrained by the 8b-c64-json serving row's schema (bench/lab/gpu/serving.py), compiled once and
-deep-copied per request as the engine does; each token is drawn at random among those its mask allows, as sampling
+Every request is constrained by the 8b-c64-json serving row's schema (bench/lab/gpu/serving.py), compiled for each
+request as the engine does; each token is drawn at random among those its mask allows, as sampling
 over random weights does, and a request whose grammar ends starts again. Prints, per row count, the medians over the
 steps: ms advancing (one consume_token per row, as Engine._advance_grammars), ms computing the masks (llguidance's
-parallel fill, as Engine._masks), and their sum.
+parallel fill, as Engine._masks), and their sum. `--threads`: the mask executor's threads (llguidance's default: 80%
+of the machine's CPUs); `--shared`: every request's matcher a copy of one, as the engine made them before (llguidance's
+copies share their lexer state behind one lock, so their masks are computed one after another).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
+import llguidance
 import numpy as np
 
 from bench.lab.gpu.serving import JSON64
@@ -35,13 +38,16 @@ def allowed_token(rng: np.random.Generator, mask: np.ndarray, vocab: int) -> int
     return int(rng.choice(allowed))
 
 
-def measure(compiler: GrammarCompiler, spec: GrammarSpec, rows: int, steps: int) -> tuple[float, float]:
+def measure(compiler: GrammarCompiler, spec: GrammarSpec, rows: int, steps: int, executor: llguidance.LLExecutor,
+            shared: bool) -> tuple[float, float]:
     """Median milliseconds a step spends advancing `rows` matchers and computing their masks."""
     vocab = compiler.vocab_size
-    matchers = {slot: compiler.compile(spec) for slot in range(rows)}
+    first = compiler.compile(spec)
+    new = first.deep_copy if shared else lambda: compiler.compile(spec)
+    matchers = {slot: new() for slot in range(rows)}
     plan = Plan(tuple(Row(slot, 0, 0, 1, None, (), True, 0, SamplingParams(), 0, 1) for slot in range(rows)))
     words, rng = mask_words(vocab), np.random.default_rng(0)
-    masks = np.frombuffer(plan_masks(plan, matchers, words, compiler.executor), np.int32).reshape(rows, words)
+    masks = np.frombuffer(plan_masks(plan, matchers, words, executor), np.int32).reshape(rows, words)
     advancing, masking = [], []
     for _ in range(steps):
         tokens = [allowed_token(rng, masks[slot], vocab) for slot in range(rows)]
@@ -51,9 +57,9 @@ def measure(compiler: GrammarCompiler, spec: GrammarSpec, rows: int, steps: int)
         advanced = time.perf_counter()
         for slot, matcher in matchers.items():
             if matcher.is_stopped() or matcher.is_error():
-                matchers[slot] = compiler.compile(spec)
+                matchers[slot] = new()
         begun = time.perf_counter()
-        masks = np.frombuffer(plan_masks(plan, matchers, words, compiler.executor), np.int32).reshape(rows, words)
+        masks = np.frombuffer(plan_masks(plan, matchers, words, executor), np.int32).reshape(rows, words)
         masking.append(time.perf_counter() - begun)
         advancing.append(advanced - started)
     return 1000 * statistics.median(advancing), 1000 * statistics.median(masking)
@@ -65,16 +71,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--core", type=Path, required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--threads", type=int, help="the mask executor's threads (default: llguidance's)")
+    parser.add_argument("--shared", action="store_true", help="copies of one matcher, sharing its lexer state")
     args = parser.parse_args(argv)
     manifest = load_manifest(args.core)
     vocab = manifest.config["vocab_size"]
     compiler = GrammarCompiler((args.core / "tokenizer.json").read_text(), vocab, manifest.eos_token_ids)
     schema = json.loads(JSON64)["response_format"]["json_schema"]["schema"]
     spec = GrammarSpec("json_schema", json_schema_text(schema, "response_format"))
-    print(f"vocabulary {vocab:,}; medians over {args.steps} steps\n")
+    executor = llguidance.LLExecutor(args.threads) if args.threads else compiler.executor
+    print(f"vocabulary {vocab:,}; {'copies of one matcher' if args.shared else 'a matcher per request'}, "
+          f"{args.threads or 'default'} mask threads; medians over {args.steps} steps\n")
     print("| rows | advance ms | masks ms | sum ms |\n| ---: | ---: | ---: | ---: |")
     for rows in args.rows:
-        advance, masks = measure(compiler, spec, rows, args.steps)
+        advance, masks = measure(compiler, spec, rows, args.steps, executor, args.shared)
         print(f"| {rows} | {advance:.2f} | {masks:.2f} | {advance + masks:.2f} |", flush=True)
     compiler.close()
 
