@@ -17,11 +17,8 @@ published, masks computed, plans made, steps submitted, messages taken in).
 from __future__ import annotations
 
 import argparse
-import json
-import multiprocessing
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -29,17 +26,15 @@ from pathlib import Path
 import torch
 import zmq
 
-from bench.lab.gpu.serving import JSON64, exit_on_sigterm, synth
-from bench.lab.host.constrained_loop import client
+from bench.lab.gpu.serving import exit_on_sigterm, synth
+from bench.lab.host.constrained_loop import json_constraint, served
 from bench.lab.host.loop_engine import engine_on
-from common import protocol as wire
 from engine.executor.factory import gpu_step_tokens
 from engine.executor.graph import GraphExecutor
 from engine.main import cache_identity
 from engine.model.loader import load_model
 from engine.sampling.grammar import GrammarCompiler
 from engine.scheduler.scheduler import RequestScheduler
-from frontend.chat.structured import json_schema_text
 
 MAX_ACTIVE = 256  # as the serving rows run (--max-active 256)
 # The loop's parts, timed: (owner attribute, method, label); owner "" is the engine itself.
@@ -115,19 +110,8 @@ def run(core: Path, model, manifest, executor: GraphExecutor, step_tokens: int, 
     timers = Timers()
     for owner, name, label in PARTS:
         timers.wrap(getattr(engine, owner) if owner else engine, name, label)
-    schema = json.loads(JSON64)["response_format"]["json_schema"]["schema"]
-    constraint = wire.Constraint("json_schema", json_schema_text(schema, "response_format")) if constrained else None
-    spawn = multiprocessing.get_context("spawn")
-    results = spawn.Queue()
-    process = spawn.Process(target=client, args=(address, args.requests, args.concurrency, args.max_tokens,
-                                                 constraint, results, args.prompt))
-    process.start()
-    loop = threading.Thread(target=engine.run, name="engine-loop")
-    loop.start()
-    tokens, seconds = results.get()
-    process.join()
-    engine.stop()
-    loop.join()
+    tokens, seconds = served(engine, address, args.requests, args.concurrency, args.max_tokens,
+                             json_constraint() if constrained else None, args.prompt)
     grammars.close()
     context.destroy(linger=0)
     # (the executor's own methods again, for the next variant)

@@ -34,6 +34,7 @@ from bench.lab.gpu.serving import JSON64
 from bench.lab.host.loop_engine import NUM_PAGES, TimedExecutor, engine_on
 from common import protocol as wire
 from common.manifest import load_manifest
+from engine.core import Engine
 from engine.sampling.grammar import GrammarCompiler, mask_words
 from engine.scheduler.plan import GENERATION, SAMPLE, SLOT, TOKENS, Completion, Plan, fields
 from engine.scheduler.scheduler import RequestScheduler
@@ -158,6 +159,30 @@ def client(address: str, requests: int, concurrency: int, max_tokens: int, const
     context.term()
 
 
+def json_constraint() -> wire.Constraint:
+    """The 8b-c64-json serving row's schema, as a frontend puts it on the wire."""
+    schema = json.loads(JSON64)["response_format"]["json_schema"]["schema"]
+    return wire.Constraint("json_schema", json_schema_text(schema, "response_format"))
+
+
+def served(engine: Engine, address: str, requests: int, concurrency: int, max_tokens: int,
+           constraint: wire.Constraint | None, prompt_len: int) -> tuple[int, float]:
+    """The engine's loop on a thread of its own while `client` runs in a process of its own (a fork would copy the
+    engine's threads' state); (output tokens, seconds) once every request ended and the loop stopped."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    process = spawn.Process(target=client,
+                            args=(address, requests, concurrency, max_tokens, constraint, results, prompt_len))
+    process.start()
+    loop = threading.Thread(target=engine.run, name="engine-loop")
+    loop.start()
+    tokens, seconds = results.get()
+    process.join()
+    engine.stop()
+    loop.join()
+    return tokens, seconds
+
+
 def run(core: Path, late_masks: bool, constrained: bool, args: argparse.Namespace) -> dict[str, float]:
     manifest = load_manifest(core, verify=False)
     vocab = int(manifest.config["vocab_size"])
@@ -170,19 +195,8 @@ def run(core: Path, late_masks: bool, constrained: bool, args: argparse.Namespac
     grammars = GrammarCompiler(tokenizer, vocab, manifest.eos_token_ids)
     context, address = zmq.Context(), f"ipc://{tempfile.mkdtemp()}/engine.sock"
     engine = engine_on(core, address, context, executor, scheduler, grammars)
-    schema = json.loads(JSON64)["response_format"]["json_schema"]["schema"]
-    constraint = wire.Constraint("json_schema", json_schema_text(schema, "response_format")) if constrained else None
-    spawn = multiprocessing.get_context("spawn")  # (a fork would copy the engine's threads' state)
-    results = spawn.Queue()
-    process = spawn.Process(
-        target=client, args=(address, args.requests, args.concurrency, args.max_tokens, constraint, results))
-    process.start()
-    loop = threading.Thread(target=engine.run, name="engine-loop")
-    loop.start()
-    tokens, seconds = results.get()
-    process.join()
-    engine.stop()
-    loop.join()
+    tokens, seconds = served(engine, address, args.requests, args.concurrency, args.max_tokens,
+                             json_constraint() if constrained else None, PROMPT)
     executor.close()
     grammars.close()
     context.destroy(linger=0)
