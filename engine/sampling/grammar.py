@@ -25,7 +25,9 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from common.constraint_limits import LLGUIDANCE_LIMITS, constraint_problem
 from engine.scheduler.plan import SAMPLE, SLOT, Plan, fields
 
-COMPILE_THREADS = 2
+# Every request compiles its matcher (GrammarCompiler.compile): more threads on a larger host, so that a burst of
+# requests under a large schema (several ms a compile) is admitted as fast as the host allows.
+COMPILE_THREADS = max(2, len(os.sched_getaffinity(0)) // 4)
 
 
 class GrammarError(ValueError):
