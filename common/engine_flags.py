@@ -24,7 +24,7 @@ ENGINE_FLAGS: tuple[tuple[str, dict[str, object]], ...] = (
                                                     "graphs may fill (default 0.92)"}),
     ("--host-cache-bytes", {"type": int, "help": "host memory that prefix checkpoints evicted from the KV cache move "
                                                  "to (default: a quarter of the available memory on a GPU machine, "
-                                                 "0 on the CPU)"}),
+                                                 "0 on the CPU; at most 90% of it)"}),
     ("--disk-cache", {"type": Path, "metavar": "DIR", "help": "a directory that pages the host tier gives up move "
                                                               "to, reused after a restart with the same core (needs "
                                                               "a host tier)"}),

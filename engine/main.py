@@ -29,7 +29,8 @@ from engine.cache.disk_tier import DiskTier
 from engine.cache.host_tier import HostTier
 from engine.core import Engine
 from engine.executor.eager import pages_for_budget
-from engine.executor.factory import gpu_kv_budget, gpu_step_tokens, host_budget, make_executor
+from engine.executor.factory import (HOST_LIMIT, available_memory, gpu_kv_budget, gpu_step_tokens, host_budget,
+                                     make_executor)
 from engine.executor.faults import DeviceFault, sticky_fault
 from engine.executor.tier_copies import host_slot_bytes, slot_shape
 from engine.model import kv_quant
@@ -85,6 +86,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("rank 0 needs --listen")
     if args.host_cache_bytes is not None and args.host_cache_bytes < 0:
         parser.error(f"--host-cache-bytes must be at least 0, got {args.host_cache_bytes}")
+    if args.host_cache_bytes and args.host_cache_bytes > HOST_LIMIT * (available := available_memory()):
+        # Given more, the tier would push the machine into swapping or the kernel's OOM killer once filled (and on
+        # a GPU it is locked at start).
+        parser.error(f"--host-cache-bytes {args.host_cache_bytes} is more than {HOST_LIMIT:.0%} of the host memory "
+                     f"available now ({available / (1 << 30):.1f} GiB)")
     if args.disk_cache_bytes is not None and args.disk_cache is None:
         parser.error("--disk-cache-bytes needs --disk-cache DIR")
     if args.disk_cache is not None and not args.disk_cache.is_dir():

@@ -22,6 +22,7 @@ SAMPLER_BYTES_PER_LOGIT = 40  # logits, probabilities, their sort (values and in
 # chunks keep decoders flowing, large ones run the prefill GEMMs near peak.
 GPU_STEP_TOKENS = ((60 << 30, 8192), (30 << 30, 4096), (0, 2048))
 HOST_SHARE = 4  # the host tier takes 1/HOST_SHARE of the host memory available at start, by default
+HOST_LIMIT = 0.9  # and at most this share of it when given
 
 
 def gpu_kv_budget(model: CausalLM, max_active: int, device: torch.device,
@@ -61,7 +62,20 @@ def host_budget(device: torch.device) -> int:
     share of the memory available now."""
     if device.type != "cuda":
         return 0
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // HOST_SHARE
+    return available_memory() // HOST_SHARE
+
+
+def available_memory() -> int:
+    """The host memory that can be had now without swapping: the kernel's estimate (free memory plus the page
+    cache and the slabs it can reclaim), else the free pages alone."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _make_executor(model: CausalLM, num_pages: int, page_size: int, max_active: int, device: torch.device,

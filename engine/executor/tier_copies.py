@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -33,6 +34,17 @@ def host_slot_bytes(config: DecoderConfig, page_size: int, dtype: torch.dtype) -
     return torch.Size(slot_shape(config, page_size)).numel() * dtype.itemsize
 
 
+def host_memory(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """The tier's host memory; `pinned`: page-locked where it lies, for the copy engine, of exactly its bytes. (torch's
+    pinned allocator rounds an allocation up to a power of two: a 40 GiB tier would lock 64 GiB of the machine.)"""
+    tensor = torch.empty(shape, dtype=dtype)
+    if pinned and tensor.numel():
+        cudart = torch.cuda.cudart()
+        torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
+        weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+    return tensor
+
+
 def moves(plan: Plan) -> bool:
     """Whether the plan copies anything to or from the host tier (a snapshot's spill goes with its page's)."""
     return bool(plan.spills or plan.restores or plan.state_restores)
@@ -46,10 +58,10 @@ class HostPages:
         carry; `snapshots`: a hybrid model's host snapshot rows, their conv state in `state_dtype` (the model's;
         `dtype` when not given)."""
         self.page_size = page_size
-        self.slots = torch.empty((slots, *slot_shape(config, page_size)), dtype=dtype, pin_memory=pinned)
+        self.slots = host_memory((slots, *slot_shape(config, page_size)), dtype, pinned)
         conv, delta = RecurrentState.row_shapes(config) if snapshots else ((0,), (0,))
-        self.conv = torch.empty((snapshots, *conv), dtype=state_dtype or dtype, pin_memory=pinned and snapshots > 0)
-        self.delta = torch.empty((snapshots, *delta), dtype=torch.float32, pin_memory=pinned and snapshots > 0)
+        self.conv = host_memory((snapshots, *conv), state_dtype or dtype, pinned)
+        self.delta = host_memory((snapshots, *delta), torch.float32, pinned)
         self.directory = disk[0] if disk is not None else None
         snapshot_bytes = RecurrentState.row_bytes(config, state_dtype or dtype) if snapshots else 0
         self.layout = disk_files.Layout(disk[1], str(dtype), slot_shape(config, page_size), snapshot_bytes) \

@@ -97,6 +97,7 @@ def test_frontend_flags_reach_every_frontend(monkeypatch: pytest.MonkeyPatch, co
     (["--kv-cache-fraction", "1.5"], "--kv-cache-fraction must be in (0, 1]"),
     (["--max-active", "0"], "--max-active must be at least 1"),
     (["--max-batched-tokens", "-4"], "--max-batched-tokens must be at least 1"),
+    (["--host-cache-bytes", str(1 << 60)], f"--host-cache-bytes {1 << 60} is more than 90% of the host memory"),
 ])
 def test_engine_refuses_bad_capacities(core_dir: Path, flags: list[str], message: str) -> None:
     result = subprocess.run([sys.executable, "-m", "engine.main", "--core", str(core_dir), "--listen",
