@@ -12,16 +12,20 @@ The tiers must hold the conversations for the second turns to hit: 200 histories
 8B's KV (128 KiB a token), so a host tier of 100 GiB alone wants a machine with more than 128 GiB of memory; on one
 with 128 GiB (the core on /dev/shm takes 16 of them) a host tier of 60 GiB and a disk tier of 45 GiB below it hold
 them (`--host-gib 60 --disk-gib 45`). With less, the table reports the share of second turns whose history was
-covered.
+covered. Every 50 turns a line gives the progress, the host's available memory and the disk tier's bytes; the run
+ends itself if the available memory falls below 4 GiB.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
+import signal
 import statistics
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -31,10 +35,40 @@ import torch
 from bench.lab.gpu.evidence import LINES, say
 from bench.lab.gpu.serving import FlareServer, exit_on_sigterm, synth
 from bench.lab.host.served import model_name
+from engine.executor.factory import available_memory
 
 KV_BYTES = 8 << 30
 NEW_TOKENS = 32  # the second turn's new user tokens
 VOCAB = 128000  # the synth Llama-3.1-8B's ids below the special tokens
+MEMORY_FLOOR = 4 << 30  # the run is ended when the host's available memory falls below this
+
+
+class HostWatch(threading.Thread):
+    """Samples the host's available memory and the disk tier's bytes every second. The run fills tens of GiB of
+    both; below MEMORY_FLOOR it is ended (SIGTERM: its servers stop) rather than left to drive the machine into the
+    OOM killer."""
+
+    def __init__(self, disk_dir: Path | None) -> None:
+        super().__init__(daemon=True)
+        self.disk_dir = disk_dir
+        self.low_memory = self.available = available_memory()
+        self.disk = self.high_disk = 0
+
+    def run(self) -> None:
+        while True:
+            self.available = available_memory()
+            self.low_memory = min(self.low_memory, self.available)
+            if self.disk_dir is not None and self.disk_dir.is_dir():
+                self.disk = sum(f.stat().st_size for f in self.disk_dir.iterdir() if f.is_file())
+                self.high_disk = max(self.high_disk, self.disk)
+            if self.available < MEMORY_FLOOR:
+                say(f"host memory available fell to {self.available / (1 << 30):.1f} GiB: ending the run")
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(1)
+
+    def now(self) -> str:
+        return f"memory available {self.available / (1 << 30):.1f} GiB, disk tier {self.disk / (1 << 30):.1f} GiB"
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -69,25 +103,34 @@ def conversations(count: int, history: int) -> list[list[int]]:
     return [[rng.randrange(VOCAB) for _ in range(history)] for _ in range(count)]
 
 
-def run(core: Path, tiers: tuple[str, ...], histories: list[list[int]], log: Path) -> dict:
+def run(core: Path, tiers: tuple[str, ...], histories: list[list[int]], log: Path, watch: HostWatch) -> dict:
     """Every first turn, then every second turn in random order, one at a time; `tiers`: the host (and disk) tiers'
-    flags."""
+    flags. Progress goes to stdout every 50 turns."""
     server = FlareServer(core, ("--kv-cache-bytes", str(KV_BYTES), *tiers), 18431, log, "cuda")
+    started = time.monotonic()
+
+    def progress(turn: int, i: int) -> None:
+        if (i + 1) % 50 == 0:
+            print(f"{log.stem}: turn {turn}, {i + 1} of {len(histories)} after {time.monotonic() - started:.0f} s; "
+                  f"{watch.now()}", flush=True)
+
     try:
         url = server.url
-        for history in histories:
+        for i, history in enumerate(histories):
             first_token(url, history, 1)
+            progress(1, i)
         rng = random.Random(1)
         # The second turn: the history, then new tokens (a reply and a user message alike to the cache).
         seconds = [history + [rng.randrange(VOCAB) for _ in range(NEW_TOKENS)] for history in histories]
         order = list(range(len(histories)))
         rng.shuffle(order)
         ttfts, cached, tokens = [], [], {}
-        for i in order:
+        for n, i in enumerate(order):
             ttft, hit, out = first_token(url, seconds[i], 4)
             ttfts.append(ttft)
             cached.append(hit >= len(histories[i]) // 64 * 64)
             tokens[i] = out
+            progress(2, n)
         device_hit = statistics.median(first_token(url, seconds[order[-1]], 4)[0] for _ in range(5))
         return {"ttft": statistics.median(ttfts), "hits": sum(cached) / len(cached), "device_hit": device_hit,
                 "tokens": tokens, "metrics": metrics(url)}
@@ -130,8 +173,10 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(args.disk_dir, ignore_errors=True)
         args.disk_dir.mkdir(parents=True)
         tiers += ("--disk-cache", str(args.disk_dir), "--disk-cache-bytes", str(int(args.disk_gib * (1 << 30))))
-    retained = run(core, tiers, histories, logs / "host_retention_on.log")
-    recomputed = run(core, ("--host-cache-bytes", "0"), histories, logs / "host_retention_off.log")
+    watch = HostWatch(args.disk_dir if args.disk_gib else None)
+    watch.start()
+    retained = run(core, tiers, histories, logs / "host_retention_on.log", watch)
+    recomputed = run(core, ("--host-cache-bytes", "0"), histories, logs / "host_retention_off.log", watch)
     disk = f", disk tier {args.disk_gib:g} GiB" if args.disk_gib else ""
     say(f"## Host retention: {args.conversations} conversations of {args.history}-token histories, device KV 8 GiB, "
         f"host tier {args.host_gib:g} GiB{disk}\n")
@@ -153,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_declined_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_reads_total', 0):.0f} | {m.get('flare_engine_disk_writes_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_declined_total', 0):.0f} |")
+    say(f"\nHost memory available: {watch.low_memory / (1 << 30):.1f} GiB at the lowest; the disk tier's files: "
+        f"{watch.high_disk / (1 << 30):.1f} GiB at the most.")
     if args.out:
         args.out.write_text("\n".join(LINES) + "\n")
 
