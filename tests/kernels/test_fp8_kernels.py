@@ -6,6 +6,7 @@ about 2-3% relative error a value on random weights), under 8% with the activati
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,8 +14,8 @@ import torch
 GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
 
-from engine.kernels.triton.fp8_linear import (DequantizedConfig, GemmConfig, fp8_dequantized_gemm,  # noqa: E402
-                                              fp8_gemm, fp8_gemm_reference, fp8_scaled_mm,
+from engine.kernels.triton.fp8_linear import (DEQUANTIZED_CONFIG, DequantizedConfig, GemmConfig,  # noqa: E402
+                                              fp8_dequantized_gemm, fp8_gemm, fp8_gemm_reference, fp8_scaled_mm,
                                               fp8_weight_only_reference, gemm_block_k, quantize_rows,
                                               quantize_rows_reference)
 from engine.kernels.triton.gemv import gemv  # noqa: E402
@@ -66,9 +67,9 @@ def test_weight_only_product_equals_its_reference(n: int, k: int, block: tuple[i
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k, block", SHAPES)
-@pytest.mark.parametrize("rows", [5, 70])
+@pytest.mark.parametrize("rows, split_k", [(5, 1), (70, 1), (5, 3)])
 def test_dequantizing_gemm_equals_the_weight_only_reference(n: int, k: int, block: tuple[int, int] | None, rows: int,
-                                                            dtype: torch.dtype) -> None:
+                                                            split_k: int, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(n + k + rows)
     dense, values, scale, scale_k = weight(n, k, block, generator)
     if scale_k is not None and gemm_block_k(scale_k, k) is None:
@@ -76,7 +77,8 @@ def test_dequantizing_gemm_equals_the_weight_only_reference(n: int, k: int, bloc
     x = torch.randn(rows, k, generator=generator).to(dtype)
     bias = torch.randn(n, generator=generator).to(dtype)
     values, scale, x, bias = (t.to(DEVICE) for t in (values, scale, x, bias))
-    config = None if GPU else DequantizedConfig(32, 16, 64, 4, 2)  # rows over two row tiles under the interpreter
+    # Rows over two row tiles under the interpreter; split K over K tiles of a scale block or less.
+    config = replace(DEQUANTIZED_CONFIG if GPU else DequantizedConfig(32, 16, 64, 4, 2), split_k=split_k)
     out = fp8_dequantized_gemm(x, values, scale, scale_k, bias, config)
     assert out.dtype == dtype and out.shape == (rows, n)
     expected = fp8_weight_only_reference(x, values, scale, scale_k, bias)
@@ -99,19 +101,20 @@ def test_cublaslt_product_with_row_wise_scales_equals_the_gemms_reference(rows: 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k, block", SHAPES)
-@pytest.mark.parametrize("rows", [5, 70])
+@pytest.mark.parametrize("rows, split_k", [(5, 1), (70, 1), (70, 3)])
 def test_fp8_gemm_with_per_token_activation_scales_equals_its_reference(
-        n: int, k: int, block: tuple[int, int] | None, rows: int, dtype: torch.dtype) -> None:
+        n: int, k: int, block: tuple[int, int] | None, rows: int, split_k: int, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(n * k + rows)
     dense, values, scale, scale_k = weight(n, k, block, generator)
     x = (torch.randn(rows, k, generator=generator) * torch.rand(rows, 1, generator=generator) * 4).to(dtype)
-    x[1] = 0  # a row of zeros: zeros out
-    values, scale, x = (t.to(DEVICE) for t in (values, scale, x))
-    out = fp8_gemm(x, values, scale, scale_k, config=GemmConfig(32, 32, 4, 2, group_m=2))
-    assert out.dtype == dtype and out.shape == (rows, n) and not out[1].any()
-    assert relative_error(out, fp8_gemm_reference(x, values, scale, scale_k)) < \
+    x[1] = 0  # a row of zeros: the bias alone out
+    bias = torch.randn(n, generator=generator).to(dtype)
+    values, scale, x, bias = (t.to(DEVICE) for t in (values, scale, x, bias))
+    out = fp8_gemm(x, values, scale, scale_k, bias, config=GemmConfig(32, 32, 4, 2, group_m=2, split_k=split_k))
+    assert out.dtype == dtype and out.shape == (rows, n) and torch.equal(out[1], bias)
+    assert relative_error(out, fp8_gemm_reference(x, values, scale, scale_k, bias)) < \
         (1e-5 if dtype == torch.float32 else 1e-2)
-    assert relative_error(out, x.float() @ dense.to(DEVICE).T) < 0.08
+    assert relative_error(out, x.float() @ dense.to(DEVICE).T + bias.float()) < 0.08
 
 
 def test_rows_are_quantized_per_token_as_their_reference() -> None:

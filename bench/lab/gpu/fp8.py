@@ -8,8 +8,9 @@ channel (what `ignition export --quant fp8` writes):
   same kernel over bf16 weights and cuBLAS bf16 (F.linear): microseconds and TB/s on the weight's bytes;
 - gemm: at 2-8,192 rows, engine/kernels/triton/fp8_linear.py's dequantizing GEMM (weight tiles to bf16 in registers,
   the activations as they are; up to 512 rows) and its FP8 GEMM (the per-token activation quantization included;
-  from 32 rows) under each tile configuration, against cuBLAS bf16, torch._scaled_mm (cuBLASLt's FP8 with row-wise
-  scales, fed by the same activation quantization) and what Fp8Linear picks: microseconds and TFLOP/s.
+  from 32 rows) under each tile configuration, with K split among programs too from 16 to 128 rows, against cuBLAS
+  bf16, torch._scaled_mm (cuBLASLt's FP8 with row-wise scales, fed by the same activation quantization) and what
+  Fp8Linear picks: microseconds and TFLOP/s; at 16-128 rows also in TB/s on the weight's bytes.
 
 Timing is bench.lab.gpu.kernels.graph_ms (CUDA events around calls replayed from one graph); each call reads the
 next of several copies of the weight, more bytes in all than the L2 cache holds, so every call reads its weight from
@@ -44,6 +45,13 @@ GEMM_SWEEP = [GemmConfig(*c) for c in [(16, 64, 4, 5), (32, 64, 4, 5), (64, 64, 
 DEQUANTIZED_SWEEP = [DequantizedConfig(*c) for c in [(16, 32, 256, 4, 4), (32, 32, 256, 4, 4), (64, 64, 256, 4, 4),
                                                      (64, 32, 512, 4, 3), (64, 16, 512, 4, 4), (64, 64, 128, 4, 5),
                                                      (128, 64, 256, 8, 3), (64, 128, 128, 4, 4), (64, 32, 128, 4, 6)]]
+# Split K for steps of 16-128 rows, whose output tiles are too few to keep every multiprocessor streaming the weight.
+GEMM_SPLIT_SWEEP = [GemmConfig(*c) for c in [(16, 64, 4, 5, 8, 4), (32, 64, 4, 5, 8, 4), (64, 64, 4, 4, 8, 2),
+                                             (64, 64, 4, 4, 8, 4), (64, 128, 4, 4, 8, 2), (64, 128, 8, 4, 8, 4),
+                                             (128, 64, 8, 3, 8, 4)]]
+DEQUANTIZED_SPLIT_SWEEP = [DequantizedConfig(*c) for c in [(16, 32, 256, 4, 4, 2), (16, 64, 256, 4, 4, 2),
+                                                           (16, 64, 128, 4, 5, 4), (32, 64, 256, 4, 4, 2),
+                                                           (64, 64, 128, 4, 4, 4)]]
 LOADED_BYTES = 256 << 20  # the weights' copies in all: several times the L2 cache
 
 
@@ -102,7 +110,7 @@ def bench_gemv() -> None:
 
 
 def bench_gemm() -> None:
-    say("## FP8 products of many rows: microseconds and TFLOP/s")
+    say("## FP8 products of many rows: microseconds and TFLOP/s (up to 128 rows, TB/s on the weight's bytes too)")
     say(f"GEMM_CONFIGS: {[(most, tuple(vars(c).values())) for most, c in GEMM_CONFIGS]}; DEQUANTIZED_CONFIG: "
         f"{tuple(vars(DEQUANTIZED_CONFIG).values())}")
     g = torch.Generator(device=DEVICE).manual_seed(2)
@@ -114,21 +122,27 @@ def bench_gemm() -> None:
         say("| kernel | " + " | ".join(PROJECTIONS) + " |")
         say("| --- |" + " --- |" * len(PROJECTIONS))
 
-        def row(label: str, call) -> None:
+        def row(label: str, call, weight_bytes: int = 1) -> None:
+            """weight_bytes: of a weight element, for the TB/s of steps that read the weight more than they compute."""
             cells = []
             for name, (n, k) in PROJECTIONS.items():
-                flops = 2 * rows * n * k
-                cells.append(cell("{}", lambda: (lambda us: f"{us:.1f} us {flops / us / 1e6:.0f}")(
+                flops, size = 2 * rows * n * k, weight_bytes * n * k
+                bandwidth = (lambda us: f" {size / us / 1e6:.2f} TB/s") if rows <= 128 else (lambda us: "")
+                cells.append(cell("{}", lambda: (lambda us: f"{us:.1f} us {flops / us / 1e6:.0f}{bandwidth(us)}")(
                     timed(lambda w: call(x[name], w), weights[name]))))
             say(f"| {label} | " + " | ".join(cells) + " |")
-        row("cuBLAS bf16", lambda x, w: F.linear(x, w[0]))
+        row("cuBLAS bf16", lambda x, w: F.linear(x, w[0]), weight_bytes=2)
         row("Fp8Linear (the model's choice)", lambda x, w: w[3](x))
         row("torch._scaled_mm row-wise (+ quantize_rows)", lambda x, w: fp8_scaled_mm(x, w[1], w[2]))
         row("quantize_rows alone", lambda x, w: quantize_rows(x))
         if rows <= 512:
-            for config in DEQUANTIZED_SWEEP:
+            for config in DEQUANTIZED_SWEEP + (DEQUANTIZED_SPLIT_SWEEP if rows <= 128 else []):
                 row(f"dequantized {tuple(vars(config).values())}",
                     lambda x, w, config=config: fp8_dequantized_gemm(x, w[1], w[2], None, config=config))
+        if 16 <= rows <= 128:
+            for config in GEMM_SPLIT_SWEEP:
+                row(f"fp8_gemm {tuple(vars(config).values())}",
+                    lambda x, w, config=config: fp8_gemm(x, w[1], w[2], None, config=config))
         if rows >= 32:
             row(f"fp8_gemm gemm_config {tuple(vars(gemm_config(rows)).values())}",
                 lambda x, w: fp8_gemm(x, w[1], w[2], None))

@@ -11,6 +11,10 @@ the parts of a fused q/k/v or gate/up product concatenate whatever their rows: 1
   max|x| / 448 of the row, values rounded to nearest), then e4m3 x e4m3 products accumulate in fp32 tile by tile;
   each K tile lies inside one scale block (BLOCK_K divides bk), so its partial product takes its block's scale, and
   the row's activation scale multiplies the end.
+- split K (`split_k` of either GEMM's configuration): a step of few rows has few output tiles, too few programs for
+  the multiprocessors to stream the weight at its bandwidth (64 rows of q/k/v in 64 x 64 tiles: 96 programs on 132
+  multiprocessors). Each tile's K range is then split among `split_k` programs; each writes its scaled fp32 sums,
+  and `_sum_splits` adds them in split order (the same numbers in a graph and eagerly), adds the bias and casts.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import triton.language as tl
 from engine.kernels.triton.e4m3 import to_e4m3
 
 E4M3_MAX = 448.0
+SUM_BLOCK_N = 1024  # _sum_splits' columns a program
 
 
 @triton.jit
@@ -48,12 +53,14 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.co
 
 
 @triton.jit
-def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, stride_a, stride_w, stride_s,
-          stride_o, scale_k, E4M3_A: tl.constexpr, IEEE: tl.constexpr, PER_CHANNEL: tl.constexpr,
+def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, m_rows, n_out, k_in, stride_a, stride_w,
+          stride_s, stride_o, scale_k, E4M3_A: tl.constexpr, IEEE: tl.constexpr, PER_CHANNEL: tl.constexpr,
           HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
     """E4M3_A: the activations are e4m3 with a scale per row (sa_ptr), multiplied by the weight as e4m3; otherwise
-    they are as they are (16-bit or fp32: IEEE, not as tf32) and each weight tile is dequantized to their dtype."""
+    they are as they are (16-bit or fp32: IEEE, not as tf32) and each weight tile is dequantized to their dtype.
+    SPLIT_K > 1: program (tile, s) sums the s-th of SPLIT_K runs of K tiles into part_ptr [SPLIT_K, M, N] (fp32,
+    scaled, without the bias)."""
     # Programs in groups of GROUP_M row tiles walk the column tiles together: a weight tile read from memory serves
     # the group's rows from the L2 cache.
     tiles_m, tiles_n = tl.cdiv(m_rows, BLOCK_M), tl.cdiv(n_out, BLOCK_N)
@@ -66,10 +73,14 @@ def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, s
     k = tl.arange(0, BLOCK_K)
     m_safe = (m % m_rows).to(tl.int64)  # wrapped rows and columns: no masks on M and N in the loop
     n_safe = (n % n_out).to(tl.int64)
-    a_ptrs = a_ptr + m_safe[:, None] * stride_a + k[None, :]
-    b_ptrs = w_ptr + n_safe[None, :] * stride_w + k[:, None]
+    k_tiles = tl.cdiv(k_in, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    first = tl.program_id(1) * per_split * BLOCK_K
+    last = tl.minimum(first + per_split * BLOCK_K, k_in)
+    a_ptrs = a_ptr + m_safe[:, None] * stride_a + first + k[None, :]
+    b_ptrs = w_ptr + n_safe[None, :] * stride_w + first + k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for start in range(0, k_in, BLOCK_K):
+    for start in range(first, last, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -94,20 +105,42 @@ def _gemm(a_ptr, sa_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, m_rows, n_out, k_in, s
         acc = acc * tl.load(s_ptr + n_safe * stride_s)[None, :]
     if E4M3_A:
         acc = acc * tl.load(sa_ptr + m_safe)[:, None]
+    inside = (m < m_rows)[:, None] & (n < n_out)[None, :]
+    if SPLIT_K > 1:
+        part = part_ptr + (tl.program_id(1) * m_rows + m.to(tl.int64))[:, None] * n_out + n[None, :]
+        tl.store(part, acc, mask=inside)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
+        out = out_ptr + m.to(tl.int64)[:, None] * stride_o + n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _sum_splits(part_ptr, bias_ptr, out_ptr, m_rows, n_out, stride_o, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """out[m] = the SPLIT_K partial sums of row m, added in split order (+ bias), in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    inside = n < n_out
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for split in range(SPLIT_K):
+        acc += tl.load(part_ptr + (split * m_rows + row) * n_out + n, mask=inside, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
-    out = out_ptr + m.to(tl.int64)[:, None] * stride_o + n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m < m_rows)[:, None] & (n < n_out)[None, :])
+        acc += tl.load(bias_ptr + n, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + n, acc.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @dataclass(frozen=True)
 class GemmConfig:
-    """BLOCK_M x BLOCK_N output tiles, GROUP_M row tiles walking the columns together."""
+    """BLOCK_M x BLOCK_N output tiles, GROUP_M row tiles walking the columns together, each tile's K range split
+    among `split_k` programs."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     group_m: int = 8
+    split_k: int = 1
 
 
 # By the rows of a step: (most rows, config), the first that takes them (bench/lab/gpu/fp8.py's sweep on an H200).
@@ -122,12 +155,13 @@ def gemm_config(rows: int) -> GemmConfig:
 @dataclass(frozen=True)
 class DequantizedConfig:
     """fp8_dequantized_gemm's BLOCK_M x BLOCK_N tiles (BLOCK_M at most: a step of fewer rows takes fewer, from 16)
-    over BLOCK_K columns a load (at most a scale block's)."""
+    over BLOCK_K columns a load (at most a scale block's), each tile's K range split among `split_k` programs."""
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 DEQUANTIZED_CONFIG = DequantizedConfig(16, 32, 256, 4, 4)  # fp32 rows fit its shared memory too
@@ -174,21 +208,28 @@ def fp8_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k
     config = config or gemm_config(x.shape[0])
     a, a_scale = quantize_rows(x)
     return _launch(a, a_scale, values, scale, scale_k, bias, x.dtype, config.block_m, config.block_n, block_k,
-                   config.group_m, config.num_warps, config.num_stages)
+                   config.group_m, config.num_warps, config.num_stages, config.split_k)
 
 
 def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, values: torch.Tensor, scale: torch.Tensor, scale_k: int,
             bias: torch.Tensor | None, dtype: torch.dtype, block_m: int, block_n: int, block_k: int, group_m: int,
-            num_warps: int, num_stages: int) -> torch.Tensor:
-    """_gemm over a [T, K]: e4m3 with `a_scale` per row, or as it is (a_scale None)."""
+            num_warps: int, num_stages: int, split_k: int) -> torch.Tensor:
+    """_gemm over a [T, K]: e4m3 with `a_scale` per row, or as it is (a_scale None); with split_k > 1, then
+    _sum_splits."""
     (rows, k_in), n_out = a.shape, values.shape[0]
     out = torch.empty(rows, n_out, dtype=dtype, device=a.device)
-    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n_out, block_n),)
+    split_k = min(split_k, triton.cdiv(k_in, block_k))  # (no program without a K tile)
+    part = torch.empty(split_k, rows, n_out, dtype=torch.float32, device=a.device) if split_k > 1 else out
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(n_out, block_n), split_k)
     _gemm[grid](a, a_scale if a_scale is not None else scale, values, scale, bias if bias is not None else scale, out,
-                rows, n_out, k_in, a.stride(0), values.stride(0), scale.stride(0), out.stride(0), scale_k,
+                part, rows, n_out, k_in, a.stride(0), values.stride(0), scale.stride(0), out.stride(0), scale_k,
                 E4M3_A=a_scale is not None, IEEE=a.dtype == torch.float32, PER_CHANNEL=scale_k >= k_in,
                 HAS_BIAS=bias is not None, EVEN_K=k_in % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n,
-                BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages)
+                BLOCK_K=block_k, GROUP_M=group_m, SPLIT_K=split_k, num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        _sum_splits[(rows, triton.cdiv(n_out, SUM_BLOCK_N))](part, bias if bias is not None else part, out, rows,
+                                                             n_out, out.stride(0), HAS_BIAS=bias is not None,
+                                                             SPLIT_K=split_k, BLOCK_N=SUM_BLOCK_N)
     return out
 
 
@@ -203,7 +244,7 @@ def fp8_dequantized_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Ten
     block_k = min(config.block_k, gemm_block_k(scale_k, k_in) if scale_k < k_in else config.block_k)
     block_m = min(config.block_m, max(16, triton.next_power_of_2(x.shape[0])))
     return _launch(x, None, values, scale, scale_k, bias, x.dtype, block_m, config.block_n, block_k, 8,
-                   config.num_warps, config.num_stages)
+                   config.num_warps, config.num_stages, config.split_k)
 
 
 def fp8_scaled_mm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
