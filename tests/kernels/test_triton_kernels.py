@@ -10,6 +10,7 @@ import torch
 GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
 
+from engine.kernels.triton import dependent_launch  # noqa: E402
 from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from engine.kernels.triton.decode_attention import decode_attention, decode_attention_reference, num_splits  # noqa: E402
 from engine.kernels.triton.extend_attention import extend_attention, extend_attention_reference, extend_blocks  # noqa: E402
@@ -262,6 +263,38 @@ def test_gemv_matches_reference(dtype: torch.dtype, fusion: str, fp8: str | None
         assert out.shape == ref.shape and relative_error(out, ref) < tolerance(dtype) / 4
         if fusion == "bias_residual":
             assert out.data_ptr() == residual.data_ptr()
+
+
+@pytest.mark.skipif(not GPU or not dependent_launch.supported(DEVICE),
+                    reason="dependent launches need a GPU of compute capability 9 or later")
+@pytest.mark.parametrize("dependent", [dependent_launch.WAIT_FIRST, dependent_launch.PREFETCH])
+def test_dependent_gemv_launches_in_a_graph_equal_plain_ones(dependent: int) -> None:
+    """Every product reads the one before it, and half add to a residual the others read: a program that read or
+    wrote before the kernel before it had finished would change the numbers."""
+    g = torch.Generator().manual_seed(13)
+    weights = [(torch.randn(4096, 4096, generator=g) / 64).bfloat16().to(DEVICE) for _ in range(8)]
+    norm = (1 + 0.1 * torch.randn(4096, generator=g)).bfloat16().to(DEVICE)
+    x = torch.randn(1, 4096, generator=g).bfloat16().to(DEVICE)
+
+    def chain(kind: int) -> torch.Tensor:
+        residual = x.clone()
+        for first, second in zip(weights[::2], weights[1::2]):
+            gemv(gemv(residual, first, norm=(norm, 1e-6), dependent=kind), second, residual=residual, dependent=kind)
+        return residual
+
+    plain = chain(dependent_launch.NONE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(dependent)  # compiled outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(dependent)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain)
 
 
 def test_apply_patches_matches_reference() -> None:

@@ -16,6 +16,10 @@ path does): within the kernel tests' tolerance of the reference, and the same in
 The weight may be FP8 (e4m3 values with fp32 scales, engine/kernels/triton/fp8_linear.py's layout): a scale per
 output row multiplies the row's sum once; block scales multiply each value as it is dequantized in registers. A step
 of one token then reads one byte a weight.
+
+Launched as a dependent kernel (engine/kernels/triton/dependent_launch.py; `dependent`), a program waits for the
+kernel before it either first (WAIT_FIRST) or after reading its first slice of the weight (PREFETCH), which no step
+writes: the load is then in flight while the kernel before drains.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels.triton.dependent_launch import NONE, launch_options
 from engine.kernels.triton.fp8_linear import dequantized
 
 # Rows up to which a step's projections take this path: at 2 and 4 rows cuBLAS was faster on every 8B projection
@@ -53,13 +60,45 @@ FP8_WIDE_CONFIG = GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
 def fp8_config(n_out: int, k_in: int) -> GemvConfig:
     return FP8_WIDE_CONFIG if n_out > 4096 and k_in <= 8192 else FP8_CONFIG
+
+
 NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
+
+
+@triton.jit
+def _weight_slice(w_ptrs, start, k, k_in, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(w_ptrs + start)
+    return tl.load(w_ptrs + start, mask=(k < k_in - start)[None, :], other=0.0)
+
+
+@triton.jit
+def _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, start, k_in, stride_s, scale_k,
+                PROLOGUE: tl.constexpr, W_SCALE: tl.constexpr, EVEN_K: tl.constexpr, dtype: tl.constexpr):
+    """acc (and the RMSNorm's squares) with the products of weight slice `w`, the one at column `start`."""
+    if EVEN_K:
+        a = tl.load(x_ptrs + start).to(tl.float32)
+    else:
+        a = tl.load(x_ptrs + start, mask=k < k_in - start, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        squares += a * a
+        a = a * tl.load(norm_ptr + start + k, mask=k < k_in - start, other=0.0).to(tl.float32)
+    elif PROLOGUE == 2:
+        up = tl.load(x_ptrs + start + k_in, mask=k < k_in - start, other=0.0).to(tl.float32)
+        silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
+        a = (silu * up).to(dtype).to(tl.float32)
+    w = w.to(tl.float32)
+    if W_SCALE == 2:
+        w = w * tl.load(s_ptr + rows[:, None] * stride_s + ((start + k) // scale_k)[None, :],
+                        mask=(k < k_in - start)[None, :], other=0.0)
+    return acc + w * a[None, :], squares
 
 
 @triton.jit
 def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_x, stride_w, stride_s, stride_o,
           scale_k, eps, PROLOGUE: tl.constexpr, W_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-          ADD_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          ADD_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          DEPENDENT: tl.constexpr):
     # The row is the grid's fastest dimension: the programs of one weight block run side by side, so a step of a
     # few rows reads each block from memory once and from the L2 cache for the other rows.
     row = tl.program_id(0).to(tl.int64)
@@ -72,27 +111,19 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
     # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     squares = tl.zeros([BLOCK_K], tl.float32)
-    for start in range(0, k_in, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            a = tl.load(x_ptrs).to(tl.float32)
-        else:
-            w = tl.load(w_ptrs, mask=(k < k_in - start)[None, :], other=0.0)
-            a = tl.load(x_ptrs, mask=k < k_in - start, other=0.0).to(tl.float32)
-        if PROLOGUE == 1:
-            squares += a * a
-            a = a * tl.load(norm_ptr + start + k, mask=k < k_in - start, other=0.0).to(tl.float32)
-        elif PROLOGUE == 2:
-            up = tl.load(x_ptrs + k_in, mask=k < k_in - start, other=0.0).to(tl.float32)
-            silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
-            a = (silu * up).to(dtype).to(tl.float32)
-        w = w.to(tl.float32)
-        if W_SCALE == 2:
-            w = w * tl.load(s_ptr + rows[:, None] * stride_s + ((start + k) // scale_k)[None, :],
-                            mask=(k < k_in - start)[None, :], other=0.0)
-        acc += w * a[None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+    if DEPENDENT == 1:  # WAIT_FIRST
+        gdc_wait()
+    w = _weight_slice(w_ptrs, 0, k, k_in, EVEN_K)
+    if DEPENDENT == 2:  # PREFETCH
+        gdc_wait()
+    acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, 0, k_in, stride_s, scale_k,
+                               PROLOGUE, W_SCALE, EVEN_K, dtype)
+    for start in range(BLOCK_K, k_in, BLOCK_K):
+        w = _weight_slice(w_ptrs, start, k, k_in, EVEN_K)
+        acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, start, k_in, stride_s,
+                                   scale_k, PROLOGUE, W_SCALE, EVEN_K, dtype)
+    if DEPENDENT != 0:
+        gdc_launch_dependents()  # the next kernel's programs may be placed as this one's last ones finish
     y = tl.sum(acc, 1)
     if W_SCALE == 1:
         y = y * tl.load(s_ptr + rows * stride_s)
@@ -110,13 +141,15 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          scale: torch.Tensor | None = None, scale_k: int | None = None,
          norm: tuple[torch.Tensor, float] | None = None, silu_mul: bool = False,
-         residual: torch.Tensor | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, config: GemvConfig | None = None,
+         dependent: int = NONE) -> torch.Tensor:
     """x [T, K] times weight [N, K]^T (+ bias), with
     - scale [N, S] for an e4m3 weight: S = 1 per output row (`scale_k` None), or one per `scale_k` columns;
     - norm (norm_weight [K], eps): of rms_norm(x) * norm_weight instead of x;
     - silu_mul: x is [T, 2K], a fused [gate | up], and the product is of SiLU(gate) * up;
     - residual [T, N]: the result is added to it, in place, and it is returned.
-    config: DEFAULT_CONFIG (fp8_config's for an e4m3 weight) when not given."""
+    config: DEFAULT_CONFIG (fp8_config's for an e4m3 weight) when not given. dependent: a dependent launch's kind
+    (engine/kernels/triton/dependent_launch.py), where dependent_launch.supported(x.device)."""
     rows = x.shape[0]
     n_out, k_in = weight.shape
     assert x.stride(-1) == 1 and weight.stride(-1) == 1 and not (norm and silu_mul)
@@ -135,7 +168,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, scale, bias if bias is not None else x, norm_weight, out, n_out, k_in, x.stride(0),
         weight.stride(0), scale.stride(0), out.stride(0), scale_k or k_in, eps, PROLOGUE=prologue, W_SCALE=w_scale,
         HAS_BIAS=bias is not None, ADD_RESIDUAL=residual is not None, EVEN_K=k_in % config.block_k == 0,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, DEPENDENT=dependent, num_warps=config.num_warps,
+        num_stages=config.num_stages, **launch_options(dependent))
     return out
 
 

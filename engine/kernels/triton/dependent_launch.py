@@ -1,0 +1,25 @@
+"""Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the kernel before it
+in the stream finishes; it waits (`gdc_wait`) before it touches memory that kernel may write or read, so what it
+does before the wait overlaps that kernel's tail. A decode step at batch 1 is a chain of some 250 short kernels, each
+of which would otherwise wait for the one before it to drain before its programs are even placed, then ramp up its
+loads. CUDA graphs keep the dependency when they capture such a launch.
+
+A kernel launched this way must wait in every program, before its first access to memory an earlier kernel of the
+chain writes or reads: the kernel after it relies on its end to mean the end of the ones before it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NONE, WAIT_FIRST, PREFETCH = 0, 1, 2  # not dependent; dependent, waiting first; dependent, weights read before
+
+
+def supported(device: torch.device) -> bool:
+    """On a GPU of compute capability 9 or later (never under the CPU interpreter, whose tensors are on the CPU)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(dependent: int) -> dict[str, bool]:
+    """The launch keyword a dependent kernel takes (none for the others: the interpreter knows no such option)."""
+    return {"launch_pdl": True} if dependent != NONE else {}
