@@ -4,8 +4,10 @@ decode step times against batch, the engine loop's GPU busy fraction, sampling e
     python -m bench.lab.gpu.evidence [--cores DIR] [--out FILE] [--only SECTION ...]
 
 Sections: correctness, decode, smollm (the default three), extras (penalties and logprobs in the sampling graphs:
-batch-64 decode steps with some rows asking) and prefill (prefill steps of 1024-token prompts at 512 to 8192 tokens
-a step, and their MFU). docs/gpu.md has the current tables.
+batch-64 decode steps with some rows asking), prefill (prefill steps of 1024-token prompts at 512 to 8192 tokens
+a step, and their MFU) and dependent (batch-1 decode steps of the 8B and SmolLM2 with their projections launched
+plainly and as dependent launches: GPU ms a step, and the same steps' greedy tokens against the plain launches').
+docs/gpu.md has the current tables.
 
 Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
 Llama-3.1-8B with 4 layers (correctness) and with all 32 (speed).
@@ -29,6 +31,8 @@ from bench.lab.gpu.steps import decode_plan, generate, replay, time_steps, weigh
 from common.protocol import SamplingParams
 from engine.executor.eager import EagerExecutor
 from engine.executor.graph import GraphExecutor
+from engine.kernels.triton import dependent_launch
+from engine.model.backends import few_rows
 from engine.model.loader import load_model
 from engine.scheduler.plan import Plan, Row
 from engine.scheduler.scheduler import RequestScheduler
@@ -219,6 +223,39 @@ def smollm(cores: Path) -> None:
     say()
 
 
+def dependent(cores: Path, bandwidth: float) -> None:
+    say(f"## Batch-1 decode steps, the projections launched plainly and as dependent launches (graphs; context "
+        f"{CONTEXT})")
+    say("| model | launch | GPU ms a step | of copy bandwidth on the weights | tokens as plain |")
+    say("| --- | --- | --- | --- | --- |")
+    for name in ("llama-3.1-8b", "smollm2-135m"):
+        manifest, model = load_model(core(cores, name), torch.device("cuda"), verify=False)
+        caps, weights, plain = manifest.capacities, weight_bytes(model), None
+        plan = decode_plan(1, CONTEXT, caps.page_size)
+        for label, launch in (("plain", dependent_launch.NONE), ("waiting first", dependent_launch.WAIT_FIRST),
+                              ("first weight slice before the wait", dependent_launch.PREFETCH)):
+            few_rows.GEMV_LAUNCH = launch  # read when the graphs are captured
+            try:
+                executor = make("graph", model, -(-CONTEXT // caps.page_size), caps.page_size, 1,
+                                manifest.context_limit, caps.prefill_chunk_size)
+                torch.manual_seed(0)
+                executor.kv_cache.normal_()
+                time_steps(executor, plan, 200)
+                gpu = statistics.median(end - start for start, end, _, _ in list(executor.spans)[-200:])
+                tokens = replay(executor, [plan] * 8)
+                plain = plain or tokens
+                say(f"| {name} | {label} | {gpu:.3f} | {weights / (gpu / 1000) / bandwidth:.1%} | "
+                    f"{'same' if tokens == plain else 'DIFFERENT'} |")
+                executor.close()
+            except Exception as error:  # a launch this GPU or Triton refuses is a row, not the end of the run
+                say(f"| {name} | {label} | {type(error).__name__}: {str(error)[:100]} | | |")
+            torch.cuda.empty_cache()
+        few_rows.GEMV_LAUNCH = dependent_launch.NONE
+        del model
+        torch.cuda.empty_cache()
+    say()
+
+
 def extras(cores: Path) -> None:
     """Batch-64 decode steps (8B, context 512) where every 10th row asks for logprobs or a penalty, in the extras
     graphs and, as before, through the eager step, against the same batch without."""
@@ -324,7 +361,7 @@ def main() -> int:
     say(f"Device-to-device copy: {bandwidth / 1e12:.2f} TB/s (bytes read + written)\n")
     sections = {"correctness": lambda: correctness(args.cores), "decode": lambda: decode_sweep(args.cores, bandwidth),
                 "smollm": lambda: smollm(args.cores), "extras": lambda: extras(args.cores),
-                "prefill": lambda: prefill(args.cores)}
+                "prefill": lambda: prefill(args.cores), "dependent": lambda: dependent(args.cores, bandwidth)}
     run_sections(sections, args.only, args.out)
     return 0
 

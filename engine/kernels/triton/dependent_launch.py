@@ -10,11 +10,14 @@ chain writes or reads: the kernel after it relies on its end to mean the end of 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NONE, WAIT_FIRST, PREFETCH = 0, 1, 2  # not dependent; dependent, waiting first; dependent, weights read before
 
 
+@functools.cache
 def supported(device: torch.device) -> bool:
     """On a GPU of compute capability 9 or later (never under the CPU interpreter, whose tensors are on the CPU)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -9,12 +9,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.kernels.triton import dependent_launch
 from engine.kernels.triton.gemv import gemv
 from engine.kernels.triton.rmsnorm import add_rms_norm
 from engine.model.attention import KernelMetadata
 from engine.model.backends.triton_layers import attend, moe
 from engine.model.decoder import MLP, CausalLM, DecoderLayer
 from engine.model.fp8_linear import Fp8Linear
+
+
+# How the projections are launched (engine/kernels/triton/dependent_launch.py) where the GPU allows dependent
+# launches: plainly until `bench.lab.gpu.evidence --only dependent` has measured whole steps each way.
+GEMV_LAUNCH = dependent_launch.NONE
 
 
 def runs_few_rows(layer: DecoderLayer) -> bool:
@@ -42,15 +48,16 @@ def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor
     eps = model.config.rms_norm_eps
     tables, rope_positions = model.rope_inputs(positions, tables)
     stream = model.embed(input_ids)  # a tensor of this step's own: the epilogues write into it
+    launch = GEMV_LAUNCH if dependent_launch.supported(stream.device) else dependent_launch.NONE
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        qkv = gemv(stream, **weights(attn.qkv), norm=(layer.input_layernorm.kernel_weight(), eps))
+        qkv = gemv(stream, **weights(attn.qkv), norm=(layer.input_layernorm.kernel_weight(), eps), dependent=launch)
         out = attend(attn, qkv, rope_positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
-        gemv(out.flatten(1), **weights(attn.o_proj), residual=stream)
+        gemv(out.flatten(1), **weights(attn.o_proj), residual=stream, dependent=launch)
         norm = (layer.post_attention_layernorm.kernel_weight(), eps)
         if isinstance(mlp, MLP):
-            gemv(gemv(stream, **weights(mlp.gate_up), norm=norm), **weights(mlp.down_proj), silu_mul=True,
-                 residual=stream)
+            gemv(gemv(stream, **weights(mlp.gate_up), norm=norm, dependent=launch), **weights(mlp.down_proj),
+                 silu_mul=True, residual=stream, dependent=launch)
         else:
             moe(mlp, add_rms_norm(stream, None, *norm)[0], residual=stream)
     return add_rms_norm(stream, None, model.model.norm.kernel_weight(), eps)[0]
