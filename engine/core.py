@@ -5,25 +5,23 @@ from __future__ import annotations
 import logging
 import random
 import time
-from array import array
 from collections import defaultdict, deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import numpy as np
 import zmq
 
 from common import protocol as wire
 from common.links import Drops
 from common.mrope import mrope_delta
-from common.prefix_history import IDENTITY_BYTES
-from common.sampling_bounds import sampling_problem
 from common.vision import ImageProcessing
+from engine.admission import ModelBounds, submit_problem
 from engine.executor.base import Executor
 from engine.sampling.grammar import GrammarCompiler, GrammarSpec, constrained_rows, mask_words, plan_masks
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Request
 from engine.scheduler.results import Finished, StepResult
 from engine.scheduler.scheduler import RequestScheduler
+from engine.publication import RequestColumns, embedding, join_logprobs, label_logits, news_of, take
 from engine.telemetry import EngineTelemetry
 
 log = logging.getLogger("flare.engine")
@@ -33,45 +31,10 @@ HEARTBEAT_INTERVAL = 1.0
 FRONTEND_TIMEOUT = 10.0  # a frontend silent this long is gone: its requests are aborted
 FAREWELL = 0.5  # seconds a failed engine keeps its socket open after failing its requests
 PERSIST_SECONDS = 20.0  # what a clean stop spends writing the prefix cache to the disk tier, at most
-MAX_LABELS = 256  # label token ids one query of a scored prefill reads
-POOLINGS = ("", "last", "mean")  # Submit.pooling: not an embedding, or how one pools
-SHORT_PROMPT = 128  # ids: below this, min() and max() beat packing for numpy (which costs 40 µs cold, 2 hot)
 # With a step in flight and no prompt waiting, the next step is planned this long before the one in flight is
 # expected to end: the host's plan and submit take under a millisecond at 256 live requests, and the loop's sleep
 # wakes within a millisecond of its deadline.
 SUBMIT_LEAD = 0.002
-
-
-def ids_below(ids: list[int], limit: int) -> bool:
-    """Whether every id lies in [0, limit), at C speed: min() and max() over a 16k-token prompt take 0.3-0.9 ms."""
-    if len(ids) < SHORT_PROMPT:
-        return not ids or min(ids) >= 0 and max(ids) < limit
-    try:
-        packed = array("I", ids)  # refuses negative ids and ids of over 32 bits
-    except OverflowError:
-        return False
-    return not ids or int(np.frombuffer(packed, dtype=np.uint32).max()) < limit
-
-
-def image_problem(submit: wire.Submit, vision: ImageProcessing | None, model: str) -> str | None:
-    """Why a Submit's images cannot be run (the frontend's checks, repeated where a peer could be wrong)."""
-    if vision is None:
-        return f"the model '{model}' does not accept images (it is text only)"
-    end = 0
-    for i, image in enumerate(submit.images):
-        if len(image.grid) != 3 or min(image.grid) < 1 or image.grid[1] % vision.merge_size \
-                or image.grid[2] % vision.merge_size:
-            return f"image {i + 1}: grid {image.grid} is not a (t, h, w) grid of merged patches"
-        if len(image.identity) != IDENTITY_BYTES:  # it keys the prefix cache (common/prefix_history.py)
-            return f"image {i + 1}: its identity is {len(image.identity)} bytes, not {IDENTITY_BYTES}"
-        t, h, w = image.grid
-        tokens = vision.tokens(image.grid)
-        if len(image.patches) != 4 * t * h * w * vision.patch_dim:
-            return f"image {i + 1}: {len(image.patches)} bytes of patches for a {t}x{h}x{w} grid"
-        if image.offset < end or submit.prompt[image.offset:image.offset + tokens] != [vision.image_token_id] * tokens:
-            return f"image {i + 1}: its {tokens} placeholder tokens are not at prompt position {image.offset}"
-        end = image.offset + tokens
-    return None
 
 
 class Engine:
@@ -83,6 +46,8 @@ class Engine:
         self.executor = executor
         self.scheduler = scheduler
         self.vocab_size = vocab_size
+        self.bounds = ModelBounds(vocab_size, card.context_limit, scheduler.page_size, scheduler.pages.num_pages,
+                                  card.served_names[0], vision)
         self.socket = socket
         self.telemetry = telemetry
         self.telemetry_address = telemetry_address
@@ -137,7 +102,8 @@ class Engine:
         log.info("prefix cache written to disk in %.1fs", PERSIST_SECONDS - (deadline - time.monotonic()))
 
     def turn(self) -> None:
-        """One pass of the loop without its sleep (bench/lab/host/first_token.py drives the engine's host work with it)."""
+        """One pass of the loop without its sleep (bench/lab/host/first_token.py drives the engine's host work with
+        it)."""
         self._ingest()
         self._admit_compiled()
         completed = []
@@ -308,49 +274,15 @@ class Engine:
         if not self.scheduler.can_admit():
             return reject(503, f"the engine's queue is full ({self.scheduler.queue_capacity} waiting)",
                           "capacity_hint: raise capacities.queue_capacity or max_active in the core manifest")
-        if not submit.prompt:
-            return reject(400, "the prompt is empty")
-        if not ids_below(submit.prompt, self.vocab_size):
-            return reject(400, f"prompt token ids must lie in [0, {self.vocab_size})")
-        if submit.sampling.max_tokens < 1:
-            return reject(400, f"max_tokens must be at least 1, got {submit.sampling.max_tokens}")
-        # Every setting a step reads is checked here, before the request is planned: a value no step can hold would
-        # fail the whole step, and with it every request batched beside this one.
-        if (problem := sampling_problem(submit.sampling, self.vocab_size)) is not None:
-            return reject(400, problem)
-        if len(submit.message_ends) > len(submit.prompt) + 1 or \
-                any(not 0 <= end <= len(submit.prompt) for end in submit.message_ends):
-            return reject(400, f"message ends must be at most {len(submit.prompt) + 1} prompt positions in "
-                               f"[0, {len(submit.prompt)}]")
-        if submit.pooling not in POOLINGS:
-            return reject(400, f"pooling must be one of {', '.join(POOLINGS[1:])}, got {submit.pooling!r}")
-        if submit.pooling and (submit.label_queries or submit.constraint is not None):
-            return reject(400, "an embedding reads no labels and generates nothing to constrain")
-        # A prefill-only request (scored or embedding) holds its prompt and nothing after it.
-        total = len(submit.prompt) + (0 if submit.label_queries or submit.pooling else submit.sampling.max_tokens)
-        if total > self.card.context_limit:
-            return reject(400, f"This model's maximum context length is {self.card.context_limit} tokens; the "
-                               f"request has {len(submit.prompt)} prompt tokens and asks for "
-                               f"{submit.sampling.max_tokens} output tokens ({total} in all)",
-                          "context_hint: shorten the prompt or lower max_tokens")
-        pages = -(-total // self.scheduler.page_size)
-        if pages > self.scheduler.pages.num_pages:
-            return reject(400, f"the request needs {pages} KV pages ({total} tokens) and the cache has "
-                               f"{self.scheduler.pages.num_pages}", "capacity_hint: raise --kv-cache-bytes")
-        for query in submit.label_queries:
-            if not 0 <= query.position < len(submit.prompt) or not 0 < len(query.token_ids) <= MAX_LABELS or \
-                    min(query.token_ids) < 0 or max(query.token_ids) >= self.vocab_size:
-                return reject(400, f"a label query reads 1 to {MAX_LABELS} token ids in [0, {self.vocab_size}) at a "
-                                   f"prompt position in [0, {len(submit.prompt)})")
-        if submit.images and (problem := image_problem(submit, self.vision, self.card.served_names[0])):
-            return reject(400, problem)
+        if (problem := submit_problem(submit, self.bounds)) is not None:
+            return reject(problem.status, problem.message, problem.hint)
         if self.scheduler.get(submit.request_id) is not None or submit.request_id in self._compiling:
             return reject(400, f"request id {submit.request_id!r} is already in use")
         if submit.constraint is not None and self.grammars is None:
             return reject(400, "structured output is not available: this engine has no grammar engine")
         return None
 
-    # --- structured output (engine/sampling/grammar.py) ------------------------------------------------------------------
+    # --- structured output (engine/sampling/grammar.py) --------------------------------------------------------
     def _admit_compiled(self) -> None:
         if self.grammars is None:
             return
@@ -500,69 +432,3 @@ class Engine:
                 del self._frontends[identity]
             else:
                 self._send(identity, wire.Heartbeat(self.engine_id, self.draining))
-
-
-@dataclass(frozen=True)
-class RequestColumns:
-    """The Outputs columns that depend only on which requests a message covers, and their one owner (None: several).
-    A request's id, prompt length, cached tokens, owner and prompt-logprobs setting never change once it has news,
-    so at steady decode, where the same requests publish step after step, the last step's columns are reused."""
-
-    requests: list[Request]
-    owner: bytes | None
-    request_ids: list[str]
-    prompt_tokens: list[int]
-    cached_tokens: list[int]
-    prompt_logprobs: bool  # some request asked for prompt logprobs
-
-    @staticmethod
-    def of(requests: list[Request]) -> RequestColumns:
-        owners = {r.owner for r in requests}
-        return RequestColumns(requests, owners.pop() if len(owners) == 1 else None,
-                              [r.request_id for r in requests], [r.prompt_len for r in requests],
-                              [r.cached_tokens for r in requests],
-                              any(r.sampling.prompt_logprobs is not None for r in requests))
-
-
-def news_of(result: StepResult) -> tuple[list[Request], list[list[int]]]:
-    """The requests with new tokens, in the order of their first, and each one's tokens. A step without drafts has
-    at most one per request: its columns as they are."""
-    if result.distinct or len(set(result.requests)) == len(result.requests):
-        return result.requests, [[token] for token in result.token_ids]
-    news: dict[Request, list[int]] = {}
-    for request, token in zip(result.requests, result.token_ids):
-        if (tokens := news.get(request)) is None:
-            news[request] = [token]
-        else:
-            tokens.append(token)
-    return list(news), list(news.values())
-
-
-def join_logprobs(pieces: list[wire.Logprobs]) -> wire.Logprobs | None:
-    if not pieces:
-        return None
-    if len(pieces) == 1:
-        return pieces[0]
-    return wire.Logprobs([t for p in pieces for t in p.token_ids], [x for p in pieces for x in p.logprobs],
-                         [t for p in pieces for t in p.top_ids], [x for p in pieces for x in p.top_logprobs])
-
-
-def label_logits(request: Request, end: Finished | None) -> list[list[float]]:
-    """A scored prefill's answer, in query order, once it ended well; nothing for any other request or news."""
-    if end is None or end.reason != "stop" or not request.scored:
-        return []
-    return [list(request.label_logits[position]) for position, _ in request.label_queries]
-
-
-def embedding(request: Request, end: Finished | None) -> bytes:
-    """An embedding's vector as the wire carries it, once it ended well; nothing for any other request or news."""
-    if end is None or end.reason != "stop" or not request.pooling:
-        return b""
-    return request.embedding().astype("<f4").tobytes()
-
-
-def take(pieces: list[wire.Logprobs]) -> list[wire.Logprobs]:
-    """Hand over the pieces gathered so far, leaving the list empty."""
-    taken = list(pieces)
-    pieces.clear()
-    return taken

@@ -193,7 +193,7 @@ def test_cached_pages_of_preempted_requests_are_evicted_for_the_one_that_preempt
 
 
 def test_prompt_ids_are_checked_against_the_vocabulary() -> None:
-    from engine.core import ids_below
+    from engine.admission import ids_below
 
     assert ids_below([0, 5, 319], 320) and ids_below([], 320)
     for bad in ([320], [0, -1], [1 << 32], [-(1 << 40)], [1 << 63]):

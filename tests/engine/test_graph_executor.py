@@ -17,7 +17,7 @@ GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
 
 from common.protocol import SamplingParams  # noqa: E402
-from engine.core import join_logprobs  # noqa: E402
+from engine.publication import join_logprobs  # noqa: E402
 from engine.executor.eager import kv_cache_shape  # noqa: E402
 from engine.executor.frames import (PageTableMirror, host_views, make_layout, pack, verify_results, verify_rows,  # noqa: E402
                                     verify_spans)

@@ -10,7 +10,7 @@ import pytest
 
 from common import protocol as wire
 from common.vision import ImageProcessing
-from engine.core import image_problem
+from engine.admission import image_problem
 from tests.engine.test_engine_loop import make_engine, submit
 
 VOCAB = 1000  # make_engine's
