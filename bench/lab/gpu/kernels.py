@@ -8,13 +8,15 @@
 - Extend (prefill) attention (engine/kernels/triton/extend_attention.py), Llama-3.1-8B heads (32 query, 8 KV, head_dim
   128, pages of 64), at 1k/4k/16k/32k context: a prompt chunk of up to 2048 new tokens ending the context and 64 new
   tokens after a cached prefix; TFLOP/s of the causal work against a bf16 GEMM of the same token count
-  ([M, 4096] x [4096, 14336]) and torch's scaled_dot_product_attention on contiguous K/V; max abs difference from
-  the float32 reference.
+  ([M, 4096] x [4096, 14336]) and torch's scaled_dot_product_attention on contiguous K/V, and over the same cache in
+  FP8; max abs difference from the float32 reference.
 - Decode attention with and without a sliding window (Gemma 3's 1024): 8 rows at long contexts, 64 and 256 rows
   at about 1k; the same rows through the extend kernel, as a mixed step's decode rows run (its narrow launch), with
   the bandwidth on K and V (and with the decode kernel's two pipeline stages instead of three); and the decode
-  kernel over the same cache in FP8 (`--kv-cache-dtype fp8`: half the bytes), against its float32 reference.
-- Sweeps of the extend kernel's tile configurations at 16k context and of the fused MoE's block configurations;
+  kernel over the same cache in FP8 (`--kv-cache-dtype fp8`: half the bytes), against its float32 reference, with
+  its 64-key tiles and with 128 (as many bytes a load as bf16's).
+- Sweeps of the extend kernel's tile configurations at 16k context (bf16 and FP8 caches) and of the fused MoE's
+  block configurations;
   the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
 Timing: CUDA events around each call after warm-up calls, the median of the repeats; where a column says "graph",
@@ -136,10 +138,11 @@ def causal_flops(new: int, context: int) -> float:
 
 
 def bench_extend() -> None:
-    say("## Extend attention (Llama-3.1-8B heads, bf16, paged cache) vs a bf16 GEMM and torch SDPA")
+    say("## Extend attention (Llama-3.1-8B heads, bf16, paged cache) vs a bf16 GEMM and torch SDPA; the same over an "
+        "FP8 cache")
     say("| context | new tokens | kernel ms | TFLOP/s | in a graph ms | TFLOP/s | SDPA ms (contiguous) | SDPA TFLOP/s | "
-        f"GEMM [M,4096]x[4096,14336] TFLOP/s | max abs diff |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        f"GEMM [M,4096]x[4096,14336] TFLOP/s | max abs diff | fp8 cache in a graph ms | TFLOP/s | max abs diff |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(1)
     scale = HEAD_DIM**-0.5
     for context in CONTEXTS:
@@ -151,6 +154,11 @@ def bench_extend() -> None:
             ref = extend_attention_reference(q, k_cache, v_cache, *meta, PAGE, scale)
             diff = max_diff(out, ref)
             del ref
+            kv_scale = torch.full((2, KV_HEADS), 0.5, device=DEVICE)
+            k8, v8 = quantize(k_cache, kv_scale[0]), quantize(v_cache, kv_scale[1])
+            fp8 = graph_ms(lambda: extend_attention(q, k8, v8, out, *meta, *blocks, PAGE, scale, kv_scale=kv_scale))
+            fp8_diff = max_diff(out, extend_attention_reference(q, k8, v8, *meta, PAGE, scale, kv_scale=kv_scale))
+            del k8, v8
             keys = k_cache[:context].transpose(0, 1)[None]  # contiguous K/V as a dense kernel would read them
             values = v_cache[:context].transpose(0, 1)[None]
             query = q.transpose(0, 1)[None]
@@ -165,7 +173,8 @@ def bench_extend() -> None:
             flops = causal_flops(new, context)
             say(f"| {context} | {new} | {kernel:.3f} | {flops / kernel / 1e9:.0f} | {replayed:.3f} | "
                 f"{flops / replayed / 1e9:.0f} | {sdpa:.3f} | "
-                f"{flops / sdpa / 1e9:.0f} | {2 * new * 4096 * 14336 / gemm / 1e9:.0f} | {diff:.4f} |")
+                f"{flops / sdpa / 1e9:.0f} | {2 * new * 4096 * 14336 / gemm / 1e9:.0f} | {diff:.4f} | {fp8:.3f} | "
+                f"{flops / fp8 / 1e9:.0f} | {fp8_diff:.4f} |")
             del q, k_cache, v_cache, keys, values
             torch.cuda.empty_cache()
 
@@ -173,27 +182,34 @@ def bench_extend() -> None:
 def bench_tiles() -> None:
     say(f"## Extend attention tile configurations at {TILE_CONTEXT} context (TILE_M, BLOCK_N, warps, stages)")
     say(f"default: {tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))}; BLOCK_M (host blocks) {BLOCK_M}")
-    say("| config | 2048 new ms | TFLOP/s | max abs diff | 64 new ms | TFLOP/s | max abs diff |")
-    say("| --- | --- | --- | --- | --- | --- | --- |")
+    say("| cache | config | 2048 new ms | TFLOP/s | max abs diff | 64 new ms | TFLOP/s | max abs diff |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(2)
-    cases = []
-    for new in (2048, 64):
-        q, k_cache, v_cache, meta, blocks = extend_inputs(new, TILE_CONTEXT, g)
-        cases.append((new, (q, k_cache, v_cache, meta, blocks),
-                      extend_attention_reference(q, k_cache, v_cache, *meta, PAGE, HEAD_DIM**-0.5)))
-    for config in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
-                   (64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 4, 3)]:
-        cells = []
-        for new, (q, k_cache, v_cache, meta, blocks), ref in cases:
-            out = torch.empty_like(q)
-            try:
-                ms = time_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE,
-                                                      HEAD_DIM**-0.5, config=config))
-                cells += [f"{ms:.3f}", f"{causal_flops(new, TILE_CONTEXT) / ms / 1e9:.0f}",
-                          f"{max_diff(out, ref):.4f}"]
-            except Exception as error:  # a configuration that does not compile (shared memory) says so
-                cells += [type(error).__name__, "-", "-"]
-        say(f"| {config} | " + " | ".join(cells) + " |")
+    kv_scale = torch.full((2, KV_HEADS), 0.5, device=DEVICE)
+    for fp8 in (False, True):
+        cases = []
+        for new in (2048, 64):
+            q, k_cache, v_cache, meta, blocks = extend_inputs(new, TILE_CONTEXT, g)
+            if fp8:
+                k_cache, v_cache = quantize(k_cache, kv_scale[0]), quantize(v_cache, kv_scale[1])
+            scales = kv_scale if fp8 else None
+            cases.append((new, (q, k_cache, v_cache, meta, blocks), scales,
+                          extend_attention_reference(q, k_cache, v_cache, *meta, PAGE, HEAD_DIM**-0.5,
+                                                     kv_scale=scales)))
+        for config in [(128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
+                       (64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 4, 3)] + ([(128, 128, 8, 3), (64, 128, 4, 3)]
+                                                                            if fp8 else []):
+            cells = []
+            for new, (q, k_cache, v_cache, meta, blocks), scales, ref in cases:
+                out = torch.empty_like(q)
+                try:
+                    ms = time_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE,
+                                                          HEAD_DIM**-0.5, config=config, kv_scale=scales))
+                    cells += [f"{ms:.3f}", f"{causal_flops(new, TILE_CONTEXT) / ms / 1e9:.0f}",
+                              f"{max_diff(out, ref):.4f}"]
+                except Exception as error:  # a configuration that does not compile (shared memory) says so
+                    cells += [type(error).__name__, "-", "-"]
+            say(f"| {'fp8' if fp8 else 'bf16'} | {config} | " + " | ".join(cells) + " |")
 
 
 def bench_moe_configs() -> None:
@@ -239,8 +255,9 @@ def bench_decode() -> None:
     say("## Decode attention, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same rows "
         "through the extend kernel (a mixed step's decode rows)")
     say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | "
-        "K/V TB/s | max abs diff | extend, 2 stages ms | fp8 cache decode ms | K/V TB/s | max abs diff |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        "K/V TB/s | max abs diff | extend, 2 stages ms | fp8 cache decode ms | K/V TB/s | max abs diff | "
+        "fp8, 128 keys a tile ms | K/V TB/s |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     two_stages = (*tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))[:3], 2)  # the decode kernel's depth
     g = torch.Generator(device=DEVICE).manual_seed(3)
     for batch, context in DECODE_SHAPES:
@@ -272,10 +289,12 @@ def bench_decode() -> None:
             fp8_ms = graph_ms(lambda: decode_attention(*fp8_args, splits=splits, window=window, kv_scale=kv_scale))
             fp8_diff = max_diff(decode_attention(*fp8_args, splits=splits, window=window, kv_scale=kv_scale),
                                 decode_attention_reference(*fp8_args, window=window, kv_scale=kv_scale))
+            wide = graph_ms(lambda: decode_attention(*fp8_args, splits=splits, window=window, kv_scale=kv_scale,
+                                                     block_n=128))
             read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
             say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | "
                 f"{extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | {shallow:.3f} | {fp8_ms:.3f} | "
-                f"{read / 2 / fp8_ms / 1e9:.2f} | {fp8_diff:.4f} |")
+                f"{read / 2 / fp8_ms / 1e9:.2f} | {fp8_diff:.4f} | {wide:.3f} | {read / 2 / wide / 1e9:.2f} |")
 
 
 def main() -> int:

@@ -112,10 +112,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
                      seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
-                     splits: int, window: int = 0, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     splits: int, window: int = 0, kv_scale: torch.Tensor | None = None,
+                     block_n: int = BLOCK_N) -> torch.Tensor:
     """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros.
     window > 0: the token at position p sees keys p - window < k <= p (transformers' sliding window). An FP8 cache
-    needs `kv_scale` [2, KVH] (keys', values')."""
+    needs `kv_scale` [2, KVH] (keys', values'). `block_n`: keys a tile (benchmarks sweep it)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -130,7 +131,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, window if window > 0 else NO_WINDOW,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=BLOCK_N, SPLITS=splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
         PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=4, num_stages=2)
     if splits > 1:
         _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
