@@ -25,6 +25,8 @@ from engine.executor.graph import decode_capacities, extend_capacities  # noqa: 
 from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step, sample_step  # noqa: E402
 from engine.executor.pooling import assemble as assemble_pooled  # noqa: E402
 from engine.executor.pooling import pool_index, pool_rows  # noqa: E402
+from engine.kernels.triton import dependent_launch  # noqa: E402
+from engine.model.backends import few_rows  # noqa: E402
 from engine.model.backends.select import use_backend  # noqa: E402
 from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT, RecurrentState  # noqa: E402
 from engine.sampling.graph_extras import (TOP_LOGPROBS, ExtrasBuffers, extras_words, graph_holds_extras,  # noqa: E402
@@ -480,6 +482,27 @@ def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) 
     model = tiny_model().to("cuda", dtype)
     use_backend(model, "triton", CONTEXT)
     assert run_requests(gpu_harness(model, graphs=True)) == run_requests(gpu_harness(model, graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] < 9,
+                    reason="dependent launches need a GPU of compute capability 9 or later")
+@pytest.mark.parametrize("launch", [dependent_launch.WAIT_FIRST, dependent_launch.PREFETCH])
+def test_one_row_graphs_of_dependent_launches_produce_the_plain_launches_tokens(
+        launch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request alone decodes in the one-row graphs (engine/model/backends/few_rows.py), each kernel of its chain
+    launched as a dependent launch: a kernel that read before the one before it had written would change them."""
+    def alone(harness: Harness) -> list[int]:
+        request = harness.add(PROMPTS[0], temperature=0.0, max_tokens=12)
+        harness.run()
+        harness.close()
+        return request.tokens[request.prompt_len:]
+
+    model = tiny_model().to("cuda", torch.bfloat16)
+    use_backend(model, "triton", CONTEXT)
+    plain = alone(gpu_harness(model, graphs=True))
+    monkeypatch.setattr(few_rows, "LAUNCH", launch)
+    assert alone(gpu_harness(model, graphs=True)) == plain
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ decode step times against batch, the engine loop's GPU busy fraction, sampling e
 
 Sections: correctness, decode, smollm (the default three), extras (penalties and logprobs in the sampling graphs:
 batch-64 decode steps with some rows asking), prefill (prefill steps of 1024-token prompts at 512 to 8192 tokens
-a step, and their MFU) and dependent (batch-1 decode steps of the 8B and SmolLM2 with their projections launched
+a step, and their MFU) and dependent (batch-1 decode steps of the 8B and SmolLM2 with their kernels launched
 plainly and as dependent launches: GPU ms a step, and the same steps' greedy tokens against the plain launches').
 docs/gpu.md has the current tables.
 
@@ -224,7 +224,7 @@ def smollm(cores: Path) -> None:
 
 
 def dependent(cores: Path, bandwidth: float) -> None:
-    say(f"## Batch-1 decode steps, the projections launched plainly and as dependent launches (graphs; context "
+    say(f"## Batch-1 decode steps, the kernels launched plainly and as dependent launches (graphs; context "
         f"{CONTEXT})")
     say("| model | launch | GPU ms a step | of copy bandwidth on the weights | tokens as plain |")
     say("| --- | --- | --- | --- | --- |")
@@ -234,7 +234,7 @@ def dependent(cores: Path, bandwidth: float) -> None:
         plan = decode_plan(1, CONTEXT, caps.page_size)
         for label, launch in (("plain", dependent_launch.NONE), ("waiting first", dependent_launch.WAIT_FIRST),
                               ("first weight slice before the wait", dependent_launch.PREFETCH)):
-            few_rows.GEMV_LAUNCH = launch  # read when the graphs are captured
+            few_rows.LAUNCH = launch  # read when the graphs are captured
             try:
                 executor = make("graph", model, -(-CONTEXT // caps.page_size), caps.page_size, 1,
                                 manifest.context_limit, caps.prefill_chunk_size)
@@ -250,7 +250,7 @@ def dependent(cores: Path, bandwidth: float) -> None:
             except Exception as error:  # a launch this GPU or Triton refuses is a row, not the end of the run
                 say(f"| {name} | {label} | {type(error).__name__}: {str(error)[:100]} | | |")
             torch.cuda.empty_cache()
-        few_rows.GEMV_LAUNCH = dependent_launch.NONE
+        few_rows.LAUNCH = dependent_launch.NONE
         del model
         torch.cuda.empty_cache()
     say()

@@ -17,7 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine.kernels.triton.dependent_launch import NONE, launch_options
 from engine.kernels.triton.kv_store import is_fp8
 from engine.model.kv_quant import dequantize
 
@@ -32,7 +34,9 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2, window,
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
+                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, DEPENDENT: tl.constexpr):
+    if DEPENDENT != 0:
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -70,6 +74,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if DEPENDENT != 0:
+        gdc_launch_dependents()
     out = acc / tl.maximum(l, 1e-30)[:, None]  # an empty split (or an empty padding row) leaves zeros
     if FP8:
         out = out * v_scale
@@ -85,7 +91,10 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
 
 @triton.jit
 def _decode_merge(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+                  BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, DEPENDENT: tl.constexpr):
+    if DEPENDENT != 0:  # a program per (sequence, head), over at once
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -113,10 +122,11 @@ def dot_precision(dtype: torch.dtype) -> str:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
                      seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
                      splits: int, window: int = 0, kv_scale: torch.Tensor | None = None,
-                     block_n: int = BLOCK_N) -> torch.Tensor:
+                     block_n: int = BLOCK_N, dependent: int = NONE) -> torch.Tensor:
     """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros.
     window > 0: the token at position p sees keys p - window < k <= p (transformers' sliding window). An FP8 cache
-    needs `kv_scale` [2, KVH] (keys', values'). `block_n`: keys a tile (benchmarks sweep it)."""
+    needs `kv_scale` [2, KVH] (keys', values'). `block_n`: keys a tile (benchmarks sweep it). `dependent`: both
+    kernels launched as dependent launches (engine/kernels/triton/dependent_launch.py)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -132,10 +142,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out.stride(0), out.stride(1), scale * LOG2E, window if window > 0 else NO_WINDOW,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=4, num_stages=2)
+        PRECISION=dot_precision(q.dtype), FP8=fp8, DEPENDENT=dependent, num_warps=4, num_stages=2,
+        **launch_options(dependent))
     if splits > 1:
         _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
-                                      BLOCK_D=block_d, SPLITS=splits, num_warps=4)
+                                      BLOCK_D=block_d, SPLITS=splits, DEPENDENT=dependent, num_warps=4,
+                                      **launch_options(dependent))
     return out
 
 

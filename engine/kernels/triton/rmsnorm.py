@@ -9,11 +9,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels.triton.dependent_launch import NONE, launch_options
 
 
 @triton.jit
 def _add_rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, size, eps, stride_x, stride_r, stride_o, stride_ro,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
+    if DEPENDENT != 0:  # a program per row, over at once
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < size
@@ -30,15 +36,17 @@ def _add_rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, size, eps, stride
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual) for x [T, E]; with no residual, (rms_norm(x), x)."""
+                 eps: float, dependent: int = NONE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) for x [T, E]; with no residual, (rms_norm(x), x). `dependent`: launched
+    as a dependent launch (engine/kernels/triton/dependent_launch.py)."""
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else x
     size = x.shape[-1]
     _add_rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, summed, size, eps,
                                  x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
                                  summed.stride(0), HAS_RESIDUAL=residual is not None,
-                                 BLOCK=triton.next_power_of_2(size), num_warps=4 if size <= 2048 else 8)
+                                 BLOCK=triton.next_power_of_2(size), DEPENDENT=dependent,
+                                 num_warps=4 if size <= 2048 else 8, **launch_options(dependent))
     return out, summed
 
 

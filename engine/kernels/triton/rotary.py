@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine.kernels.triton.dependent_launch import NONE, launch_options
 from engine.kernels.triton.e4m3 import to_e4m3
 from engine.kernels.triton.kv_store import is_fp8, store_kv_reference
 
@@ -49,7 +51,10 @@ def _head_norm(x1, x2, w_ptr, j, jm, eps, HEAD_DIM: tl.constexpr, HALF: tl.const
 def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, scale_ptr, eps,
                 stride_qkv, stride_qt, stride_qh, stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
-                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr):
+                BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr, DEPENDENT: tl.constexpr):
+    if DEPENDENT != 0:  # a program per token, over at once: the next kernel may be placed as soon as these are
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -95,10 +100,12 @@ def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_no
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, slot_mapping: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, kv_heads: int,
                    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, norm_eps: float = 1e-6,
-                   norm_style: str = "llama", kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                   norm_style: str = "llama", kv_scale: torch.Tensor | None = None,
+                   dependent: int = NONE) -> torch.Tensor:
     """qkv [T, (H + 2 KVH) * D] -> rotated q [T, H, D]; rotated k and v go to cache slot slot_mapping[t].
     With q_norm and k_norm ([D] weights), each query and key head is RMS-normalised first: norm_style "llama"
-    (Qwen3) or "gemma" (Gemma 3's (1 + w)). An FP8 cache needs `kv_scale` [2, KVH] (keys', values')."""
+    (Qwen3) or "gemma" (Gemma 3's (1 + w)). An FP8 cache needs `kv_scale` [2, KVH] (keys', values').
+    `dependent`: launched as a dependent launch (engine/kernels/triton/dependent_launch.py)."""
     tokens = qkv.shape[0]
     head_dim = k_cache.shape[-1]
     assert k_cache.stride() == v_cache.stride() and qkv.stride(-1) == 1
@@ -112,7 +119,8 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tens
                            qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
                            HEADS=heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HALF=head_dim // 2,
                            BLOCK_H=triton.next_power_of_2(heads), BLOCK_KH=triton.next_power_of_2(kv_heads),
-                           BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, FP8=fp8, num_warps=4)
+                           BLOCK_HALF=triton.next_power_of_2(head_dim // 2), NORM=norm, FP8=fp8,
+                           DEPENDENT=dependent, num_warps=4, **launch_options(dependent))
     return q
 
 

@@ -18,9 +18,10 @@ from engine.model.decoder import MLP, CausalLM, DecoderLayer
 from engine.model.fp8_linear import Fp8Linear
 
 
-# How the projections are launched (engine/kernels/triton/dependent_launch.py) where the GPU allows dependent
-# launches: plainly until `bench.lab.gpu.evidence --only dependent` has measured whole steps each way.
-GEMV_LAUNCH = dependent_launch.NONE
+# How the step's kernels (projections, rotary, decode attention, final norm) are launched where the GPU allows
+# dependent launches (engine/kernels/triton/dependent_launch.py): plainly until `bench.lab.gpu.evidence --only
+# dependent` has measured whole steps each way.
+LAUNCH = dependent_launch.NONE
 
 
 def runs_few_rows(layer: DecoderLayer) -> bool:
@@ -48,11 +49,11 @@ def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor
     eps = model.config.rms_norm_eps
     tables, rope_positions = model.rope_inputs(positions, tables)
     stream = model.embed(input_ids)  # a tensor of this step's own: the epilogues write into it
-    launch = GEMV_LAUNCH if dependent_launch.supported(stream.device) else dependent_launch.NONE
+    launch = LAUNCH if dependent_launch.supported(stream.device) else dependent_launch.NONE
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         qkv = gemv(stream, **weights(attn.qkv), norm=(layer.input_layernorm.kernel_weight(), eps), dependent=launch)
-        out = attend(attn, qkv, rope_positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta)
+        out = attend(attn, qkv, rope_positions, tables[attn.rope], kv_cache[i, 0], kv_cache[i, 1], meta, launch)
         gemv(out.flatten(1), **weights(attn.o_proj), residual=stream, dependent=launch)
         norm = (layer.post_attention_layernorm.kernel_weight(), eps)
         if isinstance(mlp, MLP):
@@ -60,4 +61,4 @@ def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor
                  silu_mul=True, residual=stream, dependent=launch)
         else:
             moe(mlp, add_rms_norm(stream, None, *norm)[0], residual=stream)
-    return add_rms_norm(stream, None, model.model.norm.kernel_weight(), eps)[0]
+    return add_rms_norm(stream, None, model.model.norm.kernel_weight(), eps, dependent=launch)[0]

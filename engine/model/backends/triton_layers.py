@@ -12,6 +12,7 @@ from functools import lru_cache
 import torch
 
 from engine.kernels.triton.activation import silu_and_mul
+from engine.kernels.triton.dependent_launch import NONE
 from engine.kernels.triton.decode_attention import decode_attention, num_splits
 from engine.kernels.triton.extend_attention import extend_attention
 from engine.kernels.triton.fused_moe import fused_moe
@@ -30,12 +31,13 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
-                     scale: float, window: int | None = None, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     scale: float, window: int | None = None, kv_scale: torch.Tensor | None = None,
+                     dependent: int = NONE) -> torch.Tensor:
     """q [T, H, D] of tokens whose K/V are already in the cache -> [T, H, D]. With a window, a query sees its own key
     and the window - 1 before it (sliding-window layers). An extend step's rows of no sequence (a graph's padding,
     which its kernel skips) are zeros rather than whatever the memory held: they flow on through the layers, and a
     NaN there would reach the router of a mixture of experts. An FP8 cache is read with `kv_scale` (the layer's
-    PagedAttention.kv_scale)."""
+    PagedAttention.kv_scale). `dependent`: the decode kernels' launch (engine/kernels/triton/dependent_launch.py)."""
     out = torch.zeros_like(q) if meta.extend is not None else torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
@@ -43,7 +45,8 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
         splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
         result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
-                                  meta.page_size, scale, splits, window=window or 0, kv_scale=kv_scale)
+                                  meta.page_size, scale, splits, window=window or 0, kv_scale=kv_scale,
+                                  dependent=dependent)
         if d.rows is None:
             out = result
         else:
@@ -57,9 +60,10 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
-           v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+           v_cache: torch.Tensor, meta: KernelMetadata, dependent: int = NONE) -> torch.Tensor:
     """From the fused q/k/v product [T, (H + 2 KVH) D] to the attention's output [T, H, D]: q/k norms and rotary,
-    the new keys and values stored, attention over the cache."""
+    the new keys and values stored, attention over the cache; `dependent`: the rotary's and the decode kernels'
+    launch (engine/kernels/triton/dependent_launch.py)."""
     c = attn.c
     norms = {}
     if c.qk_norm:  # the kernel normalises each q and k head before rotating, rounding as the family does
@@ -67,8 +71,8 @@ def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: to
                      norm_style="gemma" if c.gemma_norms else "llama")
     paged = attn.attn
     q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
-                       kv_scale=paged.kv_scale, **norms)
-    return kernel_attention(q, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale)
+                       kv_scale=paged.kv_scale, dependent=dependent, **norms)
+    return kernel_attention(q, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale, dependent)
 
 
 def attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
