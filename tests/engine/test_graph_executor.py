@@ -488,8 +488,9 @@ def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) 
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] < 9,
                     reason="dependent launches need a GPU of compute capability 9 or later")
 @pytest.mark.parametrize("launch", [dependent_launch.WAIT_FIRST, dependent_launch.PREFETCH])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_one_row_graphs_of_dependent_launches_produce_the_plain_launches_tokens(
-        launch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        family: str, launch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A request alone decodes in the one-row graphs (engine/model/backends/few_rows.py), each kernel of its chain
     launched as a dependent launch: a kernel that read before the one before it had written would change them."""
     def alone(harness: Harness) -> list[int]:
@@ -498,7 +499,7 @@ def test_one_row_graphs_of_dependent_launches_produce_the_plain_launches_tokens(
         harness.close()
         return request.tokens[request.prompt_len:]
 
-    model = tiny_model().to("cuda", torch.bfloat16)
+    model = tiny_model(0, family).to("cuda", torch.bfloat16)
     use_backend(model, "triton", CONTEXT)
     plain = alone(gpu_harness(model, graphs=True))
     monkeypatch.setattr(few_rows, "LAUNCH", launch)

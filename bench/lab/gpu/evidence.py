@@ -5,8 +5,9 @@ decode step times against batch, the engine loop's GPU busy fraction, sampling e
 
 Sections: correctness, decode, smollm (the default three), extras (penalties and logprobs in the sampling graphs:
 batch-64 decode steps with some rows asking), prefill (prefill steps of 1024-token prompts at 512 to 8192 tokens
-a step, and their MFU) and dependent (batch-1 decode steps of the 8B and SmolLM2 with their kernels launched
-plainly and as dependent launches: GPU ms a step, and the same steps' greedy tokens against the plain launches').
+a step, and their MFU) and dependent (batch-1 decode steps of the 8B, SmolLM2 and Qwen3-30B-A3B cut to 24 layers
+with their kernels launched plainly and as dependent launches: GPU ms a step, and the same steps' greedy tokens
+against the plain launches').
 docs/gpu.md has the current tables.
 
 Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
@@ -39,7 +40,7 @@ from engine.scheduler.scheduler import RequestScheduler
 from ignition.main import main as ignition
 
 CORES = {"smollm2-135m": ("smollm2-135m", None), "llama-3.1-8b-4l": ("llama-3.1-8b", 4),
-         "llama-3.1-8b": ("llama-3.1-8b", None)}
+         "llama-3.1-8b": ("llama-3.1-8b", None), "qwen3-30b-a3b-24l": ("qwen3-30b-a3b", 24)}
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 CONTEXT = 512  # tokens each decoding sequence attends over in the step-time sweep
 H200_BF16_TFLOPS = 989.4  # NVIDIA's dense bf16 peak for the H200 SXM (the MFU's denominator)
@@ -228,7 +229,7 @@ def dependent(cores: Path, bandwidth: float) -> None:
         f"{CONTEXT})")
     say("| model | launch | GPU ms a step | of copy bandwidth on the weights | tokens as plain |")
     say("| --- | --- | --- | --- | --- |")
-    for name in ("llama-3.1-8b", "smollm2-135m"):
+    for name in ("llama-3.1-8b", "smollm2-135m", "qwen3-30b-a3b-24l"):
         manifest, model = load_model(core(cores, name), torch.device("cuda"), verify=False)
         caps, weights, plain = manifest.capacities, weight_bytes(model), None
         plan = decode_plan(1, CONTEXT, caps.page_size)

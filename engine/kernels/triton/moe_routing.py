@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels.triton.dependent_launch import NONE, launch_options
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +54,10 @@ def top_k_experts(logits_ptr, num_experts, TOP_K: tl.constexpr, K_POW2: tl.const
 
 @triton.jit
 def _route(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-           E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+           E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, DEPENDENT: tl.constexpr):
+    if DEPENDENT != 0:  # a program per token, over at once
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     weights, ids = top_k_experts(logits_ptr + t * stride_t, num_experts, TOP_K, K_POW2, E_POW2, RENORMALIZE)
     k = tl.arange(0, K_POW2)
@@ -60,14 +66,15 @@ def _route(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.co
 
 
 def route_in_one_program(router_logits: torch.Tensor, top_k: int,
-                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         renormalize: bool, dependent: int = NONE) -> tuple[torch.Tensor, torch.Tensor]:
     """route in one launch per layer, a program per token: torch's softmax, topk and renormalisation are seven
-    kernels of 1-5 µs, a sixth of a batch-1 decode layer of Qwen3-30B-A3B."""
+    kernels of 1-5 µs, a sixth of a batch-1 decode layer of Qwen3-30B-A3B. `dependent`: launched as a dependent
+    launch (engine/kernels/triton/dependent_launch.py)."""
     tokens, experts = router_logits.shape
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if tokens:
         _route[(tokens,)](router_logits, weights, ids, experts, router_logits.stride(0), TOP_K=top_k,
                           K_POW2=triton.next_power_of_2(top_k), E_POW2=triton.next_power_of_2(experts),
-                          RENORMALIZE=renormalize, num_warps=1)
+                          RENORMALIZE=renormalize, DEPENDENT=dependent, num_warps=1, **launch_options(dependent))
     return weights, ids

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine.kernels.triton.dependent_launch import NONE, launch_options
 
 ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the rows path runs: decode batches of up to 4 tokens at top-8
 
@@ -49,7 +52,9 @@ def scaled(w, s_ptr, rows, start, k, k_in, scale_k, W_SCALE: tl.constexpr):
 @triton.jit
 def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn, stride_se,
                   stride_sn, stride_ht, scale_k, TOP_K: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr):
+    if DEPENDENT != 0:  # (the expert, hence the weight, comes from the routing before)
+        gdc_wait()
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -74,6 +79,8 @@ def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt,
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if DEPENDENT != 0:
+        gdc_launch_dependents()
     dtype = h_ptr.dtype.element_ty
     gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
     if W_SCALE == 1:
@@ -88,7 +95,10 @@ def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt,
 @triton.jit
 def _down_rows(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, stride_ht, stride_we, stride_wn,
                stride_se, stride_sn, stride_yt, scale_k, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-               ADD_RESIDUAL: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               ADD_RESIDUAL: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DEPENDENT: tl.constexpr):
+    if DEPENDENT != 0:
+        gdc_wait()
     token = tl.program_id(0)
     slot = tl.arange(0, K_POW2)
     live = slot < TOP_K
@@ -110,6 +120,8 @@ def _down_rows(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, 
                       scale_k, W_SCALE) * a
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if DEPENDENT != 0:
+        gdc_launch_dependents()
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
     product = tl.sum(acc, 2)
@@ -143,10 +155,11 @@ def scale_args(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor)
 
 def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, c: RowsConfig, residual: torch.Tensor | None = None,
-                   scales: ExpertScales | None = None) -> torch.Tensor:
+                   scales: ExpertScales | None = None, dependent: int = NONE) -> torch.Tensor:
     """fused_moe's rows path: pair p = t*K + k reads token t and expert topk_ids[t, k] directly. topk_weights [T, K]
     float32 and topk_ids [T, K] int32, contiguous. With a residual [T, H], the result is added to it in place; with
-    `scales`, the expert weights are e4m3."""
+    `scales`, the expert weights are e4m3. `dependent`: both kernels launched as dependent launches
+    (engine/kernels/triton/dependent_launch.py)."""
     tokens, hidden = x.shape
     inter, top_k = w2.shape[2], topk_ids.shape[1]
     k_pow2 = triton.next_power_of_2(top_k)
@@ -154,13 +167,13 @@ def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, c.block_n))](
         x, w13, s13, h, topk_ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), s13_e, s13_n,
-        h.stride(0), scale_k, TOP_K=top_k, W_SCALE=mode, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        h.stride(0), scale_k, TOP_K=top_k, W_SCALE=mode, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DEPENDENT=dependent,
+        num_warps=c.num_warps, num_stages=c.num_stages, **launch_options(dependent))
     y = residual if residual is not None else torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_n = max(1, c.block_n // k_pow2)  # output columns per program: BLOCK_N weight rows over the K experts
     _down_rows[(tokens, triton.cdiv(hidden, down_n))](
         h, w2, s2, y, topk_weights, topk_ids, inter, hidden, h.stride(0), w2.stride(0), w2.stride(1), s2_e, s2_n,
         y.stride(0), scale_k, TOP_K=top_k,
         K_POW2=k_pow2, ADD_RESIDUAL=residual is not None, W_SCALE=mode, BLOCK_N=down_n, BLOCK_K=c.block_k,
-        num_warps=c.num_warps, num_stages=c.num_stages)
+        DEPENDENT=dependent, num_warps=c.num_warps, num_stages=c.num_stages, **launch_options(dependent))
     return y

@@ -18,9 +18,9 @@ from engine.model.decoder import MLP, CausalLM, DecoderLayer
 from engine.model.fp8_linear import Fp8Linear
 
 
-# How the step's kernels (projections, rotary, decode attention, final norm) are launched where the GPU allows
-# dependent launches (engine/kernels/triton/dependent_launch.py): plainly until `bench.lab.gpu.evidence --only
-# dependent` has measured whole steps each way.
+# How the step's kernels (projections, rotary, decode attention, a mixture of experts' routing and rows path, the
+# norms) are launched where the GPU allows dependent launches (engine/kernels/triton/dependent_launch.py): plainly
+# until `bench.lab.gpu.evidence --only dependent` has measured whole steps each way.
 LAUNCH = dependent_launch.NONE
 
 
@@ -60,5 +60,5 @@ def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor
             gemv(gemv(stream, **weights(mlp.gate_up), norm=norm, dependent=launch), **weights(mlp.down_proj),
                  silu_mul=True, residual=stream, dependent=launch)
         else:
-            moe(mlp, add_rms_norm(stream, None, *norm)[0], residual=stream)
+            moe(mlp, add_rms_norm(stream, None, *norm, dependent=launch)[0], residual=stream, dependent=launch)
     return add_rms_norm(stream, None, model.model.norm.kernel_weight(), eps, dependent=launch)[0]

@@ -102,12 +102,16 @@ def mlp(layer: MLP, x: torch.Tensor) -> torch.Tensor:
     return layer.down_proj(silu_and_mul(gate_up))
 
 
-def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None,
+        dependent: int = NONE) -> torch.Tensor:
     """With a residual (one rank only), the output is added to it in place by the down kernel. A hybrid's shared
-    expert (Qwen3.5-MoE, Qwen3-Next) runs beside the routed ones, as the torch reference's."""
-    weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob)
+    expert (Qwen3.5-MoE, Qwen3-Next) runs beside the routed ones, as the torch reference's. `dependent`: the routing's
+    and the rows path's launch, with a residual (engine/kernels/triton/dependent_launch.py)."""
     if residual is not None:
         assert layer.tp is None
-        return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual, scales=layer.scales)
+        weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob, dependent)
+        return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual, scales=layer.scales,
+                         dependent=dependent)
+    weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob)
     return layer.with_shared(x, layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids,
                                                            scales=layer.scales)))
