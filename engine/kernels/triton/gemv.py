@@ -68,8 +68,10 @@ NO_SCALE, ROW_SCALE, BLOCK_SCALE = 0, 1, 2
 @triton.jit
 def _weight_slice(w_ptrs, start, k, k_in, EVEN_K: tl.constexpr):
     if EVEN_K:
-        return tl.load(w_ptrs + start)
-    return tl.load(w_ptrs + start, mask=(k < k_in - start)[None, :], other=0.0)
+        w = tl.load(w_ptrs + start)
+    else:
+        w = tl.load(w_ptrs + start, mask=(k < k_in - start)[None, :], other=0.0)
+    return w
 
 
 @triton.jit
