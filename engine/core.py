@@ -271,7 +271,7 @@ class Engine:
 
         if self.draining:
             return reject(503, "the engine is draining and admits no new requests")
-        if not self.scheduler.can_admit():
+        if not self.scheduler.can_admit(len(self._compiling)):  # (a burst of constrained requests compiles first)
             return reject(503, f"the engine's queue is full ({self.scheduler.queue_capacity} waiting)",
                           "capacity_hint: raise capacities.queue_capacity or max_active in the core manifest")
         if (problem := submit_problem(submit, self.bounds)) is not None:

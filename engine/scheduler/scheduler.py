@@ -115,8 +115,10 @@ class RequestScheduler:
     def cached_pages(self) -> int:
         return self.prefix.cache.stats.pages
 
-    def can_admit(self) -> bool:
-        return len(self.waiting) < self.queue_capacity
+    def can_admit(self, pending: int = 0) -> bool:
+        """Whether one more request fits the queue; `pending`: requests admitted but not added yet (their grammars
+        compile), which the bound counts too."""
+        return len(self.waiting) + pending < self.queue_capacity
 
     def add(self, request: Request) -> None:
         request.prefill_target = len(request.tokens)

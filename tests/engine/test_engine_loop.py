@@ -69,7 +69,7 @@ class HeldExecutor:
 
 
 def make_engine(max_active: int = 8, executor: HeldExecutor | None = None, vocab: int = 1000,
-                grammars: GrammarCompiler | None = None) -> tuple[Engine, HeldExecutor, zmq.Socket]:
+                grammars: GrammarCompiler | None = None, queue: int = 64) -> tuple[Engine, HeldExecutor, zmq.Socket]:
     context = zmq.Context.instance()
     address = f"inproc://engine-loop-{uuid.uuid4().hex[:8]}"
     router = context.socket(zmq.ROUTER)
@@ -81,7 +81,7 @@ def make_engine(max_active: int = 8, executor: HeldExecutor | None = None, vocab
     dealer.connect(address)
     executor = executor or HeldExecutor()
     card = wire.ModelCard(["test"], "test", "llama", 4096, [0])
-    scheduler = RequestScheduler(max_active, 64, 64, 16, 512, bytes(range(32)), late_masks=executor.late_masks)
+    scheduler = RequestScheduler(max_active, queue, 64, 16, 512, bytes(range(32)), late_masks=executor.late_masks)
     engine = Engine(card, executor, scheduler, vocab, router, EngineTelemetry(telemetry, "engine-loop"),
                     address + "-telemetry", grammars)
     return engine, executor, dealer
@@ -156,3 +156,25 @@ def test_a_late_step_gets_its_masks_before_the_step_before_it_publishes_its_toke
     allowed = np.flatnonzero(np.unpackbits(np.frombuffer(executor.given[-1], np.uint8), bitorder="little"))
     assert token in allowed and len(allowed) < vocab
     grammars.close()
+
+
+def test_requests_whose_grammars_compile_count_against_the_queue(core_dir) -> None:
+    """Admission counts the requests whose grammars compile off the loop beside those waiting for a slot: a burst of
+    constrained requests in one turn's intake cannot pass the queue's bound before any has compiled."""
+    manifest = json.loads((core_dir / "manifest.json").read_text())
+    vocab = manifest["config"]["vocab_size"]
+    grammars = GrammarCompiler((core_dir / "tokenizer.json").read_text(), vocab, manifest["eos_token_ids"])
+    engine, _, dealer = make_engine(vocab=vocab, grammars=grammars, queue=2)
+    submit(engine, dealer, [5, 6, 7, 8])  # in a slot now; the router knows this dealer
+    burst = [wire.Submit(uuid.uuid4().hex, [9, 10, 11], wire.SamplingParams(max_tokens=5),
+                         constraint=wire.Constraint("regex", "a{1,20}")) for _ in range(3)]
+    for message in burst:
+        engine._admit(b"test", message)
+    rejected = []
+    while dealer.poll(1000):
+        if isinstance(message := wire.decode_engine_message(dealer.recv()), wire.Rejected):
+            rejected.append(message)
+    assert [(r.request_id, r.status) for r in rejected] == [(burst[2].request_id, 503)]
+    assert "queue is full" in rejected[0].message
+    grammars.close()
+
