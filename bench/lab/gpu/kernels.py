@@ -1,6 +1,6 @@
 """The Triton kernels on a GPU (fused MoE, extend and decode attention), printed as markdown tables:
 
-    python -m bench.lab.gpu.kernels [--out FILE] [--only moe|extend|decode|tiles|moe-configs]
+    python -m bench.lab.gpu.kernels [--out FILE] [--only moe|extend|decode|tiles|splits|moe-configs]
 
 - Fused MoE (engine/kernels/triton/fused_moe.py) against its torch reference at batch 1, 16, 256, Qwen3-30B-A3B and
   Mixtral-8x7B expert shapes (one layer, random bf16 weights): time, the bandwidth on the weights of the experts the
@@ -15,8 +15,9 @@
   the bandwidth on K and V (and with the decode kernel's two pipeline stages instead of three); and the decode
   kernel over the same cache in FP8 (`--kv-cache-dtype fp8`: half the bytes), against its float32 reference, with
   its 64-key tiles and with 128 (as many bytes a load as bf16's).
-- Sweeps of the extend kernel's tile configurations at 16k context (bf16 and FP8 caches) and of the fused MoE's
-  block configurations;
+- Sweeps of the extend kernel's tile configurations at 16k context (bf16 and FP8 caches), of the programs its key
+  splits aim for under 64 new tokens after a 16k or 32k cached prefix (the 8b-prefix16k row's step), and of the
+  fused MoE's block configurations;
   the MoE's default also with its routing (route_in_one_program, the model's), in a launch of its own.
 
 Timing: CUDA events around each call after warm-up calls, the median of the repeats; where a column says "graph",
@@ -212,6 +213,24 @@ def bench_tiles() -> None:
             say(f"| {'fp8' if fp8 else 'bf16'} | {config} | " + " | ".join(cells) + " |")
 
 
+def bench_splits() -> None:
+    say("## A short chunk after a long cached prefix: how many programs the extend kernel's key splits aim for "
+        "(`programs`; the default is target_programs, 4 per multiprocessor)")
+    say("| context | new tokens | programs | ms | TFLOP/s |")
+    say("| --- | --- | --- | --- | --- |")
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    sms = multiprocessors(torch.device(DEVICE))
+    for context in (16384, 32768):
+        q, k_cache, v_cache, meta, blocks = extend_inputs(64, context, g)
+        out = torch.empty_like(q)
+        for programs in (sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms):
+            ms = graph_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE, HEAD_DIM**-0.5,
+                                                  programs=programs))
+            say(f"| {context} | 64 | {programs} | {ms:.3f} | {causal_flops(64, context) / ms / 1e9:.0f} |")
+        del q, k_cache, v_cache
+        torch.cuda.empty_cache()
+
+
 def bench_moe_configs() -> None:
     say("## Fused MoE block configurations, Qwen3-30B-A3B experts, ms: grouped (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, "
         "warps, stages) and rows (BLOCK_N weight rows per program, BLOCK_K, warps, stages)")
@@ -300,14 +319,15 @@ def bench_decode() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
-    parser.add_argument("--only", choices=["moe", "extend", "decode", "tiles", "moe-configs"], action="append")
+    parser.add_argument("--only", choices=["moe", "extend", "decode", "tiles", "splits", "moe-configs"],
+                        action="append")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench.lab.gpu.kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     say(f"# Kernels on {torch.cuda.get_device_name()}")
     sections = {"moe": bench_moe, "extend": bench_extend, "decode": bench_decode, "tiles": bench_tiles,
-                "moe-configs": bench_moe_configs}
+                "splits": bench_splits, "moe-configs": bench_moe_configs}
     run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
                  args.out)
     return 0
