@@ -124,19 +124,21 @@ def test_extend_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
     if window:
         assert relative_error(extend_attention_reference(q, k_cache, v_cache, *meta, page, head_dim**-0.5), ref) > 0.05
     new = sum(n for n, _ in spans)
-    # The GPU's own program count, and one so large that long blocks' keys are split (then merged); on the CPU
-    # a window keeps keys too few to split.
-    for programs in (None, 10**4) if GPU else (None,) if window else (None, 112):
+    # The GPU's own program count, and one so large that long blocks' keys are split (then merged), up to the
+    # default most splits and past it; on the CPU a window keeps keys too few to split.
+    cases = [(None, 16), (10**4, 16), (10**4, 64)] if GPU else [(None, 16)] if window else \
+        [(None, 16), (112, 16), (112, 2)]
+    for programs, most in cases:
         out = torch.full_like(q, 7.0)
         extend_attention(q, k_cache, v_cache, out, *meta, *blocks, page, head_dim**-0.5, window=window,
-                         programs=programs)
-        assert relative_error(out[:new], ref[:new]) < tolerance(dtype), programs
+                         programs=programs, max_splits=most)
+        assert relative_error(out[:new], ref[:new]) < tolerance(dtype), (programs, most)
         assert (out[new:] == 7.0).all()
     # A graph lists padding blocks after the live ones; the eager step does not: the same numbers either way.
     unpadded = torch.full_like(q, 7.0)
     live = int((blocks[0] >= 0).sum())
     extend_attention(q, k_cache, v_cache, unpadded, *meta, blocks[0][:live], blocks[1][:live], page,
-                     head_dim**-0.5, window=window, programs=programs)
+                     head_dim**-0.5, window=window, programs=programs, max_splits=most)
     assert torch.equal(unpadded, out)
 
 

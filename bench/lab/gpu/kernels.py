@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from bench.lab.gpu.evidence import run_sections, say
 from engine.kernels.triton.decode_attention import decode_attention, decode_attention_reference, num_splits
-from engine.kernels.triton.extend_attention import (BLOCK_M, extend_attention, extend_attention_reference,
+from engine.kernels.triton.extend_attention import (BLOCK_M, MAX_SPLITS, extend_attention, extend_attention_reference,
                                                     extend_blocks, tile_config)
 from engine.kernels.triton.fused_moe import MoeConfig, fused_moe, fused_moe_reference
 from engine.kernels.triton.moe_routing import route, route_in_one_program
@@ -214,19 +214,19 @@ def bench_tiles() -> None:
 
 
 def bench_splits() -> None:
-    say("## A short chunk after a long cached prefix: how many programs the extend kernel's key splits aim for "
-        "(`programs`; the default is target_programs, 4 per multiprocessor)")
-    say("| context | new tokens | programs | ms | TFLOP/s |")
-    say("| --- | --- | --- | --- | --- |")
+    say("## A short chunk after a long cached prefix: the programs the extend kernel's key splits aim for, and the "
+        f"most splits a block's keys take (the defaults: target_programs, 4 a multiprocessor, and {MAX_SPLITS})")
+    say("| context | new tokens | programs | most splits | ms | TFLOP/s |")
+    say("| --- | --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(4)
     sms = multiprocessors(torch.device(DEVICE))
     for context in (16384, 32768):
         q, k_cache, v_cache, meta, blocks = extend_inputs(64, context, g)
         out = torch.empty_like(q)
-        for programs in (sms, 2 * sms, 4 * sms, 8 * sms, 16 * sms):
+        for programs, most in ((sms, 4), (2 * sms, 8), (4 * sms, MAX_SPLITS), (8 * sms, 32), (16 * sms, 64)):
             ms = graph_ms(lambda: extend_attention(q, k_cache, v_cache, out, *meta, *blocks, PAGE, HEAD_DIM**-0.5,
-                                                  programs=programs))
-            say(f"| {context} | 64 | {programs} | {ms:.3f} | {causal_flops(64, context) / ms / 1e9:.0f} |")
+                                                  programs=programs, max_splits=most))
+            say(f"| {context} | 64 | {programs} | {most} | {ms:.3f} | {causal_flops(64, context) / ms / 1e9:.0f} |")
         del q, k_cache, v_cache
         torch.cuda.empty_cache()
 

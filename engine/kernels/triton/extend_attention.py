@@ -288,10 +288,11 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      query_len: torch.Tensor, context_lens: torch.Tensor, block_seq: torch.Tensor,
                      block_first: torch.Tensor, page_size: int, scale: float, window: int = 0,
                      programs: int | None = None, config: tuple[int, int, int, int] | None = None,
-                     kv_scale: torch.Tensor | None = None) -> None:
+                     kv_scale: torch.Tensor | None = None, max_splits: int = MAX_SPLITS) -> None:
     """Writes out[t] for each new token t of the listed sequences; q, out [T, H, D]; other rows are left alone.
     window > 0: a query at position p sees keys p - window < k <= p (transformers' sliding window). `programs`
-    (how many the GPU wants busy) and `config` (tile_config's tuple) are for tests and benchmarks. An FP8 cache
+    (how many the GPU wants busy), `config` (tile_config's tuple) and `max_splits` (of a block's keys) are for tests
+    and benchmarks. An FP8 cache
     needs `kv_scale` [2, KVH] (keys', values')."""
     heads, head_dim = q.shape[1], q.shape[2]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -313,7 +314,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     packs = {"full": 1, "medium": group if tile_m % group == 0 else 1, "narrow": group if NARROW % group == 0 else 1}
     plan = torch.empty(2, dtype=torch.int32, device=q.device)
     _split_plan[(1,)](block_seq, block_first, query_len, plan, num_blocks, programs, heads, split_items,
-                      BLOCKS_POW2=triton.next_power_of_2(num_blocks), MAX_SPLITS=MAX_SPLITS, NARROW=NARROW,
+                      BLOCKS_POW2=triton.next_power_of_2(num_blocks), MAX_SPLITS=max_splits, NARROW=NARROW,
                       MEDIUM=MEDIUM, PACK_NARROW=packs["narrow"], PACK_MEDIUM=packs["medium"])
     # One BLOCK_N for both launches and the merge: a block's key splits are counted in its tiles.
     common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
