@@ -19,7 +19,8 @@ of one token then reads one byte a weight.
 
 Launched as a dependent kernel (engine/kernels/triton/dependent_launch.py; `dependent`), a program waits for the
 kernel before it either first (WAIT_FIRST) or after reading its first slice of the weight (PREFETCH), which no step
-writes: the load is then in flight while the kernel before drains.
+writes: the load is then in flight while the kernel before drains. Only PREFETCH takes the first slice out of the K
+loop, whose pipelining would otherwise load it beside the next ones.
 """
 
 from __future__ import annotations
@@ -113,14 +114,16 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
     # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     squares = tl.zeros([BLOCK_K], tl.float32)
+    first = 0
     if DEPENDENT == 1:  # WAIT_FIRST
         gdc_wait()
-    w = _weight_slice(w_ptrs, 0, k, k_in, EVEN_K)
-    if DEPENDENT == 2:  # PREFETCH
+    if DEPENDENT == 2:  # PREFETCH: the first slice's load in flight across the wait, the loop from the second on
+        w = _weight_slice(w_ptrs, 0, k, k_in, EVEN_K)
         gdc_wait()
-    acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, 0, k_in, stride_s, scale_k,
-                               PROLOGUE, W_SCALE, EVEN_K, dtype)
-    for start in range(BLOCK_K, k_in, BLOCK_K):
+        acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, 0, k_in, stride_s, scale_k,
+                                   PROLOGUE, W_SCALE, EVEN_K, dtype)
+        first = BLOCK_K
+    for start in range(first, k_in, BLOCK_K):
         w = _weight_slice(w_ptrs, start, k, k_in, EVEN_K)
         acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, start, k_in, stride_s,
                                    scale_k, PROLOGUE, W_SCALE, EVEN_K, dtype)
