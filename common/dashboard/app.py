@@ -17,6 +17,8 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.css.query import NoMatches
+from textual.widget import Widget
 from textual.widgets import ContentSwitcher, Footer, Log, Static
 
 from common import protocol as wire
@@ -101,13 +103,24 @@ class Dashboard(App[None]):
         if self.stop_requested():
             self.exit()
             return
-        if self.logs is not None:
+        if self.logs is not None and (log := self._widget("#logs", Log)) is not None:
             self._logs_seen, lines = self.logs.read_after(self._logs_seen)
-            self.query_one("#logs", Log).write_lines(line.rstrip("\n") for line in lines)
+            log.write_lines(line.rstrip("\n") for line in lines)
         self._show_status()
 
+    def _widget(self, selector: str | type[Widget], kind: type[Widget] | None = None) -> Widget | None:
+        """The widget, or None once the app is closing: its timer and the follower may tick after the widgets are
+        gone, and a traceback then would be all the user sees of a clean exit."""
+        try:
+            return self.query_one(selector, kind)
+        except NoMatches:
+            return None
+
     def _show_status(self) -> None:
-        pane = self.query_one(ContentSwitcher).current or PANES[0]
+        switcher, status = self._widget(ContentSwitcher), self._widget("#status", Static)
+        if switcher is None or status is None:
+            return
+        pane = switcher.current or PANES[0]
         tabs = "  ".join(f"[reverse] {p} [/]" if p == pane else f" {p} " for p in PANES)
         snapshot = self.view.latest
         if snapshot is None:
@@ -116,7 +129,7 @@ class Dashboard(App[None]):
             age = time.monotonic() - self.received
             state = (f"{snapshot.engine_id} · up {timedelta(seconds=int(snapshot.uptime_s))} · sample {age:.1f} s old"
                      f"{' (stale)' if age > STALE_AFTER else ''} · dropped updates {snapshot.dropped_updates:,}")
-        self.query_one("#status", Static).update(f"{tabs}  {state}")
+        status.update(f"{tabs}  {state}")
 
     def action_switch_pane(self) -> None:
         switcher = self.query_one(ContentSwitcher)

@@ -40,6 +40,18 @@ def row(slot: int, prompt_done: int, outputs: int, generation: int = 1) -> Reque
     return RequestRow(slot, generation, "decode", 1.0, prompt_done, 100, outputs, 2.0, outputs)
 
 
+def test_a_tick_after_the_app_has_closed_does_nothing() -> None:
+    """The poll timer and the telemetry follower can fire while the app closes, after its widgets are gone."""
+    async def close_then_tick() -> None:
+        app = Dashboard(f"ipc:///tmp/flare-dashboard-{os.getpid()}-telemetry", stop_requested=lambda: False)
+        async with app.run_test(size=(120, 16)) as pilot:
+            await pilot.pause(0.1)
+        app._poll()
+        app._show_status()
+
+    asyncio.run(close_then_tick())
+
+
 def test_view_rates_shares_and_history() -> None:
     view = TelemetryView()
     view.update(snapshot(1.0, 0, 0, [row(0, 50, 0)]))
