@@ -1,4 +1,4 @@
-"""What a Submit must satisfy to run on this engine's model (docs/design.md, The engine loop: admission), checked
+"""What a Submit must satisfy to run on this engine's model (docs/design.md, The engine loop), checked
 before a request is planned: a value no step can hold would fail the whole step, and with it every request batched
 beside this one. The engine's own state (draining, a full queue, ids in use) it checks itself (engine/core.py)."""
 
