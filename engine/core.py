@@ -16,12 +16,12 @@ from common.mrope import mrope_delta
 from common.vision import ImageProcessing
 from engine.admission import ModelBounds, submit_problem
 from engine.executor.base import Executor
+from engine.publication import RequestColumns, embedding, join_logprobs, label_logits, news_of, take
 from engine.sampling.grammar import GrammarCompiler, GrammarSpec, constrained_rows, mask_words, plan_masks
 from engine.scheduler.plan import Completion, Plan
 from engine.scheduler.request import Request
 from engine.scheduler.results import Finished, StepResult
 from engine.scheduler.scheduler import RequestScheduler
-from engine.publication import RequestColumns, embedding, join_logprobs, label_logits, news_of, take
 from engine.telemetry import EngineTelemetry
 
 log = logging.getLogger("flare.engine")
@@ -45,7 +45,6 @@ class Engine:
         self.vision = vision  # a vision model's image settings
         self.executor = executor
         self.scheduler = scheduler
-        self.vocab_size = vocab_size
         self.bounds = ModelBounds(vocab_size, card.context_limit, scheduler.page_size, scheduler.pages.num_pages,
                                   card.served_names[0], vision)
         self.socket = socket
@@ -325,7 +324,7 @@ class Engine:
         """The plan's grammar masks from its requests' matchers (`_matchers`) as they are now, and the ends of the
         requests whose matcher failed to compute one (the caller publishes them); the step's token for such a
         request is then discarded as for any request that ended."""
-        masks = plan_masks(plan, matchers, mask_words(self.vocab_size), self.grammars.executor)
+        masks = plan_masks(plan, matchers, mask_words(self.bounds.vocab_size), self.grammars.executor)
         failed = [self._grammar_failed(self.scheduler.slots[slot]) for slot, matcher in matchers.items()
                   if matcher.is_error()]
         return masks, failed

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels.triton.dependent_launch import NONE, launch_options
+from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
 from engine.kernels.triton.kv_store import is_fp8
 from engine.model.kv_quant import dequantize
 
@@ -35,8 +34,7 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, DEPENDENT: tl.constexpr):
-    if DEPENDENT != 0:
-        gdc_wait()
+    wait(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,8 +72,7 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
         v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
-    if DEPENDENT != 0:
-        gdc_launch_dependents()
+    release(DEPENDENT)
     out = acc / tl.maximum(l, 1e-30)[:, None]  # an empty split (or an empty padding row) leaves zeros
     if FP8:
         out = out * v_scale
@@ -92,9 +89,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
 @triton.jit
 def _decode_merge(part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, DEPENDENT: tl.constexpr):
-    if DEPENDENT != 0:  # a program per (sequence, head), over at once
-        gdc_wait()
-        gdc_launch_dependents()
+    wait(DEPENDENT)  # a program per (sequence, head), over at once
+    release(DEPENDENT)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS)

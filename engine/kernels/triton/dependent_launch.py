@@ -13,6 +13,9 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 NONE, WAIT_FIRST, PREFETCH = 0, 1, 2  # not dependent; dependent, waiting first; dependent, weights read before
 
@@ -21,6 +24,20 @@ NONE, WAIT_FIRST, PREFETCH = 0, 1, 2  # not dependent; dependent, waiting first;
 def supported(device: torch.device) -> bool:
     """On a GPU of compute capability 9 or later (never under the CPU interpreter, whose tensors are on the CPU)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def wait(DEPENDENT: tl.constexpr):
+    """In a dependent launch, wait here until the kernel before has ended and its writes are visible."""
+    if DEPENDENT != 0:
+        gdc_wait()
+
+
+@triton.jit
+def release(DEPENDENT: tl.constexpr):
+    """In a dependent launch, let the next kernel's programs be placed once every program here has come this far."""
+    if DEPENDENT != 0:
+        gdc_launch_dependents()
 
 
 def launch_options(dependent: int) -> dict[str, bool]:

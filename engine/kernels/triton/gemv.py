@@ -31,9 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from engine.kernels.triton.dependent_launch import NONE, launch_options
+from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
 from engine.kernels.triton.fp8_linear import dequantized
 
 # Rows up to which a step's projections take this path: at 2 and 4 rows cuBLAS was faster on every 8B projection
@@ -116,10 +114,10 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
     squares = tl.zeros([BLOCK_K], tl.float32)
     first = 0
     if DEPENDENT == 1:  # WAIT_FIRST
-        gdc_wait()
+        wait(DEPENDENT)
     if DEPENDENT == 2:  # PREFETCH: the first slice's load in flight across the wait, the loop from the second on
         w = _weight_slice(w_ptrs, 0, k, k_in, EVEN_K)
-        gdc_wait()
+        wait(DEPENDENT)
         acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, 0, k_in, stride_s, scale_k,
                                    PROLOGUE, W_SCALE, EVEN_K, dtype)
         first = BLOCK_K
@@ -127,8 +125,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
         w = _weight_slice(w_ptrs, start, k, k_in, EVEN_K)
         acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, start, k_in, stride_s,
                                    scale_k, PROLOGUE, W_SCALE, EVEN_K, dtype)
-    if DEPENDENT != 0:
-        gdc_launch_dependents()  # the next kernel's programs may be placed as this one's last ones finish
+    release(DEPENDENT)  # the next kernel's programs may be placed as this one's last ones finish
     y = tl.sum(acc, 1)
     if W_SCALE == 1:
         y = y * tl.load(s_ptr + rows * stride_s)

@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels.triton.dependent_launch import NONE, launch_options
+from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +54,8 @@ def top_k_experts(logits_ptr, num_experts, TOP_K: tl.constexpr, K_POW2: tl.const
 @triton.jit
 def _route(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
            E_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, DEPENDENT: tl.constexpr):
-    if DEPENDENT != 0:  # a program per token, over at once
-        gdc_wait()
-        gdc_launch_dependents()
+    wait(DEPENDENT)  # a program per token, over at once
+    release(DEPENDENT)
     t = tl.program_id(0)
     weights, ids = top_k_experts(logits_ptr + t * stride_t, num_experts, TOP_K, K_POW2, E_POW2, RENORMALIZE)
     k = tl.arange(0, K_POW2)

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels.triton.dependent_launch import NONE, launch_options
+from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
 
 ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the rows path runs: decode batches of up to 4 tokens at top-8
 
@@ -53,8 +52,7 @@ def scaled(w, s_ptr, rows, start, k, k_in, scale_k, W_SCALE: tl.constexpr):
 def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn, stride_se,
                   stride_sn, stride_ht, scale_k, TOP_K: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr):
-    if DEPENDENT != 0:  # (the expert, hence the weight, comes from the routing before)
-        gdc_wait()
+    wait(DEPENDENT)  # (the expert, hence the weight, comes from the routing before)
     pair = tl.program_id(0)
     token = pair // TOP_K
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -79,8 +77,7 @@ def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt,
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    if DEPENDENT != 0:
-        gdc_launch_dependents()
+    release(DEPENDENT)
     dtype = h_ptr.dtype.element_ty
     gate, up = tl.sum(acc_gate, 1), tl.sum(acc_up, 1)
     if W_SCALE == 1:
@@ -97,8 +94,7 @@ def _down_rows(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, 
                stride_se, stride_sn, stride_yt, scale_k, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
                ADD_RESIDUAL: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                DEPENDENT: tl.constexpr):
-    if DEPENDENT != 0:
-        gdc_wait()
+    wait(DEPENDENT)
     token = tl.program_id(0)
     slot = tl.arange(0, K_POW2)
     live = slot < TOP_K
@@ -120,8 +116,7 @@ def _down_rows(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, ids_ptr, inter, hidden, 
                       scale_k, W_SCALE) * a
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if DEPENDENT != 0:
-        gdc_launch_dependents()
+    release(DEPENDENT)
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
     product = tl.sum(acc, 2)

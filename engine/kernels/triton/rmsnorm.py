@@ -9,17 +9,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels.triton.dependent_launch import NONE, launch_options
+from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
 
 
 @triton.jit
 def _add_rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, size, eps, stride_x, stride_r, stride_o, stride_ro,
                   HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
-    if DEPENDENT != 0:  # a program per row, over at once
-        gdc_wait()
-        gdc_launch_dependents()
+    wait(DEPENDENT)  # a program per row, over at once
+    release(DEPENDENT)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < size

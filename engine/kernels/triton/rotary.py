@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from engine.kernels.triton.dependent_launch import NONE, launch_options
+from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
 from engine.kernels.triton.e4m3 import to_e4m3
 from engine.kernels.triton.kv_store import is_fp8, store_kv_reference
 
@@ -52,9 +51,8 @@ def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_no
                 stride_qkv, stride_qt, stride_qh, stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
                 BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, FP8: tl.constexpr, DEPENDENT: tl.constexpr):
-    if DEPENDENT != 0:  # a program per token, over at once: the next kernel may be placed as soon as these are
-        gdc_wait()
-        gdc_launch_dependents()
+    wait(DEPENDENT)  # a program per token, over at once: the next kernel may be placed as soon as these are
+    release(DEPENDENT)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)

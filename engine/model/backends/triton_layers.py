@@ -12,8 +12,8 @@ from functools import lru_cache
 import torch
 
 from engine.kernels.triton.activation import silu_and_mul
-from engine.kernels.triton.dependent_launch import NONE
 from engine.kernels.triton.decode_attention import decode_attention, num_splits
+from engine.kernels.triton.dependent_launch import NONE
 from engine.kernels.triton.extend_attention import extend_attention
 from engine.kernels.triton.fused_moe import fused_moe
 from engine.kernels.triton.kv_store import store_kv
@@ -106,12 +106,11 @@ def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None,
         dependent: int = NONE) -> torch.Tensor:
     """With a residual (one rank only), the output is added to it in place by the down kernel. A hybrid's shared
     expert (Qwen3.5-MoE, Qwen3-Next) runs beside the routed ones, as the torch reference's. `dependent`: the routing's
-    and the rows path's launch, with a residual (engine/kernels/triton/dependent_launch.py)."""
+    and the rows path's launch (engine/kernels/triton/dependent_launch.py)."""
+    weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob, dependent)
     if residual is not None:
         assert layer.tp is None
-        weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob, dependent)
         return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual, scales=layer.scales,
                          dependent=dependent)
-    weights, ids = route_in_one_program(layer.gate(x), layer.top_k, layer.norm_topk_prob)
     return layer.with_shared(x, layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids,
-                                                           scales=layer.scales)))
+                                                           scales=layer.scales, dependent=dependent)))
