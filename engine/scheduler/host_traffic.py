@@ -46,12 +46,35 @@ class HostTraffic:
         self.page_copy_seconds: deque[float] = deque(maxlen=9)
         self.recompute_seconds: Callable[[int], float] = lambda tokens: 0.0
 
-    def spill(self, resources: RetiredResources, state_row: int | None) -> None:
-        """The evicted checkpoint's page to a host slot, and the snapshot in device state row `state_row` (a hybrid
-        model's; None: the page alone) to a host snapshot row."""
+    def spill(self, retired: list[RetiredResources], state_row: Callable[[tuple[int, ...]], int | None]) -> None:
+        """The evicted checkpoints' pages to host slots, with the snapshots `state_row` names (a hybrid model's
+        device state row of a checkpoint's snapshots; None: the page alone).
+
+        The device evicts leaves first, so a conversation's blocks arrive deepest first; a host short of slots would
+        then take the deep blocks and refuse their parents, and no lookup could reach what it took. Slots go to
+        parents first, and a checkpoint whose parent no tier holds is not spilled. The least recently used order is
+        then set deepest first, so that the tier gives up the ends of conversations before their beginnings."""
+        below: set[bytes] | None = None  # the keys on disk or on their way there, when first asked
+        stored: list[tuple[bytes, int]] = []  # (key, slot): pinned meanwhile, so that room is made from older entries
+        for resources in sorted(retired, key=lambda r: r.length):
+            parent = resources.parent
+            if parent and parent not in self.cache and parent not in self.host:
+                if below is None:
+                    below = self.disk.held() if self.disk is not None else set()
+                if parent not in below:
+                    continue
+            entry = self._spill(resources, state_row(resources.snapshots))
+            if entry is not None:
+                self.host.pin(entry.slot)
+                stored.append((resources.key, entry.slot))
+        for key, slot in reversed(stored):
+            self.host.unpin(slot)
+            self.host.get(key)  # (now the most recently used)
+
+    def _spill(self, resources: RetiredResources, state_row: int | None) -> HostEntry | None:
         entry = self.host.store(resources.key, resources.length, state_row is not None, resources.parent)
         if entry is None:
-            return
+            return None
         state = (state_row, entry.snapshot) if state_row is not None else None
         self.pending_spills.append(Spill(resources.pages[0], entry.slot, state))
         self.counters["host_spills"] += 1
@@ -59,6 +82,7 @@ class HostTraffic:
         if state is not None:
             self.counters["host_snapshot_spills"] += 1
             self.counters["host_bytes_out"] += self.snapshot_bytes
+        return entry
 
     def take_journal(self) -> tuple[list[bytes], list[bytes], list[bytes]]:
         """(stored, hosted, evicted) keys since the last call, for the routing announcements: a key the device

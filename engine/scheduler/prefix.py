@@ -82,9 +82,9 @@ class PrefixReuse:
         self.snapshots.ids.advance_completed(fence)
 
     def _retire(self, retired: list[RetiredResources]) -> None:
+        if self.host is not None:
+            self.tiers.spill(retired, self.snapshots.spillable)
         for resources in retired:
-            if self.host is not None:
-                self.tiers.spill(resources, self.snapshots.spillable(resources.snapshots))
             self.pages.release(resources.pages, resources.fence)
             if resources.snapshots:
                 self.snapshots.retired(resources.snapshots, resources.fence)
