@@ -1,14 +1,17 @@
 """DiskTier: which checkpoint pages the disk cache directory holds (docs/design.md, Host retention).
 
 Metadata only: the executor reads and writes the files (engine/cache/disk_files.py, engine/executor/tier_copies.py)
-as plans say. Entries leave least recently used first once `capacity` files are held; a file is an entry once the
+as plans say. Entries leave least recently used first once `capacity` files are held, counting the files on their way
+(`make_room`, before a step's writes are sent), so that the directory never holds more; a file is an entry once the
 step that writes it has completed. Entries with a snapshot (a hybrid model's exact checkpoints) are indexed by their
 parent block's key, as the host tier's are.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
+from collections.abc import Container
 
 from engine.cache.disk_files import DiskEntry
 from engine.cache.exact_ends import ExactEnds
@@ -53,6 +56,22 @@ class DiskTier:
             oldest = next(iter(self._entries))
             self.remove(oldest)
             self.erased.append(oldest)
+
+    def make_room(self, incoming: int, keep: Container[bytes] = (), spare: Container[bytes] = ()) -> None:
+        """Give up least recently used entries but those in `keep` (files being read) until `incoming` more files
+        fit in the capacity, those in `spare` first (keys the host tier holds too: their pages outlive the file,
+        which is written again if the host gives them up); their files are deleted before the writes that follow."""
+        excess = len(self._entries) + incoming - self.capacity
+        if excess <= 0:
+            return
+        victims = list(itertools.islice((key for key in self._entries if key in spare and key not in keep), excess))
+        if len(victims) < excess:
+            chosen = set(victims)
+            victims += itertools.islice((key for key in self._entries if key not in keep and key not in chosen),
+                                        excess - len(victims))
+        for key in victims:
+            self.remove(key)
+            self.erased.append(key)
 
     def remove(self, key: bytes) -> None:
         entry = self._entries.pop(key, None)

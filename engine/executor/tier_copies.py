@@ -68,9 +68,13 @@ class HostPages:
             if disk else None
 
     def disk_work(self, work: DiskWork, stop: threading.Event | None = None) -> tuple[int, ...]:
-        """Writes, reads and deletions of the disk tier's files, once the step's copies are done (the caller waits
-        for them); the slots of the reads that found no servable file, each logged. Once `stop` is set the writes
-        left are not made: a clean stop's last step writes every host entry, minutes of a slow disk's time."""
+        """Deletions, writes and reads of the disk tier's files, once the step's copies are done (the caller waits
+        for them); the slots of the reads that found no servable file, each logged. Deletions come first: they make
+        the room the writes were given, and a key given up and written again in one step keeps its new file. Once
+        `stop` is set the writes left are not made: a clean stop's last step writes every host entry, minutes of a
+        slow disk's time."""
+        for key in work.erasures:
+            (self.directory / disk_files.file_name(key)).unlink(missing_ok=True)
         for write in work.writes:
             if stop is not None and stop.is_set():
                 break
@@ -95,8 +99,6 @@ class HostPages:
                 conv = self.conv[read.snapshot].nbytes
                 self._row_bytes(self.conv, read.snapshot)[:] = snapshot[:conv]
                 self._row_bytes(self.delta, read.snapshot)[:] = snapshot[conv:]
-        for key in work.erasures:
-            (self.directory / disk_files.file_name(key)).unlink(missing_ok=True)
         return tuple(unreadable)
 
     def _bytes(self, slot: int) -> memoryview:

@@ -81,14 +81,22 @@ class DiskReuse:
             self.host.dropped = []
         if not (self._writes or self._reads or self.disk.erased):
             return None
+        # Room for every file on its way (the work deletes before it writes): the directory stays within its budget,
+        # giving up first the files of pages the host holds too.
+        self.disk.make_room(self._incoming(), self._loading, self.host)
         return DiskWork(tuple(self._writes), tuple(self._reads), tuple(self.disk.erased))
 
     def write_host(self) -> None:
         """Every host entry without a file (or one on its way) to be written with the next step's disk work."""
         writing = self.held()
-        for key in self.host.keys():
-            if key not in writing:
-                self._write(key, self.host.get(key))
+        unwritten = [key for key in self.host.keys() if key not in writing]
+        for key in unwritten[-self.disk.capacity:]:  # (the most recently used, as many as the disk holds)
+            self._write(key, self.host.get(key))
+        self.disk.make_room(self._incoming(), self._loading)  # (none spared: the host's pages end with the process)
+
+    def _incoming(self) -> int:
+        """Files planned or sent to be written, not yet entries."""
+        return len(self._writes) + sum(len(work.writes) for work in self._sent.values())
 
     def _write(self, key: bytes, entry: HostEntry) -> None:
         self._writes.append(DiskWrite(entry.slot, key, entry.length, -1 if entry.snapshot is None else entry.snapshot,
