@@ -6,7 +6,7 @@ host tier's restore bandwidth (a page's bytes over the engine's median page copy
 engine's measured host-to-device peak.
 
     python -m bench.lab.gpu.host_retention [--cores /dev/shm/flare-cores] [--host-gib 100] [--conversations 200]
-        [--history 4000] [--disk-gib 0 --disk-dir DIR] [--out FILE]
+        [--history 4000] [--disk-gib 0 --disk-dir DIR] [--out FILE] [--device cpu --core CORE --kv-gib 0.07]
 
 The tiers must hold the conversations for the second turns to hit: 200 histories of 4,000 tokens are 98 GiB of the
 8B's KV (128 KiB a token), so a host tier of 100 GiB alone wants a machine with more than 128 GiB of memory; on one
@@ -14,6 +14,10 @@ with 128 GiB (the core on /dev/shm takes 16 of them) a host tier of 60 GiB and a
 them (`--host-gib 60 --disk-gib 45`). With less, the table reports the share of second turns whose history was
 covered. Every 50 turns a line gives the progress, the host's available memory and the disk tier's bytes; the run
 ends itself if the available memory falls below 4 GiB.
+
+With `--device cpu --core CORE` it runs a scale model on the CPU (the same turns and tiers over a small core and
+small tiers, `--kv-gib` for the KV cache), which shows which conversations the tiers keep and how much of each second
+turn they cover; the CPU's KV cache is host memory, so its times say little about a GPU's.
 """
 
 from __future__ import annotations
@@ -35,11 +39,11 @@ import torch
 from bench.lab.gpu.evidence import LINES, say
 from bench.lab.gpu.serving import FlareServer, exit_on_sigterm, synth
 from bench.lab.host.served import model_name
+from common.manifest import load_manifest
 from engine.executor.factory import available_memory
 
-KV_BYTES = 8 << 30
 NEW_TOKENS = 32  # the second turn's new user tokens
-VOCAB = 128000  # the synth Llama-3.1-8B's ids below the special tokens
+ORDINARY_IDS = 128000  # prompts draw ids below this and the vocabulary's size (the Llama-3 special tokens lie above)
 MEMORY_FLOOR = 4 << 30  # the run is ended when the host's available memory falls below this
 
 
@@ -98,15 +102,16 @@ def first_token(url: str, tokens: list[int], max_tokens: int) -> tuple[float, in
     return ttft, cached, out
 
 
-def conversations(count: int, history: int) -> list[list[int]]:
+def conversations(count: int, history: int, vocab: int) -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(VOCAB) for _ in range(history)] for _ in range(count)]
+    return [[rng.randrange(vocab) for _ in range(history)] for _ in range(count)]
 
 
-def run(core: Path, tiers: tuple[str, ...], histories: list[list[int]], log: Path, watch: HostWatch) -> dict:
-    """Every first turn, then every second turn in random order, one at a time; `tiers`: the host (and disk) tiers'
-    flags. Progress goes to stdout every 50 turns."""
-    server = FlareServer(core, ("--kv-cache-bytes", str(KV_BYTES), *tiers), 18431, log, "cuda")
+def run(core: Path, flags: tuple[str, ...], histories: list[list[int]], vocab: int, log: Path, watch: HostWatch,
+        device: str) -> dict:
+    """Every first turn, then every second turn in random order, one at a time; `flags`: the KV cache's size and the
+    host (and disk) tiers'. Progress goes to stdout every 50 turns."""
+    server = FlareServer(core, flags, 18431, log, device)
     started = time.monotonic()
 
     def progress(turn: int, i: int) -> None:
@@ -121,19 +126,20 @@ def run(core: Path, tiers: tuple[str, ...], histories: list[list[int]], log: Pat
             progress(1, i)
         rng = random.Random(1)
         # The second turn: the history, then new tokens (a reply and a user message alike to the cache).
-        seconds = [history + [rng.randrange(VOCAB) for _ in range(NEW_TOKENS)] for history in histories]
+        seconds = [history + [rng.randrange(vocab) for _ in range(NEW_TOKENS)] for history in histories]
         order = list(range(len(histories)))
         rng.shuffle(order)
-        ttfts, cached, tokens = [], [], {}
+        ttfts, cached, covered, tokens = [], [], [], {}
         for n, i in enumerate(order):
             ttft, hit, out = first_token(url, seconds[i], 4)
             ttfts.append(ttft)
             cached.append(hit >= len(histories[i]) // 64 * 64)
+            covered.append(min(hit / len(histories[i]), 1.0))
             tokens[i] = out
             progress(2, n)
         device_hit = statistics.median(first_token(url, seconds[order[-1]], 4)[0] for _ in range(5))
         return {"ttft": statistics.median(ttfts), "hits": sum(cached) / len(cached), "device_hit": device_hit,
-                "tokens": tokens, "metrics": metrics(url)}
+                "covered": sum(covered) / len(covered), "tokens": tokens, "metrics": metrics(url)}
     finally:
         server.stop()
 
@@ -162,12 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--disk-gib", type=float, default=0)
     parser.add_argument("--disk-dir", type=Path, default=Path("/tmp/flare-disk-cache"))
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--core", type=Path, help="a core to serve instead of the synth Llama-3.1-8B")
+    parser.add_argument("--kv-gib", type=float, default=8.0)
     args = parser.parse_args(argv)
     exit_on_sigterm()
-    core = synth("llama-3.1-8b", args.cores / "llama-3.1-8b", None)
-    histories = conversations(args.conversations, args.history)
+    core = args.core or synth("llama-3.1-8b", args.cores / "llama-3.1-8b", None)
+    vocab = min(int(load_manifest(core).config["vocab_size"]), ORDINARY_IDS)
+    histories = conversations(args.conversations, args.history, vocab)
     logs = args.out.parent if args.out else Path(".")
-    tiers = ("--host-cache-bytes", str(int(args.host_gib * (1 << 30))))
+    kv = ("--kv-cache-bytes", str(int(args.kv_gib * (1 << 30))))
+    tiers = (*kv, "--host-cache-bytes", str(int(args.host_gib * (1 << 30))))
     if args.disk_gib:
         # A fresh directory: files of an earlier run of the same core would be found and read at the first turns.
         shutil.rmtree(args.disk_dir, ignore_errors=True)
@@ -175,26 +186,29 @@ def main(argv: list[str] | None = None) -> None:
         tiers += ("--disk-cache", str(args.disk_dir), "--disk-cache-bytes", str(int(args.disk_gib * (1 << 30))))
     watch = HostWatch(args.disk_dir if args.disk_gib else None)
     watch.start()
-    retained = run(core, tiers, histories, logs / "host_retention_on.log", watch)
-    recomputed = run(core, ("--host-cache-bytes", "0"), histories, logs / "host_retention_off.log", watch)
+    retained = run(core, tiers, histories, vocab, logs / "host_retention_on.log", watch, args.device)
+    recomputed = run(core, (*kv, "--host-cache-bytes", "0"), histories, vocab, logs / "host_retention_off.log", watch,
+                     args.device)
     disk = f", disk tier {args.disk_gib:g} GiB" if args.disk_gib else ""
-    say(f"## Host retention: {args.conversations} conversations of {args.history}-token histories, device KV 8 GiB, "
-        f"host tier {args.host_gib:g} GiB{disk}\n")
-    say("| second turns | median TTFT (ms) | prefix covered |")
-    say("|---|---|---|")
-    say(f"| host tier (restored) | {1000 * retained['ttft']:.1f} | {100 * retained['hits']:.0f}% |")
-    say(f"| no host tier (recomputed) | {1000 * recomputed['ttft']:.1f} | {100 * recomputed['hits']:.0f}% |")
-    say(f"| device hit | {1000 * retained['device_hit']:.1f} | 100% |")
+    say(f"## Host retention: {args.conversations} conversations of {args.history}-token histories, {core.name} on "
+        f"{args.device}, device KV {args.kv_gib:g} GiB, host tier {args.host_gib:g} GiB{disk}\n")
+    say("| second turns | median TTFT (ms) | whole history covered | history covered (mean) |")
+    say("|---|---|---|---|")
+    for name, result in (("host tier (restored)", retained), ("no host tier (recomputed)", recomputed)):
+        say(f"| {name} | {1000 * result['ttft']:.1f} | {100 * result['hits']:.0f}% | {100 * result['covered']:.0f}% |")
+    say(f"| device hit | {1000 * retained['device_hit']:.1f} | 100% | 100% |")
     same = sum(retained["tokens"][i] == recomputed["tokens"][i] for i in retained["tokens"])
     say(f"\nSecond-turn replies equal with and without the host tier: {same} of {len(histories)}.\n")
     m = retained["metrics"]
-    page_bytes = 64 * 32 * 2 * 8 * 128 * 2  # tokens, layers, K and V, kv heads, head size, bf16
+    restores = m.get("flare_engine_host_restores_total", 0)
+    page_bytes = m.get("flare_engine_host_bytes_in_total", 0) / restores if restores else 0.0
     copy = m.get("flare_engine_host_page_copy_seconds", 0.0)
     restore = page_bytes / copy if copy else 0.0
+    peak = copy_engine_peak() if args.device == "cuda" else 0.0
     say("| restore GB/s (page / median copy) | copy engine H2D peak GB/s | host restores | spills | declined | disk "
         "reads | disk writes | disk declined |")
     say("|---|---|---|---|---|---|---|---|")
-    say(f"| {restore / 1e9:.1f} | {copy_engine_peak() / 1e9:.1f} | {m.get('flare_engine_host_restores_total', 0):.0f}"
+    say(f"| {restore / 1e9:.1f} | {peak / 1e9:.1f} | {restores:.0f}"
         f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_declined_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_reads_total', 0):.0f} | {m.get('flare_engine_disk_writes_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_declined_total', 0):.0f} |")
