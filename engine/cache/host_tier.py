@@ -177,6 +177,15 @@ class HostTier:
         self.dropped.append((victim, self._remove(victim, hold=self.holds_dropped)))
         return True
 
+    def unhold(self, slot: int, row: int | None = None) -> None:
+        """A slot (and snapshot row) held since its entry was given up is not written after all: reusable once the
+        step committed next completes, as a slot given up without a disk tier below."""
+        self._slots.held.remove(slot)
+        self._slots.dropping.append(slot)
+        if row is not None:
+            self._rows.held.remove(row)
+            self._rows.dropping.append(row)
+
     def release(self, slot: int, row: int | None = None) -> None:
         """A slot (and snapshot row) held since its entry was given up is free: its file is written, or need not be."""
         self._slots.held.remove(slot)

@@ -12,6 +12,8 @@ A disk is slow beside the GPU (the H200 machine's wrote about 200 MB/s: 2.5 s fo
 of an 8B model, which it prefills in 70 ms), and its reads queue behind the writes sent before them, so a prompt waits
 for reads only while the learned costs say it beats computing the tokens again: the median seconds a file took in
 recent disk work, times the files ahead of the reads and the reads, against the learned prefill cost of the tokens.
+For the same reason an entry the host gives up is written only while reading its file back is expected to beat
+computing its tokens again; otherwise its slot is free at once, as without a disk tier.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ from engine.scheduler.policy import beats_recomputing
 
 class DiskReuse:
     def __init__(self, disk: DiskTier, host: HostTier, cache: PrefixCheckpointCache, counters: Counter[str],
-                 page_bytes: int, snapshot_bytes: int = 0, hybrid: bool = False) -> None:
+                 page_size: int, page_bytes: int, snapshot_bytes: int = 0, hybrid: bool = False) -> None:
         """`hybrid`: a hybrid model's tier, whose files hold its exact checkpoints' snapshots (of `snapshot_bytes`)."""
         self.disk = disk
         self.host = host
         self.cache = cache
         self.counters = counters
+        self.page_size = page_size
         self.page_bytes = page_bytes
         self.snapshot_bytes = snapshot_bytes
         self.hybrid = hybrid
@@ -64,9 +67,10 @@ class DiskReuse:
         """Disk work sent and not done yet."""
         return bool(self._sent)
 
-    def planned(self) -> DiskWork | None:
+    def planned(self, recompute: Callable[[int], float]) -> DiskWork | None:
         """The next step's disk work: the host tier's dropped entries written (unless a file holds them already, or
-        one is on its way from the same slot), the reads planned, the files given up deleted."""
+        one is on its way from the same slot, or reading it back would take longer than computing its tokens
+        again: `recompute(tokens)`, seconds, 0.0 unknown), the reads planned, the files given up deleted."""
         if self.host.dropped:  # (most steps drop nothing: the writes in flight are looked at only when some did)
             writing = {w.slot for w in self._writes} | {w.slot for work in self._sent.values() for w in work.writes}
             for key, entry in self.host.dropped:
@@ -75,9 +79,14 @@ class DiskReuse:
                 elif key in self.disk:
                     self.disk.get(key)
                     self.host.release(entry.slot, entry.snapshot)
-                else:
+                elif self._worth_writing(entry, recompute):
                     self._write(key, entry)
                     self._releases[entry.slot] = entry.snapshot
+                else:
+                    self.host.unhold(entry.slot, entry.snapshot)
+                    self.counters["disk_unwritten"] += 1
+                    if key not in self.cache:
+                        self.gone.append(key)
             self.host.dropped = []
         if not (self._writes or self._reads or self.disk.erased):
             return None
@@ -86,10 +95,12 @@ class DiskReuse:
         self.disk.make_room(self._incoming(), self._loading, self.host)
         return DiskWork(tuple(self._writes), tuple(self._reads), tuple(self.disk.erased))
 
-    def write_host(self) -> None:
-        """Every host entry without a file (or one on its way) to be written with the next step's disk work."""
+    def write_host(self, recompute: Callable[[int], float]) -> None:
+        """Every host entry without a file (or one on its way) that is worth writing (`planned`) to be written with
+        the next step's disk work."""
         writing = self.held()
-        unwritten = [key for key in self.host.keys() if key not in writing]
+        unwritten = [key for key in self.host.keys()
+                     if key not in writing and self._worth_writing(self.host.get(key), recompute)]
         for key in unwritten[-self.disk.capacity:]:  # (the most recently used, as many as the disk holds)
             self._write(key, self.host.get(key))
         self.disk.make_room(self._incoming(), self._loading)  # (none spared: the host's pages end with the process)
@@ -97,6 +108,14 @@ class DiskReuse:
     def _incoming(self) -> int:
         """Files planned or sent to be written, not yet entries."""
         return len(self._writes) + sum(len(work.writes) for work in self._sent.values())
+
+    def _worth_writing(self, entry: HostEntry, recompute: Callable[[int], float]) -> bool:
+        """Whether reading the entry's file back is expected to beat computing what it saves again: a page's tokens,
+        or for a hybrid's exact checkpoint every token up to it (its recurrent state is no page to recompute alone).
+        A disk far slower than the accelerator's prefill (the H200 machine's: 40 ms a file of an 8B model's page,
+        whose 64 tokens it prefills in about a millisecond) is then not written to, and its slots are not held up."""
+        tokens = entry.length if entry.snapshot is not None else self.page_size
+        return beats_recomputing(self.file_seconds, 1, recompute(tokens))
 
     def _write(self, key: bytes, entry: HostEntry) -> None:
         self._writes.append(DiskWrite(entry.slot, key, entry.length, -1 if entry.snapshot is None else entry.snapshot,

@@ -35,7 +35,7 @@ class HostTraffic:
         self.page_size = page_size
         self.page_bytes = page_bytes
         self.snapshot_bytes = snapshot_bytes
-        self.disk = DiskReuse(disk, host, cache, counters, page_bytes, snapshot_bytes, hybrid) \
+        self.disk = DiskReuse(disk, host, cache, counters, page_size, page_bytes, snapshot_bytes, hybrid) \
             if disk is not None and host is not None else None
         self.pending_spills: list[Spill] = []
         self.pending_restores: list[Restore] = []
@@ -145,7 +145,7 @@ class HostTraffic:
     def planned_disk(self) -> DiskWork | None:
         """The disk tier's work for the next plan (DiskReuse); without one, what the host gave up is gone."""
         if self.disk is not None:
-            return self.disk.planned()
+            return self.disk.planned(self.recompute_seconds)
         if self.host is not None:
             self._host_dropped()
         return None

@@ -328,7 +328,7 @@ class PrefixReuse:
             self._retire(self.cache.evict(room))
         gave_way = self.host.give_way(self.cache.stats.pages, self.cache.snapshots) if self.cache.stats.pages \
             else False
-        self.tiers.disk.write_host()
+        self.tiers.disk.write_host(self.tiers.recompute_seconds)
         return self.cache.stats.pages < left or gave_way
 
     def _held_run(self, history: PrefixHistory, limit: int) -> tuple[list[Checkpoint], list[HostEntry]]:

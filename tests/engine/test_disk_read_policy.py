@@ -38,3 +38,16 @@ def test_disk_reads_slower_than_recomputing_are_not_taken() -> None:
     plans = run(s)
     assert not any(plan.disk is not None and plan.disk.reads for plan in plans)
     assert second.cached_tokens == 0 and s.counters["disk_declined"] == 1
+
+
+def test_a_disk_slower_than_recomputing_is_not_written_to() -> None:
+    """What the host gives up is then gone at once, its slot free for the next spills as without a disk tier, where
+    waiting for files nobody would read back held the slots and refused the spills."""
+    s = RequestScheduler(SLOTS, 4, PAGES, PAGE, CHUNK, host=HostTier(8), page_bytes=10, disk=DiskTier(100, []))
+    s.prefix.tiers.disk.file_seconds.append(1.0)
+    s.costs.observe(("prefill", CHUNK), 0.001)
+    for base in range(6):
+        last = evicted(s, [base * 50 + t for t in FIRST])
+    assert s.counters["disk_writes"] == 0 and s.counters["disk_unwritten"] > 0
+    assert len(s.prefix.tiers.disk.disk) == 0
+    assert all(key in s.prefix.host for key in last.history.block_keys[:2])

@@ -206,12 +206,13 @@ def main(argv: list[str] | None = None) -> None:
     restore = page_bytes / copy if copy else 0.0
     peak = copy_engine_peak() if args.device == "cuda" else 0.0
     say("| restore GB/s (page / median copy) | copy engine H2D peak GB/s | host restores | spills | declined | disk "
-        "reads | disk writes | disk declined |")
-    say("|---|---|---|---|---|---|---|---|")
+        "reads | disk writes | disk declined | not written |")
+    say("|---|---|---|---|---|---|---|---|---|")
     say(f"| {restore / 1e9:.1f} | {peak / 1e9:.1f} | {restores:.0f}"
         f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_declined_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_reads_total', 0):.0f} | {m.get('flare_engine_disk_writes_total', 0):.0f}"
-        f" | {m.get('flare_engine_disk_declined_total', 0):.0f} |")
+        f" | {m.get('flare_engine_disk_declined_total', 0):.0f}"
+        f" | {m.get('flare_engine_disk_unwritten_total', 0):.0f} |")
     say(f"\nHost memory available: {watch.low_memory / (1 << 30):.1f} GiB at the lowest; the disk tier's files: "
         f"{watch.high_disk / (1 << 30):.1f} GiB at the most.")
     if args.out:
