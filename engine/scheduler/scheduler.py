@@ -98,9 +98,14 @@ class RequestScheduler:
                                        self._try_allocate, self._finish)
 
     def _recompute_seconds(self, tokens: int) -> float:
-        """What prefilling `tokens` again would take, by the learned cost of a full prefill chunk (0.0: unknown)."""
-        chunk = self.prefill_chunk_size
-        return self.costs.last_known(("prefill", chunk)) * tokens / chunk
+        """What prefilling `tokens` again would take, by the learned cost of the largest prefill step measured,
+        scaled to them (0.0: none measured yet). Not the full chunk's alone: prompts shorter than a chunk never run
+        one (a 4,000-token prompt is a step of 4,096 under an 8,192-token chunk), and the tiers' decisions would
+        then go unmeasured for good."""
+        for capacity in reversed(self.candidates.capacities):
+            if seconds := self.costs.last_known(("prefill", capacity)):
+                return seconds * tokens / capacity
+        return 0.0
 
     # --- intake -------------------------------------------------------------------------------------------------
     @property

@@ -10,17 +10,20 @@ from engine.scheduler.scheduler import RequestScheduler
 from tests.engine.test_hybrid_host_tier import CHUNK, FIRST, PAGE, PAGES, SLOTS, add, evicted, run
 
 
-def on_disk(file_seconds: float, prefill_seconds: float) -> tuple[RequestScheduler, list[int]]:
+def on_disk(file_seconds: float, prefill_seconds: float | None, chunk: int = CHUNK
+            ) -> tuple[RequestScheduler, list[int]]:
     """A scheduler whose host tier (eight slots) gave the first conversation up to disk while five more passed
-    through, with these learned costs: a disk file's seconds, and a full prefill chunk's."""
-    s = RequestScheduler(SLOTS, 4, PAGES, PAGE, CHUNK, host=HostTier(8), page_bytes=10, disk=DiskTier(100, []))
+    through (their prompts in steps of 16 tokens, each taking 0.01 s), with these learned costs: a disk file's
+    seconds, and a full prefill chunk's (None: the chunk never ran)."""
+    s = RequestScheduler(SLOTS, 4, PAGES, PAGE, chunk, host=HostTier(8), page_bytes=10, disk=DiskTier(100, []))
     first = evicted(s, FIRST)
     for base in range(1, 6):
         evicted(s, [base * 50 + t for t in FIRST])
     disk = s.prefix.tiers.disk
     assert all(key in disk.disk and key not in s.prefix.host for key in first.history.block_keys[:2])
     disk.file_seconds.append(file_seconds)
-    s.costs.observe(("prefill", CHUNK), prefill_seconds)
+    if prefill_seconds is not None:
+        s.costs.observe(("prefill", chunk), prefill_seconds)
     return s, first.tokens
 
 
@@ -51,3 +54,12 @@ def test_a_disk_slower_than_recomputing_is_not_written_to() -> None:
     assert s.counters["disk_writes"] == 0 and s.counters["disk_unwritten"] > 0
     assert len(s.prefix.tiers.disk.disk) == 0
     assert all(key in s.prefix.host for key in last.history.block_keys[:2])
+
+
+def test_the_cost_of_recomputing_is_learned_from_steps_shorter_than_a_chunk() -> None:
+    """Prompts shorter than the chunk never run a full one (here every step is 16 tokens of a 32-token chunk): the
+    largest prefill step's learned cost, scaled to the tokens, is what the reads are weighed against."""
+    s, tokens = on_disk(file_seconds=1.0, prefill_seconds=None, chunk=2 * CHUNK)
+    second = add(s, tokens + [5, 6])
+    run(s)
+    assert second.cached_tokens == 0 and s.counters["disk_declined"] == 1
