@@ -195,8 +195,33 @@ class HostTierSchedulerMachine(SchedulerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, host=HostTier(12), disk=DiskTier(10, []))
+        self.scheduler = self.tiered_scheduler()
         self.announced: set[bytes] = set()  # what a frontend's routing index holds after the announcements
+        self.files: set[bytes] = set()  # the disk tier's directory as the executor's disk thread leaves it
+        commit = self.scheduler.commit
+
+        def commit_and_follow_files(plan: Plan, fence: int) -> None:
+            commit(plan, fence)
+            self.follow_files(plan)
+
+        self.scheduler.commit = commit_and_follow_files
+
+    def tiered_scheduler(self) -> RequestScheduler:
+        return RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, host=HostTier(12), disk=DiskTier(4, []))
+
+    def follow_files(self, plan: Plan) -> None:
+        """A committed plan's disk work as the disk thread does it, in commit order: deletions, then writes; the
+        directory never holds more files than the tier's budget."""
+        if plan.disk is not None:
+            self.files.difference_update(plan.disk.erasures)
+            self.files.update(write.key for write in plan.disk.writes)
+            assert len(self.files) <= self.scheduler.prefix.tiers.disk.disk.capacity, len(self.files)
+
+    @rule(slow=st.booleans())
+    def disk_speed(self, slow: bool) -> None:
+        """The disk's learned file time turns slower (or faster) than computing a page's tokens again: what the host
+        gives up is then gone at once (or written)."""
+        self.scheduler.prefix.tiers.disk.file_seconds.extend([1.0 if slow else 1e-6] * 9)
 
     def unreadable(self, plan: Plan) -> tuple[int, ...]:
         return tuple(read.slot for read in plan.disk.reads if self.random.random() < 0.2) if plan.disk else ()
@@ -251,11 +276,13 @@ class HybridHostTierSchedulerMachine(HostTierSchedulerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.scheduler = RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, snapshots=self.SNAPSHOTS,
-                                          host=HostTier(6, self.HOST_SNAPSHOTS), disk=DiskTier(10, []))
         self.row_use: dict[int, int] = {}  # device state row -> the last fence that used it
         self.cancelled_restores = 0
         self.host_row_use: dict[int, int] = {}
+
+    def tiered_scheduler(self) -> RequestScheduler:
+        return RequestScheduler(SLOTS, 8, PAGES, PAGE, 8, snapshots=self.SNAPSHOTS,
+                                host=HostTier(6, self.HOST_SNAPSHOTS), disk=DiskTier(4, []))
 
     def plan_and_commit(self) -> None:
         super().plan_and_commit()
