@@ -71,7 +71,7 @@ class HostPages:
         """Deletions, writes and reads of the disk tier's files, once the step's copies are done (the caller waits
         for them); the slots of the reads that found no servable file, each logged. Deletions come first: they make
         the room the writes were given, and a key given up and written again in one step keeps its new file. Once
-        `stop` is set the writes left are not made: a clean stop's last step writes every host entry, minutes of a
+        `stop` is set the writes left are not made: a clean stop's last step writes the host's entries, minutes of a
         slow disk's time."""
         for key in work.erasures:
             (self.directory / disk_files.file_name(key)).unlink(missing_ok=True)
