@@ -36,12 +36,19 @@ def host_slot_bytes(config: DecoderConfig, page_size: int, dtype: torch.dtype) -
 
 def host_memory(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """The tier's host memory; `pinned`: page-locked where it lies, for the copy engine, of exactly its bytes. (torch's
-    pinned allocator rounds an allocation up to a power of two: a 40 GiB tier would lock 64 GiB of the machine.)"""
+    pinned allocator rounds an allocation up to a power of two: a 40 GiB tier would lock 64 GiB of the machine.)
+
+    Resident from the start either way: registering it faults every page in, and unpinned memory is written once
+    here. Otherwise the first spill into each slot would fault its pages in (on the CPU, milliseconds a page: many
+    times the copy itself), a cost no restore pays but the learned page copy time, which restores are weighed by, would
+    count until every slot had been used once."""
     tensor = torch.empty(shape, dtype=dtype)
     if pinned and tensor.numel():
         cudart = torch.cuda.cudart()
         torch.cuda.check_error(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0))
         weakref.finalize(tensor, cudart.cudaHostUnregister, tensor.data_ptr())
+    elif tensor.numel():
+        tensor.view(torch.uint8).zero_()
     return tensor
 
 
