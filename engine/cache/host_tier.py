@@ -8,12 +8,13 @@ A hybrid model's exact checkpoint keeps its recurrent-state snapshot beside its 
 entry holds both and gives both up at once (pages alone are no place to continue a recurrent state from), and the
 tier indexes such entries by their parent's key (`exact_ends`), as the device's cache does.
 
-Entries give way least recently used first, keeping a reserve of slots (and of snapshot rows) free or on their way to
-be, so that a step's evictions find them. A slot given up is reusable once the step committed after that completes
-(the executor may still copy it to the device for a restore sent earlier); with a disk tier below, a slot given up
-is held until its file is written (`release`), and held slots count as on their way to be free, so that a slow disk
-makes spills wait for room rather than the tier give up more. A slot that a planned restore reads is pinned (its
-entry, snapshot row included, stays) until that restore is committed.
+Entries give way least recently used first (a step's spills placed in that order as the most recently used, or as
+the least while that keeps more: engine/cache/placement.py), keeping a reserve of slots (and of snapshot rows) free
+or on their way to be, so that a step's evictions find them. A slot given up is reusable once the step committed
+after that completes (the executor may still copy it to the device for a restore sent earlier); with a disk tier
+below, a slot given up is held until its file is written (`release`), and held slots count as on their way to be
+free, so that a slow disk makes spills wait for room rather than the tier give up more. A slot that a planned
+restore reads is pinned (its entry, snapshot row included, stays) until that restore is committed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.cache.exact_ends import ExactEnds
+from engine.cache.placement import PlacementDuel
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class HostTier:
         self._exact_ends = ExactEnds()  # entries with a snapshot
         self.dropped: list[tuple[bytes, HostEntry]] = []  # entries given up, for the disk tier and announcements
         self.holds_dropped = False  # a disk tier below: what is given up keeps its slot until `release`
+        self.placement = PlacementDuel(slots)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,6 +100,15 @@ class HostTier:
         if entry is not None:
             self._entries.move_to_end(key)
         return entry
+
+    def place(self, offered: list[bytes], stored: list[bytes]) -> bool:
+        """A step's spills: of the evicted checkpoints' keys `offered` (parents first), the tier took `stored`. They
+        are placed as the most recently used, or as the least (the placement duel decides), either way with the
+        deepest given up first; whether as the least."""
+        oldest = self.placement.spilled(offered)
+        for key in stored if oldest else reversed(stored):
+            self._entries.move_to_end(key, last=not oldest)
+        return oldest
 
     def exact_ends(self, parent: bytes) -> list[int]:
         """The lengths of the entries with a snapshot whose parent key is `parent` (b"": the root)."""

@@ -52,11 +52,13 @@ class HostTraffic:
 
         The device evicts leaves first, so a conversation's blocks arrive deepest first; a host short of slots would
         then take the deep blocks and refuse their parents, and no lookup could reach what it took. Slots go to
-        parents first, and a checkpoint whose parent no tier holds is not spilled. The least recently used order is
-        then set deepest first, so that the tier gives up the ends of conversations before their beginnings."""
+        parents first, and a checkpoint whose parent no tier holds is not spilled. They are then placed in the least
+        recently used order deepest first, so that the tier gives up the ends of conversations before their
+        beginnings (as the most recent entries, or as the oldest: HostTier.place)."""
         below: set[bytes] | None = None  # the keys on disk or on their way there, when first asked
         stored: list[tuple[bytes, int]] = []  # (key, slot): pinned meanwhile, so that room is made from older entries
-        for resources in sorted(retired, key=lambda r: r.length):
+        offered = sorted(retired, key=lambda r: r.length)
+        for resources in offered:
             parent = resources.parent
             if parent and parent not in self.cache and parent not in self.host:
                 if below is None:
@@ -67,9 +69,10 @@ class HostTraffic:
             if entry is not None:
                 self.host.pin(entry.slot)
                 stored.append((resources.key, entry.slot))
-        for key, slot in reversed(stored):
+        for _, slot in stored:
             self.host.unpin(slot)
-            self.host.get(key)  # (now the most recently used)
+        if self.host.place([r.key for r in offered], [key for key, _ in stored]):
+            self.counters["host_placed_oldest"] += len(stored)
 
     def _spill(self, resources: RetiredResources, state_row: int | None) -> HostEntry | None:
         entry = self.host.store(resources.key, resources.length, state_row is not None, resources.parent)
@@ -109,10 +112,13 @@ class HostTraffic:
         either is unmeasured)."""
         return beats_recomputing(self.page_copy_seconds, pages, self.recompute_seconds(pages * self.page_size))
 
-    def run(self, keys: list[bytes]) -> list[HostEntry]:
-        """The host tier's entries of keys[0], keys[1], ... up to the first it lacks."""
+    def run(self, keys: list[bytes], lookup: bool = False) -> list[HostEntry]:
+        """The host tier's entries of keys[0], keys[1], ... up to the first it lacks. `lookup`: a request's reuse
+        looks for them (not a waiting request's look ahead), which the tier's placement learns from."""
         run: list[HostEntry] = []
         if self.host is not None:
+            if lookup and keys:
+                self.host.placement.looked_up(keys)
             for key in keys:
                 if (entry := self.host.get(key)) is None:
                     break

@@ -116,7 +116,7 @@ class PrefixReuse:
         """Reuse the device's blocks `chain`, the host tier's blocks after them, and the exact checkpoint (on the
         device or the host) of the latest message end just beyond those."""
         history, size, limit = self._history(request), self.page_size, request.first_computed
-        hosted = self.tiers.run(history.block_keys[len(chain): limit // size])
+        hosted = self.tiers.run(history.block_keys[len(chain): limit // size], lookup=True)
         if hosted and not self.tiers.restore_pays(len(hosted)):
             hosted = []
             self.counters["host_declined"] += 1
@@ -169,7 +169,7 @@ class PrefixReuse:
         pages shared (or restored from the host), its partial page copied (or restored), its snapshot restored into
         the request's slot row (from the host through a snapshot row in transit)."""
         history, size, limit = self._history(request), self.page_size, request.first_computed
-        chain, hosted = self._held_run(history, limit)
+        chain, hosted = self._held_run(history, limit, lookup=True)
         self.counters["prefix_lookups"] += 1
         if hosted and not self.tiers.restore_pays(len(hosted)):
             hosted = []
@@ -331,12 +331,13 @@ class PrefixReuse:
         self.tiers.disk.write_host(self.tiers.recompute_seconds)
         return self.cache.stats.pages < left or gave_way
 
-    def _held_run(self, history: PrefixHistory, limit: int) -> tuple[list[Checkpoint], list[HostEntry]]:
+    def _held_run(self, history: PrefixHistory, limit: int,
+                  lookup: bool = False) -> tuple[list[Checkpoint], list[HostEntry]]:
         """The device's checkpoints of the prompt's blocks before `limit`, then the host's entries of the blocks
-        after them."""
+        after them (`lookup`: HostTraffic.run)."""
         blocks = limit // self.page_size
         chain = self.cache.lookup_run(history.block_keys, blocks)
-        return chain, self.tiers.run(history.block_keys[len(chain): blocks])
+        return chain, self.tiers.run(history.block_keys[len(chain): blocks], lookup)
 
     def awaits_room(self, request: Request, completed: int, committed: int) -> bool:
         """Whether a waiting request had better wait before it takes a slot: its prompt extends blocks on the host

@@ -205,11 +205,12 @@ def main(argv: list[str] | None = None) -> None:
     copy = m.get("flare_engine_host_page_copy_seconds", 0.0)
     restore = page_bytes / copy if copy else 0.0
     peak = copy_engine_peak() if args.device == "cuda" else 0.0
-    say("| restore GB/s (page / median copy) | copy engine H2D peak GB/s | host restores | spills | declined | disk "
-        "reads | disk writes | disk declined | not written |")
-    say("|---|---|---|---|---|---|---|---|---|")
+    say("| restore GB/s (page / median copy) | copy engine H2D peak GB/s | host restores | spills | placed oldest "
+        "| declined | disk reads | disk writes | disk declined | not written |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     say(f"| {restore / 1e9:.1f} | {peak / 1e9:.1f} | {restores:.0f}"
-        f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_declined_total', 0):.0f}"
+        f" | {m.get('flare_engine_host_spills_total', 0):.0f} | {m.get('flare_engine_host_placed_oldest_total', 0):.0f}"
+        f" | {m.get('flare_engine_host_declined_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_reads_total', 0):.0f} | {m.get('flare_engine_disk_writes_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_declined_total', 0):.0f}"
         f" | {m.get('flare_engine_disk_unwritten_total', 0):.0f} |")
