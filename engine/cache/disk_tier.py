@@ -52,10 +52,7 @@ class DiskTier:
         self._entries[key] = entry
         if entry.snapshot:
             self._exact_ends.add(entry.parent, key, entry.length)
-        while len(self._entries) > self.capacity:
-            oldest = next(iter(self._entries))
-            self.remove(oldest)
-            self.erased.append(oldest)
+        self.make_room(0)
 
     def make_room(self, incoming: int, keep: Container[bytes] = (), spare: Container[bytes] = ()) -> None:
         """Give up least recently used entries but those in `keep` (files being read) until `incoming` more files
