@@ -28,7 +28,8 @@ BENCH = "import sys; from bench.main import main; sys.exit(main())"  # flare-ben
 # keeps 24 of its 48 layers, the size its vLLM comparison in docs/gpu.md ran at.
 PRESETS = {"llama-8b": ("llama-3.1-8b", None, None), "qwen3-8b": ("qwen3-8b", None, None),
            "smollm2": ("smollm2-135m", None, None), "qwen3-30b-a3b": ("qwen3-30b-a3b", 24, None),
-           "llama-8b-fp8": ("llama-3.1-8b", None, "fp8"), "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", 24, "fp8")}
+           "llama-8b-fp8": ("llama-3.1-8b", None, "fp8"), "qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", 24, "fp8"),
+           "llama-70b-fp8": ("llama-3.1-70b", None, "fp8")}
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,10 @@ ROWS = [
     # FP8 experts (the fused MoE kernels dequantize e4m3 tiles in registers), against moe-batch1 and moe-c64.
     Row("moe-fp8-batch1", "qwen3-30b-a3b-fp8", MAX256, BATCH1, ("mean_tpot_ms", "failed"), "below moe-batch1"),
     Row("moe-fp8-c64", "qwen3-30b-a3b-fp8", MAX256, C64, ("output_throughput", "failed"), "above moe-c64"),
+    # Llama-3.1-70B's shapes in FP8, all 80 layers on one GPU (a core of about 68 GiB: /dev/shm must hold it): a step
+    # reads 68.4 GB of e4m3 products and the bf16 LM head's 2.1 GB, 16.4 ms at a copy bandwidth of 4.29 TB/s.
+    Row("70b-fp8-batch1", "llama-70b-fp8", MAX64, BATCH1, ("mean_tpot_ms", "failed"), "mean TPOT <= 18.9 ms"),
+    Row("70b-fp8-c64", "llama-70b-fp8", MAX64, C64, ("output_throughput", "failed"), "serves, 0 failed"),
 ]
 
 
