@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.cache.exact_ends import ExactEnds
-from engine.cache.placement import PlacementDuel
+from engine.cache.placement import PlacementDuel, place
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,7 @@ class HostTier:
         are placed as the most recently used, or as the least (the placement duel decides), either way with the
         deepest given up first; whether as the least."""
         oldest = self.placement.spilled(offered)
-        for key in stored if oldest else reversed(stored):
-            self._entries.move_to_end(key, last=not oldest)
+        place(self._entries, stored, oldest)
         return oldest
 
     def exact_ends(self, parent: bytes) -> list[int]:

@@ -22,6 +22,13 @@ PERIOD = 32  # one spilling step in this many places its entries as the most rec
 DECAY = 0.98  # each lookup's weight against the next one's: the duel remembers about the last fifty lookups
 
 
+def place(order: OrderedDict[bytes, object], keys: list[bytes], oldest: bool) -> None:
+    """Move `keys` (a step's spills, parents first, each held in `order`) to the least recently used end of `order`
+    (`oldest`) or to the most recently used end, either way with the deepest given up first."""
+    for key in keys if oldest else reversed(keys):
+        order.move_to_end(key, last=not oldest)
+
+
 class _Shadow:
     """The keys a tier of `capacity` entries would hold, placing new ones as the most or the least recently used."""
 
@@ -32,9 +39,8 @@ class _Shadow:
     def spilled(self, keys: list[bytes], oldest: bool) -> None:
         """`keys`, parents first; a key held already stays where it is, as in the tier."""
         new = [key for key in keys if key not in self.keys]
-        for key in new if oldest else reversed(new):  # deepest given up first, either way
-            self.keys[key] = None
-            self.keys.move_to_end(key, last=not oldest)
+        self.keys.update(dict.fromkeys(new))
+        place(self.keys, new, oldest)
         while len(self.keys) > self.capacity:
             self.keys.popitem(last=False)
 

@@ -55,6 +55,8 @@ class HostTraffic:
         parents first, and a checkpoint whose parent no tier holds is not spilled. They are then placed in the least
         recently used order deepest first, so that the tier gives up the ends of conversations before their
         beginnings (as the most recent entries, or as the oldest: HostTier.place)."""
+        if not retired:
+            return
         below: set[bytes] | None = None  # the keys on disk or on their way there, when first asked
         stored: list[tuple[bytes, int]] = []  # (key, slot): pinned meanwhile, so that room is made from older entries
         offered = sorted(retired, key=lambda r: r.length)
