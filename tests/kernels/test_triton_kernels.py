@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 from engine.kernels.triton import dependent_launch  # noqa: E402
 from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
-from engine.kernels.triton.decode_attention import decode_attention, decode_attention_reference, num_splits  # noqa: E402
+from engine.kernels.triton.decode_attention import (decode_attention, decode_attention_reference, num_splits,  # noqa: E402
+                                                    split_counts)
 from engine.kernels.triton.extend_attention import extend_attention, extend_attention_reference, extend_blocks  # noqa: E402
 from engine.kernels.triton.fused_moe import (MoeConfig, align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
                                              fused_moe_reference)
@@ -82,9 +83,12 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
     if window:  # the window changes the answer wherever the context is longer than it
         assert relative_error(decode_attention_reference(*args), ref) > 0.05
     for splits in sorted({1, 4, num_splits(len(contexts), kv_heads, 132 if GPU else 2)}):
-        out = decode_attention(*args, splits=splits, window=window)
-        assert relative_error(out, ref) < tolerance(dtype), splits
-        assert torch.equal(out[contexts.index(0)], torch.zeros_like(out[0]))
+        for merge_in_last_split in (False, True):
+            out = decode_attention(*args, splits=splits, window=window, merge_in_last_split=merge_in_last_split)
+            assert relative_error(out, ref) < tolerance(dtype), (splits, merge_in_last_split)
+            assert torch.equal(out[contexts.index(0)], torch.zeros_like(out[0]))
+    # The last program of each pair left its counter at zero for the next launch.
+    assert not split_counts(DEVICE, len(contexts) * kv_heads).any()
 
 
 def extend_case(shape: tuple[int, int, int, int], dtype: torch.dtype, spans: list[tuple[int, int]],

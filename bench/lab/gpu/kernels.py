@@ -50,7 +50,7 @@ MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 64
 CONTEXTS = [1024, 4096, 16384, 32768]
 # (batch, context): a long-context batch, and the decode rows of a 256-wide mixed step (the 8b-1024x768 row)
-DECODE_SHAPES = [(8, 4096), (8, 32768), (64, 1024), (256, 1152)]
+DECODE_SHAPES = [(1, 512), (1, 4096), (8, 4096), (8, 32768), (64, 1024), (256, 1152)]
 TILE_CONTEXT = 16384
 DEVICE = "cuda"
 
@@ -273,10 +273,10 @@ def bench_moe_configs() -> None:
 def bench_decode() -> None:
     say("## Decode attention, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same rows "
         "through the extend kernel (a mixed step's decode rows)")
-    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | extend kernel ms (graph) | "
-        "K/V TB/s | max abs diff | extend, 2 stages ms | fp8 cache decode ms | K/V TB/s | max abs diff | "
-        "fp8, 128 keys a tile ms | K/V TB/s |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | splits merged by the last ms | "
+        "max abs diff | extend kernel ms (graph) | K/V TB/s | max abs diff | extend, 2 stages ms | "
+        "fp8 cache decode ms | K/V TB/s | max abs diff | fp8, 128 keys a tile ms | K/V TB/s |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     two_stages = (*tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))[:3], 2)  # the decode kernel's depth
     g = torch.Generator(device=DEVICE).manual_seed(3)
     for batch, context in DECODE_SHAPES:
@@ -299,6 +299,9 @@ def bench_decode() -> None:
             ref = decode_attention_reference(*args, window=window)
             ms = graph_ms(lambda: decode_attention(*args, splits=splits, window=window))
             diff = max_diff(decode_attention(*args, splits=splits, window=window), ref)
+            merged = graph_ms(lambda: decode_attention(*args, splits=splits, window=window, merge_in_last_split=True))
+            merged_diff = max_diff(decode_attention(*args, splits=splits, window=window, merge_in_last_split=True),
+                                   ref)
             extend = graph_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
                                                       *blocks, PAGE, HEAD_DIM**-0.5, window=window))
             extend_diff = max_diff(out, ref)
@@ -312,7 +315,8 @@ def bench_decode() -> None:
                                                      block_n=128))
             read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
             say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | "
-                f"{extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | {shallow:.3f} | {fp8_ms:.3f} | "
+                f"{merged:.3f} | {merged_diff:.4f} | {extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | "
+                f"{shallow:.3f} | {fp8_ms:.3f} | "
                 f"{read / 2 / fp8_ms / 1e9:.2f} | {fp8_diff:.4f} | {wide:.3f} | {read / 2 / wide / 1e9:.2f} |")
 
 

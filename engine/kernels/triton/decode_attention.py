@@ -3,8 +3,10 @@
 The cache of one layer is `[slots, kv_heads, head_dim]` for K and again for V, slot = page * page_size + offset.
 `page_tables[seq_table[b]]` lists sequence b's pages: the graph executor keeps one table row per request slot, so a
 step names rows instead of uploading tables. One program takes one (sequence, kv head, split) and every query head
-of that group, so each key is read once per group; a second kernel merges the splits by their log-sum-exp. Short
-batches use many splits so that the GPU's multiprocessors all have work.
+of that group, so each key is read once per group; the splits are merged by their log-sum-exp, by a second kernel
+or by the last split program of each (sequence, KV head) to end (`merge_in_last_split`), which a counter per pair
+names: a step at batch 1 then launches one kernel a layer instead of two. Short batches use many splits so that the
+GPU's multiprocessors all have work.
 
 An FP8 cache (engine/model/kv_quant.py) is read as e4m3 (half the bytes of a bfloat16 one) and widened in registers
 to the query's dtype, which holds every e4m3 value exactly; the program's KV head has one key scale and one value
@@ -30,10 +32,12 @@ NO_WINDOW = 1 << 30
 
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr, kv_scale_ptr,
-                  stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2, window,
+                  count_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2,
+                  window,
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, DEPENDENT: tl.constexpr):
+                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, MERGE_LAST: tl.constexpr,
+                  DEPENDENT: tl.constexpr):
     wait(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,6 +88,41 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=g < GROUP)
+        if MERGE_LAST:
+            # Every thread's stores are issued before the count, whose release makes them visible to the program
+            # that counts last; that one resets the count for the next launch and merges the group's heads.
+            tl.debug_barrier()
+            count = count_ptr + seq * KV_HEADS + kv_head
+            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+                tl.store(count, 0)
+                _merge_group(part_ptr, lse_ptr, out_ptr, seq, heads, q_mask, stride_ot, stride_oh, HEADS, GROUP,
+                             GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS)
+
+
+@triton.jit
+def _merge_group(part_ptr, lse_ptr, out_ptr, seq, heads, mask, stride_ot, stride_oh, HEADS: tl.constexpr,
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    """The splits of a KV head's query heads merged in split order; the loads bypass the multiprocessor's own cache
+    (the other programs wrote them)."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    first = (seq * HEADS + heads) * SPLITS
+    top = tl.full([GROUP_PAD], -1e30, tl.float32)  # finite even when every split is empty
+    for split in range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_ptr + first + split, mask=g < GROUP, other=-1e30, cache_modifier=".cg"))
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for split in range(SPLITS):
+        weight = tl.exp2(tl.load(lse_ptr + first + split, mask=g < GROUP, other=float("-inf"),
+                                 cache_modifier=".cg") - top)
+        part = tl.load(part_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0,
+                       cache_modifier=".cg")
+        acc += part * weight[:, None]
+        total += weight
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -118,11 +157,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
                      seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
                      splits: int, window: int = 0, kv_scale: torch.Tensor | None = None,
-                     block_n: int = BLOCK_N, dependent: int = NONE) -> torch.Tensor:
+                     block_n: int = BLOCK_N, dependent: int = NONE, merge_in_last_split: bool = False
+                     ) -> torch.Tensor:
     """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros.
     window > 0: the token at position p sees keys p - window < k <= p (transformers' sliding window). An FP8 cache
-    needs `kv_scale` [2, KVH] (keys', values'). `block_n`: keys a tile (benchmarks sweep it). `dependent`: both
-    kernels launched as dependent launches (engine/kernels/triton/dependent_launch.py)."""
+    needs `kv_scale` [2, KVH] (keys', values'). `block_n`: keys a tile (benchmarks sweep it). `dependent`: the
+    kernels launched as dependent launches (engine/kernels/triton/dependent_launch.py). `merge_in_last_split`: no
+    merge kernel; launches of it on one device must follow one another (they share the counters)."""
     batch, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
@@ -132,19 +173,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lse = torch.empty(batch * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     fp8 = is_fp8(k_cache)
+    merge_last = merge_in_last_split and splits > 1
+    counts = split_counts(q.device, batch * kv_heads) if merge_last else lse
     _decode_split[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out, kv_scale if fp8 else q,
+        q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out, kv_scale if fp8 else q, counts,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, window if window > 0 else NO_WINDOW,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), FP8=fp8, DEPENDENT=dependent, num_warps=4, num_stages=2,
-        **launch_options(dependent))
-    if splits > 1:
+        PRECISION=dot_precision(q.dtype), FP8=fp8, MERGE_LAST=merge_last, DEPENDENT=dependent, num_warps=4,
+        num_stages=2, **launch_options(dependent))
+    if splits > 1 and not merge_last:
         _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
                                       BLOCK_D=block_d, SPLITS=splits, DEPENDENT=dependent, num_warps=4,
                                       **launch_options(dependent))
     return out
+
+
+_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counts(device: torch.device, pairs: int) -> torch.Tensor:
+    """Zeroed int32 counters for `pairs` (sequence, KV head) pairs on `device`, each left at zero by the program that
+    counts last. Made outside any graph capture (a graph's steps first run uncaptured) and never freed: graphs
+    captured over a smaller one keep using it."""
+    made = _COUNTS.setdefault(device, [])
+    if not made or made[-1].numel() < pairs:
+        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "counters made in a capture"
+        made.append(torch.zeros(max(pairs, 2 * made[-1].numel() if made else 1024), dtype=torch.int32,
+                                device=device))
+    return made[-1]
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

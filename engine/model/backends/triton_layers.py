@@ -24,6 +24,12 @@ from engine.model.decoder import MLP, Attention
 from engine.model.moe import SparseMoE
 
 
+# Decode attention's splits merged by the last split program rather than a kernel of their own (one launch a layer
+# fewer where a step splits its keys: few sequences). Off until measured against the merge kernel on a GPU
+# (`bench.lab.gpu.evidence --only dependent`).
+MERGE_IN_LAST_SPLIT = False
+
+
 @lru_cache
 def multiprocessors(device: torch.device) -> int:
     # Under the CPU interpreter (tests) any small count will do.
@@ -46,7 +52,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
         result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
                                   meta.page_size, scale, splits, window=window or 0, kv_scale=kv_scale,
-                                  dependent=dependent)
+                                  dependent=dependent, merge_in_last_split=MERGE_IN_LAST_SPLIT)
         if d.rows is None:
             out = result
         else:
