@@ -26,7 +26,7 @@ from engine.executor.graph_step import StaticBuffers, accept_drafts, model_step,
 from engine.executor.pooling import assemble as assemble_pooled  # noqa: E402
 from engine.executor.pooling import pool_index, pool_rows  # noqa: E402
 from engine.kernels.triton import dependent_launch  # noqa: E402
-from engine.model.backends import few_rows  # noqa: E402
+from engine.model.backends import few_rows, triton_layers  # noqa: E402
 from engine.model.backends.select import use_backend  # noqa: E402
 from engine.model.recurrent_state import SNAPSHOTS_PER_SLOT, RecurrentState  # noqa: E402
 from engine.sampling.graph_extras import (TOP_LOGPROBS, ExtrasBuffers, extras_words, graph_holds_extras,  # noqa: E402
@@ -504,6 +504,20 @@ def test_one_row_graphs_of_dependent_launches_produce_the_plain_launches_tokens(
     plain = alone(gpu_harness(model, graphs=True))
     monkeypatch.setattr(few_rows, "LAUNCH", launch)
     assert alone(gpu_harness(model, graphs=True)) == plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+def test_decode_splits_merged_by_their_last_program_give_the_merge_kernels_tokens(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 steps, graphs and eager, with decode attention's splits merged in the last split program: the counters
+    it leaves for the next launch, replayed in graphs step after step, must name one last program each time."""
+    model = tiny_model().to("cuda", torch.float32)
+    use_backend(model, "triton", CONTEXT)
+    merge_kernel = run_requests(gpu_harness(model, graphs=True))
+    monkeypatch.setattr(triton_layers, "MERGE_IN_LAST_SPLIT", True)
+    assert run_requests(gpu_harness(model, graphs=True)) == merge_kernel
+    assert run_requests(gpu_harness(model, graphs=False)) == merge_kernel
 
 
 @pytest.mark.gpu
