@@ -28,12 +28,12 @@ LAUNCH = dependent_launch.PREFETCH
 
 def runs_few_rows(layer: DecoderLayer) -> bool:
     """Llama-style norms around each branch, plain (not tensor-parallel, not GGUF-quantized; bf16 or FP8) q/k/v and
-    o, and a SiLU MLP of plain products or a mixture of experts: the layers whose norms and adds the GEMVs fold in
-    (not a hybrid's linear attention)."""
+    o, and a SiLU MLP of plain products or a mixture of experts with a plain router: the layers whose norms and adds
+    the GEMVs fold in (not a hybrid's linear attention)."""
     if layer.linear:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    plain = [attn.qkv, attn.o_proj] + ([mlp.gate_up, mlp.down_proj] if isinstance(mlp, MLP) else [])
+    plain = [attn.qkv, attn.o_proj] + ([mlp.gate_up, mlp.down_proj] if isinstance(mlp, MLP) else [mlp.gate])
     return not layer.sandwich and all(type(p) in (nn.Linear, Fp8Linear) for p in plain) and \
         not (isinstance(mlp, MLP) and mlp.gelu)
 
@@ -62,5 +62,8 @@ def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor
             gemv(gemv(stream, **weights(mlp.gate_up), norm=norm, dependent=launch), **weights(mlp.down_proj),
                  silu_mul=True, residual=stream, dependent=launch)
         else:
-            moe(mlp, add_rms_norm(stream, None, *norm, dependent=launch)[0], residual=stream, dependent=launch)
+            # The router as a GEMV keeps the chain of dependent launches (cuBLAS's launch plainly: the kernel after
+            # one waits for its end before its programs are placed).
+            x = add_rms_norm(stream, None, *norm, dependent=launch)[0]
+            moe(mlp, x, residual=stream, dependent=launch, logits=gemv(x, **weights(mlp.gate), dependent=launch))
     return add_rms_norm(stream, None, model.model.norm.kernel_weight(), eps, dependent=launch)[0]
