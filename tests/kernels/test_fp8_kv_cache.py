@@ -55,7 +55,9 @@ def test_store_writes_the_bytes_torchs_cast_writes(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_and_store_quantizes_the_rotated_key_and_the_value(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("norm_style", [None, "llama"])
+def test_rope_and_store_quantizes_the_rotated_key_and_the_value(dtype: torch.dtype, norm_style: str | None) -> None:
+    """With Qwen3's head norms too: the normalised key rounds to the model's dtype, not to the cache's."""
     heads, kv_heads, head_dim = (32, 8, 128) if GPU else (4, 2, 32)
     g = torch.Generator().manual_seed(12)
     tokens, slots = 29, 64
@@ -64,11 +66,15 @@ def test_rope_and_store_quantizes_the_rotated_key_and_the_value(dtype: torch.dty
     positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEVICE)
     slot_mapping = torch.randperm(slots, generator=g)[:tokens].to(torch.int32).to(DEVICE)
     scale = head_scales(kv_heads, g)
+    norms = {}
+    if norm_style:
+        weights = (torch.randn(2, head_dim, generator=g) * 0.5 + 1).to(dtype).to(DEVICE)
+        norms = dict(q_norm=weights[0], k_norm=weights[1], norm_eps=1e-6, norm_style=norm_style)
     caches = torch.zeros(2, 2, slots, kv_heads, head_dim, dtype=FP8, device=DEVICE)
     q = rope_and_store(qkv, positions, table, slot_mapping, caches[0, 0], caches[0, 1], heads, kv_heads,
-                       kv_scale=scale)
+                       kv_scale=scale, **norms)
     q_ref = rope_and_store_reference(qkv, positions, table, slot_mapping, caches[1, 0], caches[1, 1], heads,
-                                     kv_heads, kv_scale=scale)
+                                     kv_heads, kv_scale=scale, **norms)
     assert relative_error(q, q_ref) < tolerance(dtype) / 10
     assert torch.equal(bytes_of(caches[0, 1]), bytes_of(caches[1, 1]))  # values: quantized as they came
     # Keys: the kernel's rotation may round its last bit otherwise than torch's, which can move a key across an

@@ -47,6 +47,49 @@ def _head_norm(x1, x2, w_ptr, j, jm, eps, HEAD_DIM: tl.constexpr, HALF: tl.const
 
 
 @triton.jit
+def rope_angles(table_ptr, pos, j, jm, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """cos and sin [1, BLOCK_HALF] of position `pos` from the rope table (j: the half's columns, jm: which exist)."""
+    cos = tl.load(table_ptr + pos * HEAD_DIM + j, mask=jm, other=0.0)[None, :]
+    sin = tl.load(table_ptr + pos * HEAD_DIM + HALF + j, mask=jm, other=0.0)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rotated_heads(row, heads, mask, j, jm, cos, sin, norm_ptr, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                  NORM: tl.constexpr, dtype: tl.constexpr):
+    """Heads `heads` of a token's q/k/v product `row`, each normalised (NORM) and rotated: their halves in `dtype`,
+    the model's."""
+    src = row + heads[:, None] * HEAD_DIM + j[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    x1, x2 = _head_norm(x1, x2, norm_ptr, j, jm, eps, HEAD_DIM, HALF, NORM, dtype)
+    return (x1 * cos - x2 * sin).to(dtype), (x2 * cos + x1 * sin).to(dtype)
+
+
+@triton.jit
+def store_new_kv(row, slot, kh, km, j, jm, cos, sin, k_ptr, v_ptr, k_norm_ptr, scale_ptr, eps, stride_ks, stride_kh,
+                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                 NORM: tl.constexpr, FP8: tl.constexpr, dtype: tl.constexpr):
+    """KV heads `kh` of a token's q/k/v product `row` into cache slot `slot` (where `km`): the key normalised and
+    rotated, the value as it is; over their heads' scales to e4m3 in an FP8 cache."""
+    k1, k2 = rotated_heads(row, HEADS + kh, km, j, jm, cos, sin, k_norm_ptr, eps, HEAD_DIM, HALF, NORM, dtype)
+    src = row + (HEADS + KV_HEADS + kh)[:, None] * HEAD_DIM + j[None, :]
+    v1 = tl.load(src, mask=km, other=0.0)
+    v2 = tl.load(src + HALF, mask=km, other=0.0)
+    if FP8:
+        k_scale = tl.load(scale_ptr + kh, mask=kh < KV_HEADS, other=1.0)[:, None]
+        v_scale = tl.load(scale_ptr + KV_HEADS + kh, mask=kh < KV_HEADS, other=1.0)[:, None]
+        k1, k2 = to_e4m3(k1, k_scale, k_ptr.dtype.element_ty), to_e4m3(k2, k_scale, k_ptr.dtype.element_ty)
+        v1, v2 = to_e4m3(v1, v_scale, v_ptr.dtype.element_ty), to_e4m3(v2, v_scale, v_ptr.dtype.element_ty)
+    dst = k_ptr + slot * stride_ks + kh[:, None] * stride_kh + j[None, :]
+    tl.store(dst, k1, mask=km)
+    tl.store(dst + HALF, k2, mask=km)
+    dst = v_ptr + slot * stride_ks + kh[:, None] * stride_kh + j[None, :]
+    tl.store(dst, v1, mask=km)
+    tl.store(dst + HALF, v2, mask=km)
+
+
+@triton.jit
 def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_norm_ptr, k_norm_ptr, scale_ptr, eps,
                 stride_qkv, stride_qt, stride_qh, stride_ks, stride_kh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KH: tl.constexpr,
@@ -58,41 +101,20 @@ def _rope_store(qkv_ptr, pos_ptr, table_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, q_no
     slot = tl.load(slot_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     jm = j < HALF
-    cos = tl.load(table_ptr + pos * HEAD_DIM + j, mask=jm, other=0.0)[None, :]
-    sin = tl.load(table_ptr + pos * HEAD_DIM + HALF + j, mask=jm, other=0.0)[None, :]
+    cos, sin = rope_angles(table_ptr, pos, j, jm, HEAD_DIM, HALF)
     row = qkv_ptr + t * stride_qkv
     h = tl.arange(0, BLOCK_H)
     hm = (h < HEADS)[:, None] & jm[None, :]
-    src = row + h[:, None] * HEAD_DIM + j[None, :]
-    x1 = tl.load(src, mask=hm, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=hm, other=0.0).to(tl.float32)
-    x1, x2 = _head_norm(x1, x2, q_norm_ptr, j, jm, eps, HEAD_DIM, HALF, NORM, q_ptr.dtype.element_ty)
+    dtype = q_ptr.dtype.element_ty
+    q1, q2 = rotated_heads(row, h, hm, j, jm, cos, sin, q_norm_ptr, eps, HEAD_DIM, HALF, NORM, dtype)
     dst = q_ptr + t * stride_qt + h[:, None] * stride_qh + j[None, :]
-    tl.store(dst, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=hm)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=hm)
+    tl.store(dst, q1, mask=hm)
+    tl.store(dst + HALF, q2, mask=hm)
     kh = tl.arange(0, BLOCK_KH)
     # The slot test broadcast over a tensor: the interpreter takes no scalar inside a mask.
     km = ((kh < KV_HEADS) & (kh * 0 + slot >= 0))[:, None] & jm[None, :]
-    src = row + (HEADS + kh)[:, None] * HEAD_DIM + j[None, :]
-    x1 = tl.load(src, mask=km, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=km, other=0.0).to(tl.float32)
-    x1, x2 = _head_norm(x1, x2, k_norm_ptr, j, jm, eps, HEAD_DIM, HALF, NORM, k_ptr.dtype.element_ty)
-    dst = k_ptr + slot * stride_ks + kh[:, None] * stride_kh + j[None, :]
-    k1 = (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty)
-    k2 = (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty)
-    src = row + (HEADS + KV_HEADS + kh)[:, None] * HEAD_DIM + j[None, :]
-    v1 = tl.load(src, mask=km, other=0.0)
-    v2 = tl.load(src + HALF, mask=km, other=0.0)
-    if FP8:
-        k_scale = tl.load(scale_ptr + kh, mask=kh < KV_HEADS, other=1.0)[:, None]
-        v_scale = tl.load(scale_ptr + KV_HEADS + kh, mask=kh < KV_HEADS, other=1.0)[:, None]
-        k1, k2 = to_e4m3(k1, k_scale, k_ptr.dtype.element_ty), to_e4m3(k2, k_scale, k_ptr.dtype.element_ty)
-        v1, v2 = to_e4m3(v1, v_scale, v_ptr.dtype.element_ty), to_e4m3(v2, v_scale, v_ptr.dtype.element_ty)
-    tl.store(dst, k1, mask=km)
-    tl.store(dst + HALF, k2, mask=km)
-    dst = v_ptr + slot * stride_ks + kh[:, None] * stride_kh + j[None, :]
-    tl.store(dst, v1, mask=km)
-    tl.store(dst + HALF, v2, mask=km)
+    store_new_kv(row, slot, kh, km, j, jm, cos, sin, k_ptr, v_ptr, k_norm_ptr, scale_ptr, eps, stride_ks, stride_kh,
+                 HEADS, KV_HEADS, HEAD_DIM, HALF, NORM, FP8, dtype)
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, slot_mapping: torch.Tensor,
