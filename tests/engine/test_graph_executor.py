@@ -508,16 +508,21 @@ def test_one_row_graphs_of_dependent_launches_produce_the_plain_launches_tokens(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
-def test_decode_splits_merged_by_their_last_program_give_the_merge_kernels_tokens(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 steps, graphs and eager, with decode attention's splits merged in the last split program: the counters
-    it leaves for the next launch, replayed in graphs step after step, must name one last program each time."""
-    model = tiny_model().to("cuda", torch.float32)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("switches", [("MERGE_IN_LAST_SPLIT",), ("ROTARY_IN_DECODE",),
+                                      ("MERGE_IN_LAST_SPLIT", "ROTARY_IN_DECODE")])
+def test_decode_attention_in_fewer_launches_gives_the_separate_launches_tokens(
+        family: str, switches: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 steps, graphs and eager, with decode attention's splits merged in the last split program (the
+    counters it leaves for the next launch, replayed in graphs step after step, must name one last program each
+    time) and its rotary and cache store inside the decode kernel."""
+    model = tiny_model(0, family).to("cuda", torch.float32)
     use_backend(model, "triton", CONTEXT)
-    merge_kernel = run_requests(gpu_harness(model, graphs=True))
-    monkeypatch.setattr(triton_layers, "MERGE_IN_LAST_SPLIT", True)
-    assert run_requests(gpu_harness(model, graphs=True)) == merge_kernel
-    assert run_requests(gpu_harness(model, graphs=False)) == merge_kernel
+    separate = run_requests(gpu_harness(model, graphs=True))
+    for switch in switches:
+        monkeypatch.setattr(triton_layers, switch, True)
+    assert run_requests(gpu_harness(model, graphs=True)) == separate
+    assert run_requests(gpu_harness(model, graphs=False)) == separate
 
 
 @pytest.mark.gpu

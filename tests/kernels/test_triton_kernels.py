@@ -12,8 +12,8 @@ pytest.importorskip("triton")
 
 from engine.kernels.triton import dependent_launch  # noqa: E402
 from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
-from engine.kernels.triton.decode_attention import (decode_attention, decode_attention_reference, num_splits,  # noqa: E402
-                                                    split_counts)
+from engine.kernels.triton.decode_attention import (NewTokens, decode_attention, decode_attention_reference,  # noqa: E402
+                                                    num_splits, split_counts)
 from engine.kernels.triton.extend_attention import extend_attention, extend_attention_reference, extend_blocks  # noqa: E402
 from engine.kernels.triton.fused_moe import (MoeConfig, align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
                                              fused_moe_reference)
@@ -494,3 +494,51 @@ def test_align_by_expert_one_program_matches_torch(pairs: int) -> None:
         for row in range(int(total)):  # each pair sits in a block of its own expert
             if sorted_pairs[row] < pairs:
                 assert ids.cpu()[sorted_pairs[row]] == block_expert[row // block_m]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm_style", [None, "llama", "gemma"])
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-cache"])
+def test_decode_attention_of_new_tokens_rotates_and_stores_them_as_rope_and_store(
+        dtype: torch.dtype, norm_style: str | None, window: int, fp8: bool) -> None:
+    """The decode kernel given the q/k/v product: the same cache bytes and the same output, bit for bit, as
+    rope_and_store followed by the decode kernel, at every split count, merged either way (a padding row of context
+    0 and slot -1 stores nothing and gives zeros)."""
+    from engine.model.kv_quant import quantize
+
+    heads, kv_heads, head_dim, page = SHAPES[0]
+    g = torch.Generator().manual_seed(hash((dtype, norm_style, window, "new")) % 2**31)
+    contexts = [1, page - 1, page, 3 * page + 5, 0, 2 * page + 1] if not GPU else [1, 63, 64, 1000, 0, 4097, 300, 2]
+    tables = random_pages(contexts, page, g)
+    k_cache, v_cache = random_cache((int(tables.max()) + 1) * page, kv_heads, head_dim, dtype, g)
+    kv_scale = None
+    if fp8:
+        kv_scale = (torch.rand(2, kv_heads, generator=g) * 1.5 + 0.25).to(DEVICE)
+        k_cache, v_cache = quantize(k_cache.float() * 4, kv_scale[0]), quantize(v_cache.float() * 4, kv_scale[1])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    table = rope_table(inv_freq, 8192).to(DEVICE)
+    qkv = torch.randn(len(contexts), (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    positions = torch.tensor([max(c - 1, 0) for c in contexts], device=DEVICE)
+    slots = [int(tables[b, (c - 1) // page]) * page + (c - 1) % page if c else -1 for b, c in enumerate(contexts)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+    norms = {}
+    if norm_style:
+        weights = (torch.randn(2, head_dim, generator=g) * 0.5 + (norm_style == "llama")).to(dtype).to(DEVICE)
+        norms = dict(q_norm=weights[0], k_norm=weights[1], norm_eps=1e-6, norm_style=norm_style)
+    meta = (tables.to(DEVICE), torch.arange(len(contexts), dtype=torch.int32, device=DEVICE),
+            torch.tensor(contexts, dtype=torch.int32, device=DEVICE), page, head_dim**-0.5)
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731  (e4m3 too)
+    for splits in sorted({1, 4, num_splits(len(contexts), kv_heads, 132 if GPU else 2)}):
+        for merge_in_last_split in (False, True):
+            options = dict(splits=splits, window=window, merge_in_last_split=merge_in_last_split, kv_scale=kv_scale)
+            caches = (k_cache.clone(), v_cache.clone())
+            q = rope_and_store(qkv, positions, table, slot_mapping, *caches, heads, kv_heads, kv_scale=kv_scale,
+                               **norms)
+            want = decode_attention(q, *caches, *meta, **options)
+            fused = (k_cache.clone(), v_cache.clone())
+            new = NewTokens(qkv, positions, table, slot_mapping, heads, **norms)
+            got = decode_attention(new, *fused, *meta, **options)
+            assert torch.equal(got, want), (splits, merge_in_last_split)
+            assert same(fused[0], caches[0]) and same(fused[1], caches[1])
+            assert not same(caches[0], k_cache)  # (the new keys were stored)

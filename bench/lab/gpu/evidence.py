@@ -6,8 +6,8 @@ decode step times against batch, the engine loop's GPU busy fraction, sampling e
 Sections: correctness, decode, smollm (the default three), extras (penalties and logprobs in the sampling graphs:
 batch-64 decode steps with some rows asking), prefill (prefill steps of 1024-token prompts at 512 to 8192 tokens
 a step, and their MFU) and dependent (batch-1 decode steps of the 8B, SmolLM2 and Qwen3-30B-A3B cut to 24 layers
-with their kernels launched plainly and as dependent launches, and with decode attention's splits merged by its last
-split program: GPU ms a step, and the same steps' greedy tokens against the plain launches').
+with their kernels launched plainly and as dependent launches, and with decode attention's launches folded (its
+splits merged by its last split program, its rotary and cache store inside it): GPU ms a step, and the same steps' greedy tokens against the plain launches').
 docs/gpu.md has the current tables.
 
 Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
@@ -229,16 +229,21 @@ def dependent(cores: Path, bandwidth: float) -> None:
         f"{CONTEXT})")
     say("| model | launch | GPU ms a step | of copy bandwidth on the weights | tokens as plain |")
     say("| --- | --- | --- | --- | --- |")
-    default_launch, default_merge = few_rows.LAUNCH, triton_layers.MERGE_IN_LAST_SPLIT
-    variants = (("plain", dependent_launch.NONE, False), ("waiting first", dependent_launch.WAIT_FIRST, False),
-                ("first weight slice before the wait", dependent_launch.PREFETCH, False),
-                ("the same, splits merged by the last split", dependent_launch.PREFETCH, True))
+    folds = ("MERGE_IN_LAST_SPLIT", "ROTARY_IN_DECODE")  # the decode attention's launches folded (triton_layers)
+    defaults = (few_rows.LAUNCH, *(getattr(triton_layers, fold) for fold in folds))
+    prefetch = dependent_launch.PREFETCH
+    variants = (("plain", dependent_launch.NONE, ()), ("first weight slice before the wait", prefetch, ()),
+                ("the same, splits merged by the last split", prefetch, folds[:1]),
+                ("the same, rotary in the decode kernel", prefetch, folds[1:]),
+                ("the same, both", prefetch, folds))
     for name in ("llama-3.1-8b", "smollm2-135m", "qwen3-30b-a3b-24l"):
         manifest, model = load_model(core(cores, name), torch.device("cuda"), verify=False)
         caps, weights, plain = manifest.capacities, weight_bytes(model), None
         plan = decode_plan(1, CONTEXT, caps.page_size)
-        for label, launch, merge in variants:
-            few_rows.LAUNCH, triton_layers.MERGE_IN_LAST_SPLIT = launch, merge  # read when the graphs are captured
+        for label, launch, folded in variants:
+            few_rows.LAUNCH = launch  # read when the graphs are captured, as the folds are
+            for fold in folds:
+                setattr(triton_layers, fold, fold in folded)
             try:
                 executor = make("graph", model, -(-CONTEXT // caps.page_size), caps.page_size, 1,
                                 manifest.context_limit, caps.prefill_chunk_size)
@@ -254,7 +259,9 @@ def dependent(cores: Path, bandwidth: float) -> None:
             except Exception as error:  # a launch this GPU or Triton refuses is a row, not the end of the run
                 say(f"| {name} | {label} | {type(error).__name__}: {str(error)[:100]} | | |")
             torch.cuda.empty_cache()
-        few_rows.LAUNCH, triton_layers.MERGE_IN_LAST_SPLIT = default_launch, default_merge
+        few_rows.LAUNCH = defaults[0]
+        for fold, default in zip(folds, defaults[1:]):
+            setattr(triton_layers, fold, default)
         del model
         torch.cuda.empty_cache()
     say()

@@ -16,12 +16,15 @@ with the sums in fp32 as for any cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
 from engine.kernels.triton.kv_store import is_fp8
+from engine.kernels.triton.rotary import NORM_STYLES, rope_angles, rotated_heads, store_new_kv
 from engine.model.kv_quant import dequantize
 
 LOG2E = 1.4426950408889634
@@ -32,12 +35,14 @@ NO_WINDOW = 1 << 30
 
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr, kv_scale_ptr,
-                  count_ptr, stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2,
-                  window,
+                  count_ptr, qkv_ptr, pos_ptr, rope_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, norm_eps, stride_qkv,
+                  stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2, window,
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, MERGE_LAST: tl.constexpr,
-                  DEPENDENT: tl.constexpr):
+                  ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, DEPENDENT: tl.constexpr):
+    """ROPE: q_ptr is scratch [SPLITS * B, H, D] for the rotated queries of the step's tokens, which come from their
+    q/k/v product (qkv_ptr; the other ROPE arguments as rotary.py's _rope_store takes them)."""
     wait(DEPENDENT)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -52,7 +57,18 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if ROPE:
+        # Each split rotates the group's queries into rows of its own (then reads them back whole); the split whose
+        # keys end with the new token stores its key and value first.
+        q_rows = q_ptr + (split * tl.num_programs(0) + seq).to(tl.int64) * stride_qt
+        _rotate_and_store(qkv_ptr + seq.to(tl.int64) * stride_qkv, pos_ptr + seq, rope_ptr, slot_ptr + seq,
+                          q_norm_ptr, k_norm_ptr, norm_eps, q_rows, stride_qh, k_ptr, v_ptr, kv_scale_ptr, stride_ks,
+                          stride_kh, heads, g < GROUP, kv_head, (ctx - 1 >= begin) & (ctx - 1 < end), HEADS,
+                          KV_HEADS, HEAD_DIM, HEAD_DIM // 2, BLOCK_HALF, NORM, FP8)
+        tl.debug_barrier()
+    else:
+        q_rows = q_ptr + seq * stride_qt
+    q = tl.load(q_rows + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
     if FP8:
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
         v_scale = tl.load(kv_scale_ptr + KV_HEADS + kv_head)
@@ -97,6 +113,29 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
                 tl.store(count, 0)
                 _merge_group(part_ptr, lse_ptr, out_ptr, seq, heads, q_mask, stride_ot, stride_oh, HEADS, GROUP,
                              GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS)
+
+
+@triton.jit
+def _rotate_and_store(row, pos_ptr, rope_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, eps, q_rows, stride_qh, k_ptr, v_ptr,
+                      kv_scale_ptr, stride_ks, stride_kh, heads, live, kv_head, stores, HEADS: tl.constexpr,
+                      KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                      NORM: tl.constexpr, FP8: tl.constexpr):
+    """A token's q/k/v product `row`: query heads `heads` (where `live`) normalised and rotated into `q_rows`, and,
+    where `stores`, the key and value of `kv_head` into the token's cache slot, as rope_and_store does."""
+    dtype = row.dtype.element_ty
+    j = tl.arange(0, BLOCK_HALF)
+    jm = j < HALF
+    cos, sin = rope_angles(rope_ptr, tl.load(pos_ptr).to(tl.int64), j, jm, HEAD_DIM, HALF)
+    hm = live[:, None] & jm[None, :]
+    q1, q2 = rotated_heads(row, heads, hm, j, jm, cos, sin, q_norm_ptr, eps, HEAD_DIM, HALF, NORM, dtype)
+    tl.store(q_rows + heads[:, None] * stride_qh + j[None, :], q1, mask=hm)
+    tl.store(q_rows + heads[:, None] * stride_qh + HALF + j[None, :], q2, mask=hm)
+    if stores:
+        slot = tl.load(slot_ptr).to(tl.int64)
+        one = tl.arange(0, 2)  # the program's KV head, in a block of two (a block of one is not a tensor everywhere)
+        km = ((one < 1) & (one * 0 + slot >= 0))[:, None] & jm[None, :]
+        store_new_kv(row, slot, kv_head + one, km, j, jm, cos, sin, k_ptr, v_ptr, k_norm_ptr, kv_scale_ptr, eps,
+                     stride_ks, stride_kh, HEADS, KV_HEADS, HEAD_DIM, HALF, NORM, FP8, dtype)
 
 
 @triton.jit
@@ -154,35 +193,63 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_tables: torch.Tensor,
-                     seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
-                     splits: int, window: int = 0, kv_scale: torch.Tensor | None = None,
+@dataclass(frozen=True)
+class NewTokens:
+    """The step's tokens, one a sequence, as their q/k/v product [B, (H + 2 KVH) D], for decode_attention to rotate
+    and store (rotary.py's rope_and_store, inside the attention kernel: a launch a layer fewer). The arguments are
+    rope_and_store's."""
+    qkv: torch.Tensor
+    positions: torch.Tensor
+    table: torch.Tensor
+    slot_mapping: torch.Tensor
+    heads: int
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 1e-6
+    norm_style: str = "llama"
+
+
+def decode_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_tables: torch.Tensor, seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int,
+                     scale: float, splits: int, window: int = 0, kv_scale: torch.Tensor | None = None,
                      block_n: int = BLOCK_N, dependent: int = NONE, merge_in_last_split: bool = False
                      ) -> torch.Tensor:
-    """q [B, H, D] (token b is sequence b); caches [slots, KVH, D]; returns [B, H, D]. context_lens 0 gives zeros.
-    window > 0: the token at position p sees keys p - window < k <= p (transformers' sliding window). An FP8 cache
-    needs `kv_scale` [2, KVH] (keys', values'). `block_n`: keys a tile (benchmarks sweep it). `dependent`: the
-    kernels launched as dependent launches (engine/kernels/triton/dependent_launch.py). `merge_in_last_split`: no
-    merge kernel; launches of it on one device must follow one another (they share the counters)."""
-    batch, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    """q [B, H, D] (token b is sequence b), or the tokens before their rotary and cache store; caches [slots, KVH,
+    D]; returns [B, H, D]. context_lens 0 gives zeros. window > 0: the token at position p sees keys
+    p - window < k <= p (transformers' sliding window). An FP8 cache needs `kv_scale` [2, KVH] (keys', values').
+    `block_n`: keys a tile (benchmarks sweep it). `dependent`: the kernels launched as dependent launches
+    (engine/kernels/triton/dependent_launch.py). `merge_in_last_split`: no merge kernel; launches of it on one device
+    must follow one another (they share the counters)."""
+    new = q if isinstance(q, NewTokens) else None
+    kv_heads, head_dim = k_cache.shape[1:]
+    if new is not None:
+        assert new.qkv.stride(-1) == 1 and (new.q_norm is None) == (new.k_norm is None)
+        batch, heads = new.qkv.shape[0], new.heads
+        q = torch.empty(splits * batch, heads, head_dim, dtype=new.qkv.dtype, device=new.qkv.device)  # scratch
+    else:
+        batch, heads, _ = q.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
     group = heads // kv_heads
-    out = torch.empty_like(q)
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
     part = torch.empty(batch * heads * splits * head_dim if splits > 1 else 1, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     fp8 = is_fp8(k_cache)
     merge_last = merge_in_last_split and splits > 1
     counts = split_counts(q.device, batch * kv_heads) if merge_last else lse
+    rope = (new.qkv, new.positions, new.table, new.slot_mapping, new.q_norm if new.q_norm is not None else q,
+            new.k_norm if new.k_norm is not None else q, new.norm_eps, new.qkv.stride(0)) if new is not None else \
+        (q, q, q, q, q, q, 0.0, 0)
     _decode_split[(batch, kv_heads, splits)](
         q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out, kv_scale if fp8 else q, counts,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
+        *rope, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, window if window > 0 else NO_WINDOW,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), FP8=fp8, MERGE_LAST=merge_last, DEPENDENT=dependent, num_warps=4,
-        num_stages=2, **launch_options(dependent))
+        PRECISION=dot_precision(q.dtype), FP8=fp8, MERGE_LAST=merge_last, ROPE=new is not None,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        NORM=NORM_STYLES[new.norm_style if new is not None and new.q_norm is not None else None], DEPENDENT=dependent,
+        num_warps=4, num_stages=2, **launch_options(dependent))
     if splits > 1 and not merge_last:
         _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
                                       BLOCK_D=block_d, SPLITS=splits, DEPENDENT=dependent, num_warps=4,

@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 
 from engine.kernels.triton.activation import silu_and_mul
-from engine.kernels.triton.decode_attention import decode_attention, num_splits
+from engine.kernels.triton.decode_attention import NewTokens, decode_attention, num_splits
 from engine.kernels.triton.dependent_launch import NONE
 from engine.kernels.triton.extend_attention import extend_attention
 from engine.kernels.triton.fused_moe import fused_moe
@@ -28,6 +28,9 @@ from engine.model.moe import SparseMoE
 # fewer where a step splits its keys: few sequences). Off until measured against the merge kernel on a GPU
 # (`bench.lab.gpu.evidence --only dependent`).
 MERGE_IN_LAST_SPLIT = False
+# A decode step's rotary and cache store inside its attention kernel rather than a kernel of their own (one launch a
+# layer fewer); off until measured likewise.
+ROTARY_IN_DECODE = False
 
 
 @lru_cache
@@ -47,12 +50,7 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.zeros_like(q) if meta.extend is not None else torch.empty_like(q)
     if meta.decode is not None:
         d = meta.decode
-        rows = q if d.rows is None else q[d.rows]
-        # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
-        splits = num_splits(rows.shape[0], k_cache.shape[1], multiprocessors(q.device))
-        result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens,
-                                  meta.page_size, scale, splits, window=window or 0, kv_scale=kv_scale,
-                                  dependent=dependent, merge_in_last_split=MERGE_IN_LAST_SPLIT)
+        result = decode(q if d.rows is None else q[d.rows], k_cache, v_cache, meta, scale, window, kv_scale, dependent)
         if d.rows is None:
             out = result
         else:
@@ -63,6 +61,18 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0,
                          kv_scale=kv_scale)
     return out
+
+
+def decode(rows: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
+           scale: float, window: int | None, kv_scale: torch.Tensor | None, dependent: int) -> torch.Tensor:
+    """The decode rows' attention (kernel_attention's arguments), from their queries or their q/k/v product."""
+    d = meta.decode
+    batch = rows.qkv.shape[0] if isinstance(rows, NewTokens) else rows.shape[0]
+    # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
+    splits = num_splits(batch, k_cache.shape[1], multiprocessors(k_cache.device))
+    return decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens, meta.page_size,
+                            scale, splits, window=window or 0, kv_scale=kv_scale, dependent=dependent,
+                            merge_in_last_split=MERGE_IN_LAST_SPLIT)
 
 
 def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
@@ -76,6 +86,16 @@ def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: to
         norms = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, norm_eps=c.rms_norm_eps,
                      norm_style="gemma" if c.gemma_norms else "llama")
     paged = attn.attn
+    if ROTARY_IN_DECODE and meta.extend is None:
+        rows = meta.decode.rows  # (None in a graph; an eager step names them)
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+        new = NewTokens(pick(qkv), pick(positions), rope, pick(meta.slot_mapping), c.num_heads, **norms)
+        result = decode(new, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale, dependent)
+        if rows is None:
+            return result
+        out = result.new_empty(qkv.shape[0], *result.shape[1:])
+        out[rows] = result
+        return out
     q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
                        kv_scale=paged.kv_scale, dependent=dependent, **norms)
     return kernel_attention(q, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale, dependent)
