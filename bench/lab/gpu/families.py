@@ -112,20 +112,23 @@ def tokens(dtype: str) -> None:
     say()
 
 
-def bytes_per_decode_step(c: DecoderConfig, context: int, itemsize: int = 2) -> dict[str, int]:
-    """What a batch-1 decode step must read, by part: the weights it multiplies by and the KV cache it attends over
-    (the embedding row and the norms are negligible and left out)."""
+def bytes_per_decode_step(c: DecoderConfig, context: int, itemsize: int = 2, batch: int = 1) -> dict[str, float]:
+    """What a decode step of `batch` sequences must read, by part: the weights it multiplies by and the KV cache it
+    attends over (the embedding rows and the norms are negligible and left out). A mixture of experts reads each
+    expert some token of the batch routes to: E * (1 - (1 - k / E) ** batch) of them expected where the router
+    spreads tokens evenly over the E experts, as random weights' routers do."""
     hidden, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    parts = {"attention": 0, "router": 0, "active experts": 0, "dense MLP": 0}
+    parts = {"attention": 0.0, "router": 0.0, "active experts": 0.0, "dense MLP": 0.0}
     for layer in range(c.num_layers):
         parts["attention"] += (hidden * (q + 2 * kv) + q * hidden) * itemsize
         if c.is_moe(layer):
+            experts = c.num_experts * (1 - (1 - c.num_experts_per_tok / c.num_experts) ** batch)
             parts["router"] += c.num_experts * hidden * itemsize
-            parts["active experts"] += c.num_experts_per_tok * 3 * c.moe_intermediate_size * hidden * itemsize
+            parts["active experts"] += experts * 3 * c.moe_intermediate_size * hidden * itemsize
         else:
             parts["dense MLP"] += 3 * c.intermediate_size * hidden * itemsize
     parts["LM head"] = c.vocab_size * hidden * itemsize
-    parts["KV cache"] = c.num_layers * 2 * context * kv * itemsize
+    parts["KV cache"] = batch * c.num_layers * 2 * context * kv * itemsize
     return {name: size for name, size in parts.items() if size}
 
 
@@ -137,12 +140,15 @@ def moe(bandwidth: float, layers: int | None) -> None:
     say(f"## Qwen3-30B-A3B architecture ({c.num_layers} layers, {c.num_experts} experts, top {c.num_experts_per_tok}), "
         f"bf16: decode step time vs batch (context {CONTEXT} tokens per sequence; {graphs} graphs captured in "
         f"{seconds:.1f} s)")
-    say("| batch | eager ms/step | graph ms/step (wall) | graph ms/step (GPU) | speedup | tokens/s (graph) |")
-    say("| --- | --- | --- | --- | --- | --- |")
+    say("| batch | eager ms/step | graph ms/step (wall) | graph ms/step (GPU) | speedup | tokens/s (graph) | "
+        "bytes a step reads (GB) | at copy bandwidth ms | share of copy bandwidth |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for batch in BATCHES:
         eager, _ = times["eager"][batch]
         wall, gpu = times["graph"][batch]
-        say(f"| {batch} | {eager:.2f} | {wall:.2f} | {gpu:.2f} | {eager / wall:.2f}x | {batch / wall * 1000:.0f} |")
+        read = sum(bytes_per_decode_step(c, CONTEXT, batch=batch).values())
+        say(f"| {batch} | {eager:.2f} | {wall:.2f} | {gpu:.2f} | {eager / wall:.2f}x | {batch / wall * 1000:.0f} | "
+            f"{read / 1e9:.2f} | {read / bandwidth * 1000:.2f} | {read / (gpu / 1000) / bandwidth:.1%} |")
     parts = bytes_per_decode_step(c, CONTEXT)
     total = sum(parts.values())
     wall, gpu = times["graph"][1]
