@@ -9,9 +9,9 @@ names: a step at batch 1 then launches one kernel a layer instead of two. Short 
 GPU's multiprocessors all have work.
 
 An FP8 cache (engine/model/kv_quant.py) is read as e4m3 (half the bytes of a bfloat16 one) and widened in registers
-to the query's dtype, which holds every e4m3 value exactly; the program's KV head has one key scale and one value
-scale, so the key scale joins the softmax scale and the value scale multiplies the program's output: value * scale,
-with the sums in fp32 as for any cache.
+(kv_store.widened: float16 for a 16-bit model, with its queries), which holds every e4m3 value exactly; the program's
+KV head has one key scale and one value scale, so the key scale joins the softmax scale and the value scale multiplies
+the program's output: value * scale, with the sums in fp32 as for any cache.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
-from engine.kernels.triton.kv_store import is_fp8
+from engine.kernels.triton.kv_store import is_fp8, widened
 from engine.kernels.triton.rotary import NORM_STYLES, rope_angles, rotated_heads, store_new_kv
 from engine.model.kv_quant import dequantize
 
@@ -40,7 +40,8 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                   SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, MERGE_LAST: tl.constexpr,
-                  ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, DEPENDENT: tl.constexpr):
+                  ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, WIDE: tl.constexpr,
+                  DEPENDENT: tl.constexpr):
     """ROPE: q_ptr is scratch [SPLITS * B, H, D] for the rotated queries of the step's tokens, which come from their
     q/k/v product (qkv_ptr; the other ROPE arguments as rotary.py's _rope_store takes them)."""
     wait(DEPENDENT)
@@ -68,7 +69,7 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
         tl.debug_barrier()
     else:
         q_rows = q_ptr + seq * stride_qt
-    q = tl.load(q_rows + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_rows + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0).to(WIDE)
     if FP8:
         scale_log2 = scale_log2 * tl.load(kv_scale_ptr + kv_head)
         v_scale = tl.load(kv_scale_ptr + KV_HEADS + kv_head)
@@ -248,8 +249,8 @@ def decode_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
         PRECISION=dot_precision(q.dtype), FP8=fp8, MERGE_LAST=merge_last, ROPE=new is not None,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        NORM=NORM_STYLES[new.norm_style if new is not None and new.q_norm is not None else None], DEPENDENT=dependent,
-        num_warps=4, num_stages=2, **launch_options(dependent))
+        NORM=NORM_STYLES[new.norm_style if new is not None and new.q_norm is not None else None],
+        WIDE=widened(k_cache, q.dtype), DEPENDENT=dependent, num_warps=4, num_stages=2, **launch_options(dependent))
     if splits > 1 and not merge_last:
         _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
                                       BLOCK_D=block_d, SPLITS=splits, DEPENDENT=dependent, num_warps=4,

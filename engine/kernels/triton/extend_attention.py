@@ -13,8 +13,8 @@ call by a one-program kernel) and each block's own keys, never on the grid, so a
 compute the same numbers. Decode rows of a mixed step are one-token
 sequences here.
 
-An FP8 cache is read as decode attention reads it (engine/kernels/triton/decode_attention.py): e4m3 widened to the
-query's dtype in registers, the program's KV head's key scale joined to the softmax scale and its value scale
+An FP8 cache is read as decode attention reads it (engine/kernels/triton/decode_attention.py): e4m3 widened in
+registers (kv_store.widened), the program's KV head's key scale joined to the softmax scale and its value scale
 multiplying the tile's output.
 
 Blocks come in three sizes, each in a launch of its own whose programs exit at once on the others' blocks: full
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.decode_attention import LOG2E, NO_WINDOW, dot_precision, float_keys
-from engine.kernels.triton.kv_store import is_fp8
+from engine.kernels.triton.kv_store import is_fp8, widened
 
 BLOCK_M = 128  # new tokens per listed block
 NARROW = 16  # blocks of at most this many rows run in 16-row tiles
@@ -114,7 +114,8 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
             PACK: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr,
             BLOCK_N: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, NARROW: tl.constexpr, MEDIUM: tl.constexpr,
-            SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_HEADS: tl.constexpr, FP8: tl.constexpr):
+            SIZE: tl.constexpr, PRECISION: tl.constexpr, KV_HEADS: tl.constexpr, FP8: tl.constexpr,
+            WIDE: tl.constexpr):
     """One program: TILE_M rows of one block, each row a (new token, query head) pair: TILE_M // PACK tokens times
     PACK heads of one group (PACK 1: one head). A narrow block's program walks all its tokens, TILE_M // PACK at a
     time: most narrow blocks are decode rows of one token, and a program per token group would mostly launch only to
@@ -157,7 +158,7 @@ def _extend(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, tables_ptr, seq_tab
         _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row, first, qlen, qstart, ctx, lo, end,
                      begin, stop, block * splits + split, tile_splits, heads, stride_qt, stride_qh, stride_ot,
                      stride_oh, stride_ks, stride_kh, scale_log2, v_scale, window, GROUP, PACK, HEAD_DIM, BLOCK_D,
-                     PAGE, BLOCK_M, TILE_M, BLOCK_N, PRECISION, FP8)
+                     PAGE, BLOCK_M, TILE_M, BLOCK_N, PRECISION, FP8, WIDE)
 
 
 @triton.jit
@@ -165,8 +166,10 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row0, f
                  begin, stop, part_item, tile_splits, heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_ks,
                  stride_kh, scale_log2, v_scale, window, GROUP: tl.constexpr, PACK: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr):
-    """The tile of rows from row0 on over keys [begin, stop): its output, or its split's partial result."""
+                 TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
+                 WIDE: tl.constexpr):
+    """The tile of rows from row0 on over keys [begin, stop): its output, or its split's partial result. WIDE: the
+    dtype the queries, keys and values are multiplied in (kv_store.widened)."""
     r = tl.arange(0, TILE_M)
     i = row0 + r // PACK
     head = tl.program_id(1) * PACK + r % PACK
@@ -175,7 +178,7 @@ def _attend_tile(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, lse_ptr, table, row0, f
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     q = tl.load(q_ptr + (qstart + i).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=rows[:, None] & dmask[None, :], other=0.0)
+                mask=rows[:, None] & dmask[None, :], other=0.0).to(WIDE)
     m = tl.full([TILE_M], float("-inf"), tl.float32)
     l = tl.zeros([TILE_M], tl.float32)
     acc = tl.zeros([TILE_M, BLOCK_D], tl.float32)
@@ -331,7 +334,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             out.stride(1),
             k_cache.stride(0), k_cache.stride(1), page_tables.stride(0), scale * LOG2E, window,
             GROUP=group, PACK=pack, PAGE=page_size, TILE_M=tile, NARROW=NARROW, MEDIUM=MEDIUM, SIZE=size,
-            PRECISION=dot_precision(q.dtype), KV_HEADS=k_cache.shape[1], FP8=fp8,
+            PRECISION=dot_precision(q.dtype), KV_HEADS=k_cache.shape[1], FP8=fp8, WIDE=widened(k_cache, q.dtype),
             num_warps=4 if name == "narrow" else warps, num_stages=stages, **common)
     _extend_merge[(min(num_blocks, -(-programs // heads)), heads, BLOCK_M // tile_m)](
         out, part, lse, query_start, query_len, context_lens, block_seq, block_first, plan, out.stride(0),

@@ -52,6 +52,20 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.float8_e4m3fn
 
 
+# The attention kernels widen an e4m3 cache's keys and values, and a 16-bit model's queries, to float16 (exact for
+# every e4m3 value, and for a bfloat16 query below 65,504 in magnitude): Hopper converts a pair of e4m3 values to
+# float16 in one instruction, where reaching bfloat16 takes more. False: to the query's dtype, as before (the kernel
+# bench compares both).
+E4M3_TO_FLOAT16 = True
+
+
+def widened(cache: torch.Tensor, query: torch.dtype) -> tl.dtype:
+    """The dtype an attention kernel computes in over `cache` for queries of dtype `query`."""
+    if is_fp8(cache) and query != torch.float32 and E4M3_TO_FLOAT16:
+        return tl.float16
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[query]
+
+
 def store_kv_reference(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
     keep = slot_mapping >= 0
