@@ -52,11 +52,11 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == torch.float8_e4m3fn
 
 
-# The attention kernels widen an e4m3 cache's keys and values, and a 16-bit model's queries, to float16 (exact for
-# every e4m3 value, and for a bfloat16 query below 65,504 in magnitude): Hopper converts a pair of e4m3 values to
-# float16 in one instruction, where reaching bfloat16 takes more. False: to the query's dtype, as before (the kernel
-# bench compares both).
-E4M3_TO_FLOAT16 = True
+# Whether the attention kernels widen an e4m3 cache's keys and values, and a 16-bit model's queries, to float16
+# (exact for every e4m3 value, and for a bfloat16 query below 65,504 in magnitude) rather than to the query's dtype:
+# Hopper converts a pair of e4m3 values to float16 in one instruction, where reaching bfloat16 takes more. Off until
+# a GPU measures both (bench.lab.gpu.kernels --only decode --only extend).
+E4M3_TO_FLOAT16 = False
 
 
 def widened(cache: torch.Tensor, query: torch.dtype) -> tl.dtype:
