@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from engine.kernels.triton.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
 from engine.kernels.triton.extend_attention import extend_attention, extend_attention_reference  # noqa: E402
+from engine.kernels.triton import kv_store  # noqa: E402
 from engine.kernels.triton.kv_store import store_kv, store_kv_reference  # noqa: E402
 from engine.kernels.triton.rotary import rope_and_store, rope_and_store_reference, rope_table  # noqa: E402
 from engine.model.kv_quant import FP8, quantize  # noqa: E402
@@ -86,7 +87,10 @@ def test_rope_and_store_quantizes_the_rotated_key_and_the_value(dtype: torch.dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_over_fp8_pages_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("to_float16", [False, True], ids=["widened-to-the-query-dtype", "widened-to-float16"])
+def test_decode_attention_over_fp8_pages_matches_reference(dtype: torch.dtype, to_float16: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_store, "E4M3_TO_FLOAT16", to_float16)
     heads, kv_heads, head_dim, page = SHAPES[0]
     g = torch.Generator().manual_seed(13)
     contexts = [1, page + 3, 3 * page + 5, 0] if not GPU else [1, 63, 1000, 0, 4097, 32768]
@@ -106,7 +110,10 @@ def test_decode_attention_over_fp8_pages_matches_reference(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_extend_attention_over_fp8_pages_matches_reference(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("to_float16", [False, True], ids=["widened-to-the-query-dtype", "widened-to-float16"])
+def test_extend_attention_over_fp8_pages_matches_reference(dtype: torch.dtype, to_float16: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_store, "E4M3_TO_FLOAT16", to_float16)
     shape = SHAPES[0]
     page, head_dim = shape[3], shape[2]
     g = torch.Generator().manual_seed(14)
