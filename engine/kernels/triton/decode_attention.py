@@ -219,8 +219,8 @@ def decode_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache
     D]; returns [B, H, D]. context_lens 0 gives zeros. window > 0: the token at position p sees keys
     p - window < k <= p (transformers' sliding window). An FP8 cache needs `kv_scale` [2, KVH] (keys', values').
     `block_n`: keys a tile (benchmarks sweep it). `dependent`: the kernels launched as dependent launches
-    (engine/kernels/triton/dependent_launch.py). `merge_in_last_split`: no merge kernel; launches of it on one device
-    must follow one another (they share the counters)."""
+    (engine/kernels/triton/dependent_launch.py). `merge_in_last_split`: no merge kernel; launches of it on one
+    stream share its counters (split_counts), so they must follow one another there."""
     new = q if isinstance(q, NewTokens) else None
     kv_heads, head_dim = k_cache.shape[1:]
     if new is not None:
@@ -258,14 +258,16 @@ def decode_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache
     return out
 
 
-_COUNTS: dict[torch.device, list[torch.Tensor]] = {}
+_COUNTS: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 
 def split_counts(device: torch.device, pairs: int) -> torch.Tensor:
     """Zeroed int32 counters for `pairs` (sequence, KV head) pairs on `device`, each left at zero by the program that
-    counts last. Made outside any graph capture (a graph's steps first run uncaptured) and never freed: graphs
-    captured over a smaller one keep using it."""
-    made = _COUNTS.setdefault(device, [])
+    counts last; one set for each stream (a draft model's graphs run beside the target's, on a stream of their own).
+    Made outside any graph capture (a graph's steps first run uncaptured, on the capture's stream) and never freed:
+    graphs captured over a smaller set keep using it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    made = _COUNTS.setdefault((device, stream), [])
     if not made or made[-1].numel() < pairs:
         assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "counters made in a capture"
         made.append(torch.zeros(max(pairs, 2 * made[-1].numel() if made else 1024), dtype=torch.int32,
