@@ -487,7 +487,8 @@ def test_graph_executor_produces_the_eager_executors_tokens(dtype: torch.dtype) 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU or torch.cuda.get_device_capability()[0] < 9,
                     reason="dependent launches need a GPU of compute capability 9 or later")
-@pytest.mark.parametrize("launch", [dependent_launch.WAIT_FIRST, dependent_launch.PREFETCH])
+@pytest.mark.parametrize("launch", [dependent_launch.WAIT_FIRST, dependent_launch.PREFETCH,
+                                    dependent_launch.PREFETCH_EARLY])
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_one_row_graphs_of_dependent_launches_produce_the_plain_launches_tokens(
         family: str, launch: int, monkeypatch: pytest.MonkeyPatch) -> None:

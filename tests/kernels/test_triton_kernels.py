@@ -273,7 +273,8 @@ def test_gemv_matches_reference(dtype: torch.dtype, fusion: str, fp8: str | None
 
 @pytest.mark.skipif(not GPU or not dependent_launch.supported(DEVICE),
                     reason="dependent launches need a GPU of compute capability 9 or later")
-@pytest.mark.parametrize("dependent", [dependent_launch.WAIT_FIRST, dependent_launch.PREFETCH])
+@pytest.mark.parametrize("dependent", [dependent_launch.WAIT_FIRST, dependent_launch.PREFETCH,
+                                       dependent_launch.PREFETCH_EARLY])
 def test_dependent_gemv_launches_in_a_graph_equal_plain_ones(dependent: int) -> None:
     """Every product reads the one before it, and half add to a residual the others read: a program that read or
     wrote before the kernel before it had finished would change the numbers."""

@@ -231,11 +231,12 @@ def dependent(cores: Path, bandwidth: float) -> None:
     say("| --- | --- | --- | --- | --- |")
     folds = ("MERGE_IN_LAST_SPLIT", "ROTARY_IN_DECODE")  # the decode attention's launches folded (triton_layers)
     defaults = (few_rows.LAUNCH, *(getattr(triton_layers, fold) for fold in folds))
-    prefetch = dependent_launch.PREFETCH
+    prefetch, early = dependent_launch.PREFETCH, dependent_launch.PREFETCH_EARLY
     variants = (("plain", dependent_launch.NONE, ()), ("first weight slice before the wait", prefetch, ()),
-                ("the same, splits merged by the last split", prefetch, folds[:1]),
-                ("the same, rotary in the decode kernel", prefetch, folds[1:]),
-                ("the same, both", prefetch, folds))
+                ("the same, the next kernel released early", early, ()),
+                ("first slice before the wait, splits merged by the last split", prefetch, folds[:1]),
+                ("first slice before the wait, rotary in the decode kernel", prefetch, folds[1:]),
+                ("released early, both folds", early, folds))
     for name in ("llama-3.1-8b", "smollm2-135m", "qwen3-30b-a3b-24l"):
         manifest, model = load_model(core(cores, name), torch.device("cuda"), verify=False)
         caps, weights, plain = manifest.capacities, weight_bytes(model), None

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from bench.lab.gpu.evidence import say, sections_main
 from bench.lab.gpu.kernels import graph_ms, max_diff
 from engine.kernels.triton.activation import silu_and_mul
-from engine.kernels.triton.dependent_launch import NONE, PREFETCH, WAIT_FIRST
+from engine.kernels.triton.dependent_launch import NONE, PREFETCH, PREFETCH_EARLY, WAIT_FIRST
 from engine.kernels.triton.gemv import GemvConfig, gemv, gemv_reference
 from engine.kernels.triton.rmsnorm import add_rms_norm
 
@@ -129,7 +129,8 @@ def bench_chain() -> None:
 
         plain = chain(NONE).clone()
         for label, dependent in (("plain", NONE), ("dependent, waiting first", WAIT_FIRST),
-                                 ("dependent, first weight slice before the wait", PREFETCH)):
+                                 ("dependent, first weight slice before the wait", PREFETCH),
+                                 ("the same, the next kernel released early", PREFETCH_EARLY)):
             try:
                 ms = graph_ms(lambda: chain(dependent), replays=2) / CHAIN_LAYERS
                 diff = max_diff(chain(dependent), plain)

@@ -17,7 +17,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-NONE, WAIT_FIRST, PREFETCH = 0, 1, 2  # not dependent; dependent, waiting first; dependent, weights read before
+# Not dependent; dependent, waiting first; dependent, weights read before; the same, and the kernel after a GEMV
+# released as soon as the GEMV's programs have all started (their first weight slices in flight) rather than once
+# they have all read their weights: its programs then take the multiprocessors the GEMV's last ones leave free.
+NONE, WAIT_FIRST, PREFETCH, PREFETCH_EARLY = 0, 1, 2, 3
 
 
 @functools.cache

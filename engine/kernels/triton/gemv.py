@@ -20,7 +20,8 @@ of one token then reads one byte a weight.
 Launched as a dependent kernel (engine/kernels/triton/dependent_launch.py; `dependent`), a program waits for the
 kernel before it either first (WAIT_FIRST) or after reading its first slice of the weight (PREFETCH), which no step
 writes: the load is then in flight while the kernel before drains. Only PREFETCH takes the first slice out of the K
-loop, whose pipelining would otherwise load it beside the next ones.
+loop, whose pipelining would otherwise load it beside the next ones. PREFETCH_EARLY lets the next kernel's programs
+be placed once this one's have all started rather than once they have read their weights.
 """
 
 from __future__ import annotations
@@ -115,8 +116,10 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
     first = 0
     if DEPENDENT == 1:  # WAIT_FIRST
         wait(DEPENDENT)
-    if DEPENDENT == 2:  # PREFETCH: the first slice's load in flight across the wait, the loop from the second on
+    if DEPENDENT >= 2:  # PREFETCH: the first slice's load in flight across the wait, the loop from the second on
         w = _weight_slice(w_ptrs, 0, k, k_in, EVEN_K)
+        if DEPENDENT == 3:  # PREFETCH_EARLY
+            release(DEPENDENT)
         wait(DEPENDENT)
         acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, 0, k_in, stride_s, scale_k,
                                    PROLOGUE, W_SCALE, EVEN_K, dtype)
@@ -125,7 +128,8 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
         w = _weight_slice(w_ptrs, start, k, k_in, EVEN_K)
         acc, squares = _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, start, k_in, stride_s,
                                    scale_k, PROLOGUE, W_SCALE, EVEN_K, dtype)
-    release(DEPENDENT)  # the next kernel's programs may be placed as this one's last ones finish
+    if DEPENDENT != 3:
+        release(DEPENDENT)  # the next kernel's programs may be placed as this one's last ones finish
     y = tl.sum(acc, 1)
     if W_SCALE == 1:
         y = y * tl.load(s_ptr + rows * stride_s)
