@@ -8,11 +8,15 @@ dequantized instead, and this module runs only under the Triton interpreter, in 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.model.fp8 import BLOCK_SCALE, CHANNEL_SCALE, VALUES, rows_expanded
+
+if TYPE_CHECKING:
+    from engine.kernels.triton.fp8_linear import E4m3Rows
 
 # Which kernel a step of T tokens takes (bench/lab/gpu/fp8.py's sweep on an H200): up to GEMV_ROWS, the GEMV; up to
 # DEQUANTIZED_ROWS, the weight tiles dequantized onto the tensor cores (read once for every row, the activations as
@@ -58,11 +62,21 @@ class Fp8Linear(nn.Module):
         return cls(torch.cat([p.values for p in parts]), torch.cat(scales), scale_k,
                    None if first.bias is None else torch.cat([p.bias for p in parts]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.kernels.triton.fp8_linear import (fp8_dequantized_gemm, fp8_gemm, fp8_scaled_mm,
-                                                      gemm_block_k)
+    def takes_e4m3(self, rows: int) -> bool:
+        """Whether a step of `rows` tokens multiplies e4m3 activations here (forward then takes them already
+        quantized: E4m3Rows)."""
+        from engine.kernels.triton.fp8_linear import gemm_block_k
+
+        tiled = gemm_block_k(self.scale_k or self.in_features, self.in_features) is not None
+        return rows > DEQUANTIZED_ROWS and tiled
+
+    def forward(self, x: torch.Tensor | E4m3Rows) -> torch.Tensor:
+        from engine.kernels.triton.fp8_linear import E4m3Rows, fp8_dequantized_gemm, gemm_block_k
         from engine.kernels.triton.gemv import fp8_config, gemv
 
+        if isinstance(x, E4m3Rows):
+            assert self.takes_e4m3(x.values.shape[0])
+            return self._e4m3_product(x)
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -73,11 +87,18 @@ class Fp8Linear(nn.Module):
                        config=None if rows.is_cuda else replace(fp8_config(*self.values.shape), block_n=64))
         elif rows.shape[0] <= DEQUANTIZED_ROWS:
             out = fp8_dequantized_gemm(rows, self.values, self.scale, self.scale_k, self.bias)
-        elif self.scale_k is None and rows.is_cuda:
-            out = fp8_scaled_mm(rows, self.values, self.scale, self.bias)
         else:
-            out = fp8_gemm(rows, self.values, self.scale, self.scale_k, self.bias)
+            out = self._e4m3_product(rows)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _e4m3_product(self, rows: torch.Tensor | E4m3Rows) -> torch.Tensor:
+        """Activations quantized per token (here, or by the kernel before) times the weight: cuBLASLt's product for
+        a scale per output row, the Triton GEMM for block scales."""
+        from engine.kernels.triton.fp8_linear import fp8_gemm, fp8_scaled_mm
+
+        if self.scale_k is None and self.values.is_cuda:
+            return fp8_scaled_mm(rows, self.values, self.scale, self.bias)
+        return fp8_gemm(rows, self.values, self.scale, self.scale_k, self.bias)
 
 
 def fp8_linears(model: nn.Module, state: dict[str, torch.Tensor], block: tuple[int, int] | None) -> None:

@@ -114,3 +114,33 @@ def test_fp8_graphs_give_the_eager_executors_tokens(family: str, tmp_path: Path)
         harness.close()
         tokens.append(request.tokens[len(prompt):])
     assert tokens[0] == tokens[1] and len(tokens[0]) == 8
+
+
+@pytest.mark.skipif(GPU, reason="the GPU compares graphs with eager steps (below)")
+def test_long_steps_take_their_e4m3_rows_from_the_norm_and_silu_kernels(fp8_core: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step over DEQUANTIZED_ROWS: q/k/v and gate/up take their rows quantized by the RMSNorm kernel, down by the
+    SiLU kernel (engine/model/backends/triton_layers.py), with the logits of quantizing them apart, bit for bit."""
+    from engine.kernels.triton.activation import silu_and_mul
+    from engine.kernels.triton.fp8_linear import E4m3Rows, quantize_rows
+    from engine.kernels.triton.rmsnorm import add_rms_norm
+    from engine.model.backends import triton_layers
+
+    model = kernel_model(fp8_core)
+    fused = {"norm": 0, "silu": 0}
+    for name, key in (("add_rms_norm_e4m3", "norm"), ("silu_and_mul_e4m3", "silu")):
+        def counted(*args: object, made=getattr(triton_layers, name), key=key) -> object:
+            fused[key] += 1
+            return made(*args)
+        monkeypatch.setattr(triton_layers, name, counted)
+    got = last_logits(model, LONG)
+    layers = len(model.model.layers)
+    assert fused == {"norm": 2 * layers, "silu": layers}
+
+    def apart(x: torch.Tensor) -> E4m3Rows:
+        return E4m3Rows(*quantize_rows(x), x.dtype)
+
+    monkeypatch.setattr(triton_layers, "add_rms_norm_e4m3",
+                        lambda *args: (apart(add_rms_norm(*args)[0]), add_rms_norm(*args)[1]))
+    monkeypatch.setattr(triton_layers, "silu_and_mul_e4m3", lambda x: apart(silu_and_mul(x)))
+    assert torch.equal(last_logits(model, LONG), got)

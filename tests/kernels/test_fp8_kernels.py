@@ -129,6 +129,35 @@ def test_rows_are_quantized_per_token_as_their_reference() -> None:
     assert torch.equal(values.float(), expected_values.float())  # as numbers: -0 (zeros times -1) equals 0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_and_silu_kernels_write_the_rows_quantize_rows_makes_of_their_output(dtype: torch.dtype) -> None:
+    """add_rms_norm_e4m3 and silu_and_mul_e4m3: the same e4m3 bytes and scales as their bf16 (here fp16/fp32) kernels
+    followed by quantize_rows, a row of zeros among them, and the same product from the FP8 GEMM."""
+    from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_e4m3
+    from engine.kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_e4m3
+
+    generator = torch.Generator().manual_seed(4)
+    hidden, inter = (4096, 14336) if GPU else (96, 2100)  # a SiLU row over several of its kernel's blocks
+    x, residual = (torch.randn(2, 7, hidden, generator=generator) * 3).to(dtype).to(DEVICE)
+    x[3] = -residual[3]  # a row of zeros
+    weight = (torch.randn(hidden, generator=generator) * 0.5 + 1).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(7, 2 * inter, generator=generator) * 2).to(dtype).to(DEVICE)
+    gate_up[2] = 0
+    same_bytes = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731
+    normed, summed = add_rms_norm(x, residual, weight, 1e-6)
+    rows, fused_summed = add_rms_norm_e4m3(x, residual, weight, 1e-6)
+    values, scales = quantize_rows(normed)
+    assert torch.equal(fused_summed, summed) and rows.dtype == dtype
+    assert same_bytes(rows.values, values) and torch.equal(rows.scales, scales)
+    rows = silu_and_mul_e4m3(gate_up)
+    values, scales = quantize_rows(silu_and_mul(gate_up))
+    assert same_bytes(rows.values, values) and torch.equal(rows.scales, scales)
+    w_values, w_scale = channel_quantized(torch.randn(32, inter, generator=generator))
+    w_values, w_scale = w_values.to(DEVICE), w_scale.to(DEVICE)
+    assert torch.equal(fp8_gemm(rows, w_values, w_scale, None), fp8_gemm(silu_and_mul(gate_up), w_values, w_scale,
+                                                                          None))
+
+
 def test_gemm_tiles_fit_inside_scale_blocks() -> None:
     assert gemm_block_k(128, 4096) == 128 and gemm_block_k(4096, 4096) == 128
     assert gemm_block_k(96, 192) == 32 and gemm_block_k(32, 80) == 32

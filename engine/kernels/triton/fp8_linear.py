@@ -31,6 +31,33 @@ E4M3_MAX = 448.0
 SUM_BLOCK_N = 1024  # _sum_splits' columns a program
 
 
+@dataclass(frozen=True)
+class E4m3Rows:
+    """Activations already quantized per token as quantize_rows makes them, by the kernel before the product (the
+    RMSNorm's or SiLU-and-mul's: rmsnorm.add_rms_norm_e4m3, activation.silu_and_mul_e4m3); `dtype`: the product's."""
+    values: torch.Tensor  # [T, K] e4m3
+    scales: torch.Tensor  # [T] fp32
+    dtype: torch.dtype
+
+
+@triton.jit
+def row_scale(largest):
+    """A row's scale from its largest magnitude: times the reciprocal of 448, as the reference computes it (torch
+    divides by a number that way on a GPU); a row of zeros takes 1 (any scale gives zeros). The values are then
+    divided by it correctly rounded (to_e4m3), as torch divides by a tensor."""
+    scale = largest * (1.0 / 448.0)
+    return tl.where(scale > 0, scale, 1.0)
+
+
+@triton.jit
+def store_e4m3_row(y, ptrs, mask, scale_ptr):
+    """A whole row y (fp32, in registers; zeros where not `mask`) stored as e4m3 values at `ptrs` over its scale,
+    stored at `scale_ptr`: what quantize_rows makes of it."""
+    scale = row_scale(tl.max(tl.abs(y), 0))
+    tl.store(ptrs, to_e4m3(y, scale, ptrs.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr, scale)
+
+
 @triton.jit
 def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -39,11 +66,7 @@ def _quantize_rows(x_ptr, q_ptr, s_ptr, k_in, stride_x, stride_q, BLOCK_K: tl.co
     for start in range(0, k_in, BLOCK_K):
         a = tl.load(x_ptr + row * stride_x + start + k, mask=start + k < k_in, other=0.0).to(tl.float32)
         largest = tl.maximum(largest, tl.abs(a))
-    # The scale times the reciprocal, as the reference computes it (torch divides by a number that way on a GPU);
-    # the values by a correctly rounded division (Triton's `/` is the approximate one there), as torch divides by
-    # a tensor: a quotient by a tie between two e4m3 neighbours then rounds as the reference's does.
-    scale = tl.max(largest, 0) * (1.0 / 448.0)
-    scale = tl.where(scale > 0, scale, 1.0)  # a row of zeros: any scale gives zeros
+    scale = row_scale(tl.max(largest, 0))
     for start in range(0, k_in, BLOCK_K):
         inside = start + k < k_in
         a = tl.load(x_ptr + row * stride_x + start + k, mask=inside, other=0.0).to(tl.float32)
@@ -198,17 +221,22 @@ def quantize_rows(x: torch.Tensor, block_k: int = 256) -> tuple[torch.Tensor, to
     return values, scales
 
 
-def fp8_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
+def fp8_gemm(x: torch.Tensor | E4m3Rows, values: torch.Tensor, scale: torch.Tensor, scale_k: int | None,
              bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
-    """x [T, K] quantized per token, times the FP8 weight [N, K]^T (+ bias), in x's dtype; the scale blocks' columns
-    must take a K tile (gemm_block_k). config: gemm_config(T) when not given."""
-    n_out, k_in, scale_k = _checked(x, values, scale, scale_k)
+    """x [T, K] quantized per token (or already so), times the FP8 weight [N, K]^T (+ bias), in x's dtype; the scale
+    blocks' columns must take a K tile (gemm_block_k). config: gemm_config(T) when not given."""
+    a, a_scale = e4m3_rows(x)
+    n_out, k_in, scale_k = _checked(a, values, scale, scale_k)
     block_k = gemm_block_k(scale_k, k_in)
     assert block_k is not None, f"scale blocks of {scale_k} columns take no K tile"
-    config = config or gemm_config(x.shape[0])
-    a, a_scale = quantize_rows(x)
+    config = config or gemm_config(a.shape[0])
     return _launch(a, a_scale, values, scale, scale_k, bias, x.dtype, config.block_m, config.block_n, block_k,
                    config.group_m, config.num_warps, config.num_stages, config.split_k)
+
+
+def e4m3_rows(x: torch.Tensor | E4m3Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 product's activations as e4m3 values and a scale per row: quantize_rows, unless already made."""
+    return (x.values, x.scales) if isinstance(x, E4m3Rows) else quantize_rows(x)
 
 
 def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, values: torch.Tensor, scale: torch.Tensor, scale_k: int,
@@ -247,12 +275,12 @@ def fp8_dequantized_gemm(x: torch.Tensor, values: torch.Tensor, scale: torch.Ten
                    config.num_warps, config.num_stages, config.split_k)
 
 
-def fp8_scaled_mm(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor,
+def fp8_scaled_mm(x: torch.Tensor | E4m3Rows, values: torch.Tensor, scale: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """fp8_gemm's product for one scale per output row, by cuBLASLt (torch._scaled_mm with row-wise scales): the
     activations quantized per token as fp8_gemm quantizes them."""
-    n_out, k_in, _ = _checked(x, values, scale, None)
-    a, a_scale = quantize_rows(x)
+    a, a_scale = e4m3_rows(x)
+    _checked(a, values, scale, None)
     return torch._scaled_mm(a, values.T, scale_a=a_scale[:, None], scale_b=scale.T, bias=bias, out_dtype=x.dtype)
 
 

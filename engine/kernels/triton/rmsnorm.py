@@ -1,7 +1,9 @@
 """Fused residual add + RMSNorm: one pass over each row instead of the eight kernels the torch expression takes.
 
 The rounding follows the torch reference (engine/model/norms.py): the sum rounds to the activations' dtype, the
-variance is taken in float32, the normalised row rounds before the weight multiplies it.
+variance is taken in float32, the normalised row rounds before the weight multiplies it. Before an FP8 product of
+many rows the kernel writes the row quantized per token instead (add_rms_norm_e4m3: the product's activation
+quantization, engine/kernels/triton/fp8_linear.py, without a pass of its own).
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
+from engine.kernels.triton.fp8_linear import E4m3Rows, store_e4m3_row
 
 
 @triton.jit
-def _add_rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, size, eps, stride_x, stride_r, stride_o, stride_ro,
-                  HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
+def _add_rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr, size, eps, stride_x, stride_r, stride_o,
+                  stride_ro, HAS_RESIDUAL: tl.constexpr, E4M3: tl.constexpr, BLOCK: tl.constexpr,
+                  DEPENDENT: tl.constexpr):
     wait(DEPENDENT)  # a program per row, over at once
     release(DEPENDENT)
     row = tl.program_id(0).to(tl.int64)
@@ -30,19 +34,38 @@ def _add_rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, size, eps, stride
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / size + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + c, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w * normed).to(x_ptr.dtype.element_ty)
+    if E4M3:  # the row as quantize_rows makes it from the rounded one
+        store_e4m3_row(y.to(tl.float32), out_ptr + row * stride_o + c, mask, scale_ptr + row)
+    else:
+        tl.store(out_ptr + row * stride_o + c, y, mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float, dependent: int = NONE) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) for x [T, E]; with no residual, (rms_norm(x), x). `dependent`: launched
     as a dependent launch (engine/kernels/triton/dependent_launch.py)."""
-    out = torch.empty_like(x)
+    out, summed = _launch(x, residual, weight, eps, dependent, torch.empty_like(x), None)
+    return out, summed
+
+
+def add_rms_norm_e4m3(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[E4m3Rows, torch.Tensor]:
+    """add_rms_norm with the normalised rows as an FP8 product reads them: quantize_rows of them, in the same pass."""
+    values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    _, summed = _launch(x, residual, weight, eps, NONE, values, scales)
+    return E4m3Rows(values, scales, x.dtype), summed
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, dependent: int,
+            out: torch.Tensor, scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     summed = torch.empty_like(x) if residual is not None else x
     size = x.shape[-1]
-    _add_rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, summed, size, eps,
-                                 x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0),
-                                 summed.stride(0), HAS_RESIDUAL=residual is not None,
+    _add_rms_norm[(x.shape[0],)](x, residual if residual is not None else x, weight, out, summed,
+                                 scales if scales is not None else x, size, eps, x.stride(0),
+                                 (residual if residual is not None else x).stride(0), out.stride(0), summed.stride(0),
+                                 HAS_RESIDUAL=residual is not None, E4M3=scales is not None,
                                  BLOCK=triton.next_power_of_2(size), DEPENDENT=dependent,
                                  num_warps=4 if size <= 2048 else 8, **launch_options(dependent))
     return out, summed

@@ -66,10 +66,10 @@ class CpuOps:
         return visual
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 consumer: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual); with no residual, (rms_norm(x), x): the Triton add_rms_norm's
-    contract (engine/kernels/triton/rmsnorm.py)."""
+    contract (engine/kernels/triton/rmsnorm.py). Its products take the rows as they are (`consumer` unread)."""
     if residual is None:
         return torch.ops.flare_cpu.rms_norm(x, weight, eps), x
     return torch.ops.flare_cpu.add_rms_norm(x, residual, weight, eps)

@@ -9,13 +9,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model.decoder import Attention, CausalLM
+from engine.model.decoder import MLP, Attention, CausalLM
 from engine.model.image_features import ImageFeatures
 from engine.model.linear_attention import GatedDeltaNet
 from engine.model.norms import GemmaRMSNorm
 
-# (x, residual or None, weight, eps) -> (rms_norm(x + residual), x + residual); with no residual, (rms_norm(x), x).
-AddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+# (x, residual or None, weight, eps, consumer) -> (rms_norm(x + residual), x + residual); with no residual,
+# (rms_norm(x), x). `consumer`: the product the normalised rows go to whole, where the branch's first op is one (a
+# backend may hand them over in the form it reads: an FP8 product's e4m3 rows), else None.
+AddRmsNorm = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, float, nn.Module | None],
+                      tuple[torch.Tensor, torch.Tensor]]
 # (the layer's token mixer: attention, or a hybrid's linear attention; its normalised input, layer index) -> the
 # branch's output.
 Attend = Callable[[Attention | GatedDeltaNet, torch.Tensor, int], torch.Tensor]
@@ -48,14 +51,17 @@ def residual_stream(model: CausalLM, input_ids: torch.Tensor, images: ImageFeatu
             if whole is not None:
                 x, residual = whole
                 continue
-        h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps)
-        x = attend(layer.linear_attn if layer.linear else layer.self_attn, h, i)
+        mixer = layer.linear_attn if layer.linear else layer.self_attn
+        h, residual = add_rms_norm(x, residual, layer.input_layernorm.kernel_weight(), eps,
+                                   None if layer.linear else mixer.qkv)
+        x = attend(mixer, h, i)
         if layer.sandwich:
-            x = add_rms_norm(x, None, layer.post_attention_layernorm.kernel_weight(), eps)[0]
-        h, residual = add_rms_norm(x, residual, layer.mlp_norm().kernel_weight(), eps)
+            x = add_rms_norm(x, None, layer.post_attention_layernorm.kernel_weight(), eps, None)[0]
+        h, residual = add_rms_norm(x, residual, layer.mlp_norm().kernel_weight(), eps,
+                                   layer.mlp.gate_up if isinstance(layer.mlp, MLP) else None)
         x = mlp(layer.mlp, h)
         if layer.sandwich:
-            x = add_rms_norm(x, None, layer.post_feedforward_layernorm.kernel_weight(), eps)[0]
+            x = add_rms_norm(x, None, layer.post_feedforward_layernorm.kernel_weight(), eps, None)[0]
         if images is not None:  # the layer's output is residual + x: adding to x adds to it
             x = images.after_layer(i, x)
-    return add_rms_norm(x, residual, model.model.norm.kernel_weight(), eps)[0]
+    return add_rms_norm(x, residual, model.model.norm.kernel_weight(), eps, None)[0]

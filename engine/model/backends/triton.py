@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from engine.kernels.triton.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from engine.kernels.triton.rmsnorm import add_rms_norm
 from engine.kernels.triton.rotary import rope_table
 from engine.kernels.triton.segment_attention import segment_attention, segment_bounds
 from engine.model.attention import AttentionMetadata, KernelMetadata
@@ -66,7 +65,7 @@ class Triton:
         def mlp(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
             return triton_layers.mlp(layer, h) if isinstance(layer, MLP) else triton_layers.moe(layer, h)
 
-        return residual_stream(model, input_ids, images, add_rms_norm, attend, mlp)
+        return residual_stream(model, input_ids, images, triton_layers.norm_for, attend, mlp)
 
     def tower(self, visual: VisionTower) -> KernelTower:
         return KernelTower(visual)

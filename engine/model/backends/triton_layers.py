@@ -10,17 +10,21 @@ from __future__ import annotations
 from functools import lru_cache
 
 import torch
+from torch import nn
 
-from engine.kernels.triton.activation import silu_and_mul
+from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_e4m3
 from engine.kernels.triton.decode_attention import NewTokens, decode_attention, num_splits
 from engine.kernels.triton.dependent_launch import NONE
 from engine.kernels.triton.extend_attention import extend_attention
+from engine.kernels.triton.fp8_linear import E4m3Rows
 from engine.kernels.triton.fused_moe import fused_moe
 from engine.kernels.triton.kv_store import store_kv
 from engine.kernels.triton.moe_routing import route_in_one_program
+from engine.kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_e4m3
 from engine.kernels.triton.rotary import rope_and_store
 from engine.model.attention import KernelMetadata
 from engine.model.decoder import MLP, Attention
+from engine.model.fp8_linear import Fp8Linear
 from engine.model.moe import SparseMoE
 
 
@@ -120,12 +124,24 @@ def gated_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: to
     return attn.o_proj(attn.gated(out.flatten(1), gate))
 
 
-def mlp(layer: MLP, x: torch.Tensor) -> torch.Tensor:
+def norm_for(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+             consumer: nn.Module | None) -> tuple[torch.Tensor | E4m3Rows, torch.Tensor]:
+    """add_rms_norm, its rows quantized per token in the same kernel where they go to an FP8 product that would
+    quantize them (the residual stream's AddRmsNorm, engine/model/backends/residual.py)."""
+    if isinstance(consumer, Fp8Linear) and consumer.takes_e4m3(x.shape[0]):
+        return add_rms_norm_e4m3(x, residual, weight, eps)
+    return add_rms_norm(x, residual, weight, eps)
+
+
+def mlp(layer: MLP, x: torch.Tensor | E4m3Rows) -> torch.Tensor:
     gate_up = layer.gate_up(x)
     if layer.gelu:
         gate, up = gate_up.chunk(2, dim=-1)
         return layer.down_proj(layer.act(gate) * up)
-    return layer.down_proj(silu_and_mul(gate_up))
+    down = layer.down_proj
+    if isinstance(down, Fp8Linear) and down.takes_e4m3(gate_up.shape[0]):
+        return down(silu_and_mul_e4m3(gate_up))
+    return down(silu_and_mul(gate_up))
 
 
 def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None, dependent: int = NONE,
