@@ -1,6 +1,6 @@
 """FP8 products on the GPU, printed as markdown tables:
 
-    python -m bench.lab.gpu.fp8 [--out FILE] [--only gemv|gemm]
+    python -m bench.lab.gpu.fp8 [--out FILE] [--only gemv|gemm|quantize]
 
 Llama-3.1-8B's projections (q/k/v, o, gate/up, down) with random weights quantized to e4m3, one scale per output
 channel (what `ignition export --quant fp8` writes):
@@ -10,7 +10,9 @@ channel (what `ignition export --quant fp8` writes):
   the activations as they are; up to 512 rows) and its FP8 GEMM (the per-token activation quantization included;
   from 32 rows) under each tile configuration, with K split among programs too from 16 to 128 rows, against cuBLAS
   bf16, torch._scaled_mm (cuBLASLt's FP8 with row-wise scales, fed by the same activation quantization) and what
-  Fp8Linear picks: microseconds and TFLOP/s; at 16-128 rows also in TB/s on the weight's bytes.
+  Fp8Linear picks: microseconds and TFLOP/s; at 16-128 rows also in TB/s on the weight's bytes;
+- quantize: the activations' per-token quantization apart from the RMSNorm and SiLU-and-mul kernels before the
+  products, and inside them.
 
 Timing is bench.lab.gpu.kernels.graph_ms (CUDA events around calls replayed from one graph); each call reads the
 next of several copies of the weight, more bytes in all than the L2 cache holds, so every call reads its weight from
@@ -28,10 +30,12 @@ import torch.nn.functional as F
 
 from bench.lab.gpu.evidence import say, sections_main
 from bench.lab.gpu.kernels import graph_ms
+from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_e4m3
 from engine.kernels.triton.fp8_linear import (DEQUANTIZED_CONFIG, GEMM_CONFIGS, DequantizedConfig, GemmConfig,
                                               fp8_dequantized_gemm, fp8_gemm, fp8_scaled_mm, gemm_config,
                                               quantize_rows)
 from engine.kernels.triton.gemv import FP8_CONFIG, GemvConfig, gemv
+from engine.kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_e4m3
 from engine.model.fp8_linear import Fp8Linear
 
 DEVICE = "cuda"
@@ -151,5 +155,24 @@ def bench_gemm() -> None:
                     lambda x, w, config=config: fp8_gemm(x, w[1], w[2], None, config=config))
 
 
+def bench_quantize() -> None:
+    say("## The activations' quantization: apart (the bf16 kernel, then quantize_rows) against in the kernel before "
+        "the product (add_rms_norm_e4m3 before q/k/v and gate/up, silu_and_mul_e4m3 before down), microseconds")
+    say("| rows | RMSNorm + quantize_rows | add_rms_norm_e4m3 | SiLU-and-mul + quantize_rows | silu_and_mul_e4m3 |")
+    say("| --- | --- | --- | --- | --- |")
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    weight = torch.randn(HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    for rows in (17, 64, 256, 2048, 8192):
+        x, residual = torch.randn(2, rows, HIDDEN, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        gate_up = torch.randn(rows, 2 * INTER, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        cells = [cell("{:.1f}", lambda: 1e3 * graph_ms(lambda: quantize_rows(add_rms_norm(x, residual, weight,
+                                                                                          1e-5)[0]))),
+                 cell("{:.1f}", lambda: 1e3 * graph_ms(lambda: add_rms_norm_e4m3(x, residual, weight, 1e-5))),
+                 cell("{:.1f}", lambda: 1e3 * graph_ms(lambda: quantize_rows(silu_and_mul(gate_up)))),
+                 cell("{:.1f}", lambda: 1e3 * graph_ms(lambda: silu_and_mul_e4m3(gate_up)))]
+        say(f"| {rows} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
-    sys.exit(sections_main("bench.lab.gpu.fp8", "FP8 products", {"gemv": bench_gemv, "gemm": bench_gemm}))
+    sys.exit(sections_main("bench.lab.gpu.fp8", "FP8 products", {"gemv": bench_gemv, "gemm": bench_gemm,
+                                                                 "quantize": bench_quantize}))
