@@ -1,7 +1,7 @@
 """A decode step's attention in fewer launches on the kernel path (engine/model/backends/triton_layers.py): the
 splits merged by their last program, and the rotary and cache store inside the decode kernel. Under the Triton
 interpreter on the CPU (fp32), requests decoding together and one alone (the one-row GEMV path) produce the separate
-launches' greedy tokens, for Llama and for Qwen3's per-head norms."""
+launches' greedy tokens, for Llama, for Qwen3's per-head norms and for a mixture of experts."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def decode(family: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU: tests/engine/test_graph_executor.py")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["together", "alone"])
 def test_decode_attention_in_fewer_launches_gives_the_same_tokens(family: str, prompts: list[list[int]],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -390,6 +390,23 @@ def test_moe_rows_path_masks_ragged_shapes(dtype: torch.dtype) -> None:
     assert relative_error(out, fused_moe_reference(x, w13, w2, weights, ids)) < tolerance(dtype) / 2
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_moe_rows_path_normalises_the_residual_stream_itself(dtype: torch.dtype, tokens: int) -> None:
+    """Given the stream and the norm before the experts (a batch-1 step's MoE layer, engine/model/backends/
+    few_rows.py), the rows path's output is the reference's over add_rms_norm of the stream, within the tolerance
+    of not rounding the normalised row first (as gemv's RMSNorm prologue), added to the stream in place."""
+    x, w13, w2, logits = moe_inputs(MOE_SHAPE, tokens, dtype)
+    weights, ids = route(logits, MOE_SHAPE[3], renormalize=True)
+    norm = ((torch.randn(MOE_SHAPE[0], generator=torch.Generator().manual_seed(2)) * 0.3 + 1).to(dtype).to(DEVICE),
+            1e-6)
+    want = fused_moe_reference(add_rms_norm_reference(x, None, *norm)[0], w13, w2, weights, ids)
+    stream = x.clone()
+    got = fused_moe(stream, w13, w2, weights, ids, residual=stream, norm=norm)
+    assert got is stream
+    assert relative_error(got.float() - x.float(), want) < tolerance(dtype)
+
+
 @pytest.mark.parametrize("block", [None, (16, 32)])
 @pytest.mark.parametrize("tokens", [2, 64])
 def test_fused_moe_over_fp8_experts_matches_the_reference_on_their_dequantized_weights(

@@ -230,11 +230,12 @@ def _down(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | RowsConfig | None = None,
               residual: torch.Tensor | None = None, scales: ExpertScales | None = None,
-              dependent: int = NONE) -> torch.Tensor:
+              dependent: int = NONE, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, K] float32; topk_ids [T, K] int32 -> [T, H].
     With a residual [T, H], the result is added to it in place and it is returned. With `scales`, w13 and w2 are
     e4m3 (an FP8 core's experts), dequantized in registers. `dependent`: the rows path's launch
-    (engine/kernels/triton/dependent_launch.py); the grouped path launches plainly."""
+    (engine/kernels/triton/dependent_launch.py); the grouped path launches plainly. `norm`: the rows path's RMSNorm
+    of x (fused_moe_rows)."""
     check_shapes(x, w13, w2)
     pairs = topk_ids.numel()
     if pairs == 0:
@@ -247,7 +248,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         # tiles need 256 KiB, over Hopper's 227.
         c = replace(c, num_stages=min(c.num_stages, 2))
     if isinstance(c, RowsConfig):
-        return fused_moe_rows(x, w13, w2, weights, ids, c, residual, scales, dependent)
+        return fused_moe_rows(x, w13, w2, weights, ids, c, residual, scales, dependent, norm)
+    assert norm is None, "only the rows path normalises its input"
     out = fused_moe_grouped(x, w13, w2, weights, ids, c, scales)
     return out if residual is None else residual.add_(out)
 

@@ -49,9 +49,11 @@ def scaled(w, s_ptr, rows, start, k, k_in, scale_k, W_SCALE: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt, stride_we, stride_wn, stride_se,
-                  stride_sn, stride_ht, scale_k, TOP_K: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr):
+def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, norm_ptr, eps, hidden, inter, stride_xt, stride_we, stride_wn,
+                  stride_se, stride_sn, stride_ht, scale_k, TOP_K: tl.constexpr, W_SCALE: tl.constexpr,
+                  NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr):
+    """NORM: x is the residual stream, and the products are of rms_norm(x) * norm weight, as gemv's RMSNorm
+    prologue computes them (engine/kernels/triton/gemv.py): the norm weight on the way in, 1 / rms at the end."""
     wait(DEPENDENT)  # (the expert, hence the weight, comes from the routing before)
     pair = tl.program_id(0)
     token = pair // TOP_K
@@ -67,9 +69,14 @@ def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt,
     # Products summed per lane over the K slices and across lanes once at the end: one reduction per program.
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    squares = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, hidden, BLOCK_K):
         kmask = (k < hidden - start)[None, :]
-        a = tl.load(x_ptrs, mask=k < hidden - start, other=0.0).to(tl.float32)[None, :]
+        a = tl.load(x_ptrs, mask=k < hidden - start, other=0.0).to(tl.float32)
+        if NORM:
+            squares += a * a
+            a = a * tl.load(norm_ptr + start + k, mask=k < hidden - start, other=0.0).to(tl.float32)
+        a = a[None, :]
         acc_gate += scaled(tl.load(gate_ptrs, mask=kmask, other=0.0), s_ptr, gate_rows[:, None], start, k[None, :],
                            hidden, scale_k, W_SCALE) * a
         acc_up += scaled(tl.load(up_ptrs, mask=kmask, other=0.0), s_ptr, up_rows[:, None], start, k[None, :], hidden,
@@ -83,6 +90,9 @@ def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, hidden, inter, stride_xt,
     if W_SCALE == 1:
         gate = gate * tl.load(s_ptr + gate_rows)
         up = up * tl.load(s_ptr + up_rows)
+    if NORM:
+        rms = tl.sqrt(tl.sum(squares, 0) / hidden + eps)
+        gate, up = gate / rms, up / rms
     gate = gate.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     h = (silu * up.to(dtype).to(tl.float32)).to(dtype)
@@ -150,20 +160,23 @@ def scale_args(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor)
 
 def fused_moe_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, c: RowsConfig, residual: torch.Tensor | None = None,
-                   scales: ExpertScales | None = None, dependent: int = NONE) -> torch.Tensor:
+                   scales: ExpertScales | None = None, dependent: int = NONE,
+                   norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """fused_moe's rows path: pair p = t*K + k reads token t and expert topk_ids[t, k] directly. topk_weights [T, K]
     float32 and topk_ids [T, K] int32, contiguous. With a residual [T, H], the result is added to it in place; with
     `scales`, the expert weights are e4m3. `dependent`: both kernels launched as dependent launches
-    (engine/kernels/triton/dependent_launch.py)."""
+    (engine/kernels/triton/dependent_launch.py). `norm` (weight [H], eps): the experts take rms_norm(x) * weight,
+    normalised inside the gate/up kernel (x may then be the residual itself)."""
     tokens, hidden = x.shape
     inter, top_k = w2.shape[2], topk_ids.shape[1]
     k_pow2 = triton.next_power_of_2(top_k)
     mode, scale_k, (s13, s13_e, s13_n), (s2, s2_e, s2_n) = scale_args(scales, w13, w2)
     h = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _gate_up_rows[(tokens * top_k, triton.cdiv(inter, c.block_n))](
-        x, w13, s13, h, topk_ids, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), s13_e, s13_n,
-        h.stride(0), scale_k, TOP_K=top_k, W_SCALE=mode, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DEPENDENT=dependent,
-        num_warps=c.num_warps, num_stages=c.num_stages, **launch_options(dependent))
+        x, w13, s13, h, topk_ids, norm[0] if norm else x, norm[1] if norm else 0.0, hidden, inter, x.stride(0),
+        w13.stride(0), w13.stride(1), s13_e, s13_n, h.stride(0), scale_k, TOP_K=top_k, W_SCALE=mode,
+        NORM=norm is not None, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DEPENDENT=dependent, num_warps=c.num_warps,
+        num_stages=c.num_stages, **launch_options(dependent))
     y = residual if residual is not None else torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     down_n = max(1, c.block_n // k_pow2)  # output columns per program: BLOCK_N weight rows over the K experts
     _down_rows[(tokens, triton.cdiv(hidden, down_n))](

@@ -1,7 +1,8 @@
 """The kernel path for a step of up to gemv.MAX_ROWS tokens (a decode step of a few sequences): each projection is one
 GEMV (engine/kernels/triton/gemv.py) with the RMSNorm before it as its prologue and the residual add after it as its
 epilogue, so the residual stream is updated in place and no norm, add or SiLU kernel runs between them. A mixture
-of experts keeps its own kernels, its down kernel adding to the stream. The Triton backend (triton.py) takes this
+of experts keeps its own kernels, its router's GEMV and its gate/up kernel normalising the stream, its down kernel
+adding to it. The Triton backend (triton.py) takes this
 path where every layer is of the shape it runs (runs_few_rows)."""
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def forward(model: CausalLM, tables: list[torch.Tensor], input_ids: torch.Tensor
                  silu_mul=True, residual=stream, dependent=launch)
         else:
             # The router as a GEMV keeps the chain of dependent launches (cuBLAS's launch plainly: the kernel after
-            # one waits for its end before its programs are placed).
-            x = add_rms_norm(stream, None, *norm, dependent=launch)[0]
-            moe(mlp, x, residual=stream, dependent=launch, logits=gemv(x, **weights(mlp.gate), dependent=launch))
+            # one waits for its end before its programs are placed); it and the experts' gate/up kernel normalise
+            # the stream themselves, as the dense projections do.
+            logits = gemv(stream, **weights(mlp.gate), norm=norm, dependent=launch)
+            moe(mlp, stream, residual=stream, dependent=launch, logits=logits, norm=norm)
     return add_rms_norm(stream, None, model.model.norm.kernel_weight(), eps, dependent=launch)[0]

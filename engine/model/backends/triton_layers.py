@@ -145,16 +145,17 @@ def mlp(layer: MLP, x: torch.Tensor | E4m3Rows) -> torch.Tensor:
 
 
 def moe(layer: SparseMoE, x: torch.Tensor, residual: torch.Tensor | None = None, dependent: int = NONE,
-        logits: torch.Tensor | None = None) -> torch.Tensor:
+        logits: torch.Tensor | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """With a residual (one rank only), the output is added to it in place by the down kernel. A hybrid's shared
     expert (Qwen3.5-MoE, Qwen3-Next) runs beside the routed ones, as the torch reference's. `dependent`: the routing's
     and the rows path's launch (engine/kernels/triton/dependent_launch.py). `logits`: the router's, where the caller
-    made them."""
+    made them; `norm`: x is the residual stream, which the experts' kernels normalise (fused_moe_rows)."""
     logits = layer.gate(x) if logits is None else logits
     weights, ids = route_in_one_program(logits, layer.top_k, layer.norm_topk_prob, dependent)
     if residual is not None:
         assert layer.tp is None
         return fused_moe(x, layer.w13, layer.w2, weights, ids, residual=residual, scales=layer.scales,
-                         dependent=dependent)
+                         dependent=dependent, norm=norm)
+    assert norm is None
     return layer.with_shared(x, layer.all_reduce(fused_moe(x, layer.w13, layer.w2, weights, ids,
                                                            scales=layer.scales, dependent=dependent)))
