@@ -51,32 +51,33 @@ def kernel_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     which its kernel skips) are zeros rather than whatever the memory held: they flow on through the layers, and a
     NaN there would reach the router of a mixture of experts. An FP8 cache is read with `kv_scale` (the layer's
     PagedAttention.kv_scale). `dependent`: the decode kernels' launch (engine/kernels/triton/dependent_launch.py)."""
-    out = torch.zeros_like(q) if meta.extend is not None else torch.empty_like(q)
-    if meta.decode is not None:
-        d = meta.decode
-        result = decode(q if d.rows is None else q[d.rows], k_cache, v_cache, meta, scale, window, kv_scale, dependent)
-        if d.rows is None:
-            out = result
-        else:
-            out[d.rows] = result
-    if meta.extend is not None:
+    if meta.extend is not None:  # (a step is extend sequences, its decode rows among them, or decode rows alone)
         e = meta.extend
+        out = torch.zeros_like(q)
         extend_attention(q, k_cache, v_cache, out, e.page_tables, e.seq_table, e.query_start, e.query_len,
                          e.context_lens, e.block_seq, e.block_first, meta.page_size, scale, window=window or 0,
                          kv_scale=kv_scale)
-    return out
+        return out
+    rows = meta.decode.rows
+    return decode(q if rows is None else q[rows], k_cache, v_cache, meta, scale, window, kv_scale, dependent)
 
 
 def decode(rows: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata,
            scale: float, window: int | None, kv_scale: torch.Tensor | None, dependent: int) -> torch.Tensor:
-    """The decode rows' attention (kernel_attention's arguments), from their queries or their q/k/v product."""
+    """The decode rows' attention (kernel_attention's arguments), from their queries or their q/k/v product, as the
+    step's rows [T, H, D] (an eager step names its decode rows, DecodeBatch.rows; a graph's are its rows)."""
     d = meta.decode
     batch = rows.qkv.shape[0] if isinstance(rows, NewTokens) else rows.shape[0]
     # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
     splits = num_splits(batch, k_cache.shape[1], multiprocessors(k_cache.device))
-    return decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens, meta.page_size,
-                            scale, splits, window=window or 0, kv_scale=kv_scale, dependent=dependent,
-                            merge_in_last_split=MERGE_IN_LAST_SPLIT)
+    result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens, meta.page_size,
+                              scale, splits, window=window or 0, kv_scale=kv_scale, dependent=dependent,
+                              merge_in_last_split=MERGE_IN_LAST_SPLIT)
+    if d.rows is None:
+        return result
+    out = result.new_empty(meta.slot_mapping.shape[0], *result.shape[1:])
+    out[d.rows] = result
+    return out
 
 
 def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
@@ -91,22 +92,17 @@ def attend(attn: Attention, qkv: torch.Tensor, positions: torch.Tensor, rope: to
                      norm_style="gemma" if c.gemma_norms else "llama")
     paged = attn.attn
     if ROTARY_IN_DECODE and meta.extend is None:
-        rows = meta.decode.rows  # (None in a graph; an eager step names them)
+        rows = meta.decode.rows
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         new = NewTokens(pick(qkv), pick(positions), rope, pick(meta.slot_mapping), c.num_heads, **norms)
-        result = decode(new, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale, dependent)
-        if rows is None:
-            return result
-        out = result.new_empty(qkv.shape[0], *result.shape[1:])
-        out[rows] = result
-        return out
+        return decode(new, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale, dependent)
     q = rope_and_store(qkv, positions, rope, meta.slot_mapping, k_cache, v_cache, c.num_heads, c.num_kv_heads,
                        kv_scale=paged.kv_scale, dependent=dependent, **norms)
     return kernel_attention(q, k_cache, v_cache, meta, paged.scale, paged.window, paged.kv_scale, dependent)
 
 
-def attention(attn: Attention, x: torch.Tensor, positions: torch.Tensor, rope: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
+def attention(attn: Attention, x: torch.Tensor | E4m3Rows, positions: torch.Tensor, rope: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: KernelMetadata) -> torch.Tensor:
     """The attention branch [T, E] -> [T, E]; `rope` is the table of the layer's rope, `positions` its rows."""
     out = attend(attn, attn.qkv(x), positions, rope, k_cache, v_cache, meta)
     return attn.o_proj(out.flatten(1))
