@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 GPU = torch.cuda.is_available()
 pytest.importorskip("triton")
@@ -15,6 +16,8 @@ from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_referenc
 from engine.kernels.triton.decode_attention import (NewTokens, decode_attention, decode_attention_reference,  # noqa: E402
                                                     num_splits, split_counts)
 from engine.kernels.triton.extend_attention import extend_attention, extend_attention_reference, extend_blocks  # noqa: E402
+from engine.kernels.triton import fused_moe as fused_moe_module  # noqa: E402
+from engine.kernels.triton.fp8_linear import quantize_rows_reference  # noqa: E402
 from engine.kernels.triton.fused_moe import (MoeConfig, align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
                                              fused_moe_reference)
 from engine.kernels.triton.gemv import MAX_ROWS, GemvConfig, gemv, gemv_reference  # noqa: E402
@@ -417,21 +420,58 @@ def test_fused_moe_over_fp8_experts_matches_the_reference_on_their_dequantized_w
     dtype = DTYPES[0]
     x, w13, w2, logits = moe_inputs(MOE_SHAPE, tokens, torch.float32)
     weights, ids = route(logits, MOE_SHAPE[3], renormalize=True)
-    parts = []
+    (v13, d13), (v2, d2), scales = fp8_experts(w13, w2, block)
+    x = x.to(dtype)
+    out = fused_moe(x, v13, v2, weights, ids, scales=scales)
+    reference = fused_moe_reference(x, d13.to(dtype), d2.to(dtype), weights, ids)
+    assert relative_error(out, reference) < tolerance(dtype) / 2
+
+
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | None
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], ExpertScales]:
+    """Expert stacks quantized with a scale per row or per block: (e4m3 values, their fp32 dequantization) of each,
+    and the scales as the kernels read them, on the test's device."""
+    parts, kernel_scales = [], []
     for weight in (w13, w2):
         if block is None:
             values, scale = channel_quantized(weight)
-            parts.append((values, scale, values.float() * scale))
+            parts.append((values.to(DEVICE), (values.float() * scale).to(DEVICE)))
         else:
             values, scale = block_quantized(weight, block)
-            rows = rows_expanded(scale, weight.shape[-2], block[0])
-            parts.append((values, rows, values.float() * rows.repeat_interleave(block[1], -1)[..., :weight.shape[-1]]))
-    (v13, s13, d13), (v2, s2, d2) = parts
-    scales = ExpertScales(s13.to(DEVICE), s2.to(DEVICE), None if block is None else block[1])
+            scale = rows_expanded(scale, weight.shape[-2], block[0])
+            dense = values.float() * scale.repeat_interleave(block[1], -1)[..., :weight.shape[-1]]
+            parts.append((values.to(DEVICE), dense.to(DEVICE)))
+        kernel_scales.append(scale.to(DEVICE))
+    return parts[0], parts[1], ExpertScales(*kernel_scales, None if block is None else block[1])
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)])
+def test_grouped_fp8_experts_multiply_e4m3_activations_as_their_reference(
+        block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fused_moe.E4M3_ACTIVATIONS the grouped path quantizes each token's activations, and each pair's SiLU
+    output, per row as the dense FP8 GEMM does, and multiplies them by the e4m3 experts as they are: the reference
+    rounds the same rows and multiplies by the dequantized experts."""
+    monkeypatch.setattr(fused_moe_module, "E4M3_ACTIVATIONS", True)
+    dtype = DTYPES[0]
+    x, w13, w2, logits = moe_inputs(MOE_SHAPE, 64, torch.float32)
+    weights, ids = route(logits, MOE_SHAPE[3], renormalize=True)
+    (v13, d13), (v2, d2), scales = fp8_experts(w13, w2, block)
     x = x.to(dtype)
-    out = fused_moe(x, v13.to(DEVICE), v2.to(DEVICE), weights, ids, scales=scales)
-    reference = fused_moe_reference(x, d13.to(dtype).to(DEVICE), d2.to(dtype).to(DEVICE), weights, ids)
+    out = fused_moe(x, v13, v2, weights, ids, scales=scales)
+    def rounded(rows: torch.Tensor) -> torch.Tensor:  # each row on the e4m3 grid of its own scale
+        values, scale = quantize_rows_reference(rows)
+        return (values.float() * scale[:, None]).to(rows.dtype)
+
+    inter = w2.shape[2]
+    reference = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token, slot = torch.where(ids == expert)
+        gate, up = F.linear(rounded(x[token]), d13[expert].to(dtype)).split(inter, dim=-1)
+        y = F.linear(rounded(F.silu(gate) * up), d2[expert].to(dtype))
+        reference.index_add_(0, token, (y.float() * weights[token, slot, None].float()).to(dtype))
     assert relative_error(out, reference) < tolerance(dtype) / 2
+    monkeypatch.setattr(fused_moe_module, "E4M3_ACTIVATIONS", False)  # the widened experts differ by the rounding
+    assert relative_error(fused_moe(x, v13, v2, weights, ids, scales=scales), reference) > tolerance(dtype) / 20
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

@@ -1,10 +1,12 @@
 """The Triton kernels on a GPU (fused MoE, extend and decode attention), printed as markdown tables:
 
-    python -m bench.lab.gpu.kernels [--out FILE] [--only moe|extend|decode|tiles|splits|moe-configs]
+    python -m bench.lab.gpu.kernels [--out FILE] [--only moe|moe-fp8|extend|decode|tiles|splits|moe-configs]
 
 - Fused MoE (engine/kernels/triton/fused_moe.py) against its torch reference at batch 1, 16, 256, Qwen3-30B-A3B and
   Mixtral-8x7B expert shapes (one layer, random bf16 weights): time, the bandwidth on the weights of the experts the
   batch actually routes to (decode is bound by it), TFLOP/s, and the max abs difference from the reference.
+- moe-fp8: the Qwen3-30B-A3B shape's experts in e4m3 (a scale per row) at 4-2,048 tokens: bf16 experts against e4m3
+  widened in registers and e4m3 x e4m3 with the activations quantized per row (fused_moe.E4M3_ACTIVATIONS).
 - Extend (prefill) attention (engine/kernels/triton/extend_attention.py), Llama-3.1-8B heads (32 query, 8 KV, head_dim
   128, pages of 64), at 1k/4k/16k/32k context: a prompt chunk of up to 2048 new tokens ending the context and 64 new
   tokens after a cached prefix; TFLOP/s of the causal work against a bf16 GEMM of the same token count
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.lab.gpu.evidence import run_sections, say
+from engine.kernels.triton import fused_moe as fused_moe_module
 from engine.kernels.triton import kv_store
 from engine.kernels.triton.decode_attention import decode_attention, decode_attention_reference, num_splits
 from engine.kernels.triton.extend_attention import (BLOCK_M, MAX_SPLITS, extend_attention, extend_attention_reference,
@@ -44,7 +47,7 @@ from engine.kernels.triton.extend_attention import (BLOCK_M, MAX_SPLITS, extend_
 from engine.kernels.triton.fused_moe import MoeConfig, fused_moe, fused_moe_reference
 from engine.kernels.triton.moe_routing import route, route_in_one_program
 from engine.model.kv_quant import quantize
-from engine.kernels.triton.moe_rows import RowsConfig
+from engine.kernels.triton.moe_rows import ExpertScales, RowsConfig
 from engine.model.backends.triton_layers import multiprocessors
 
 MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral-8x7b": (4096, 14336, 8, 2)}  # H, I, E, K
@@ -119,6 +122,36 @@ def bench_moe() -> None:
                 f"{max_diff(fused_moe(x, w13, w2, weights, ids), ref):.4f} | {float(ref.abs().max()):.2f} |")
         del w13, w2
         torch.cuda.empty_cache()
+
+
+def bench_moe_fp8() -> None:
+    say("## Fused MoE over e4m3 experts (a scale per row), ms a layer: bf16 experts; e4m3 widened to bf16 in "
+        "registers; e4m3 x e4m3 with the activations quantized per row (fused_moe.E4M3_ACTIVATIONS)")
+    say("| model | batch | bf16 | e4m3 widened | e4m3 x e4m3 | max abs diff, widened | e4m3 x e4m3 |")
+    say("| --- | --- | --- | --- | --- | --- | --- |")
+    g = torch.Generator(device=DEVICE).manual_seed(4)
+    name, (hidden, inter, experts, top_k) = "qwen3-30b-a3b", MOE_SHAPES["qwen3-30b-a3b"]
+    w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, device=DEVICE, dtype=torch.bfloat16, generator=g) * inter**-0.5
+    quantized = []
+    for weight in (w13, w2):
+        scale = weight.float().abs().amax(dim=-1, keepdim=True) / 448.0
+        quantized.append(((weight.float() / scale).to(torch.float8_e4m3fn), scale))
+    (v13, s13), (v2, s2) = quantized
+    scales = ExpertScales(s13, s2, None)
+    for tokens in (4, 16, 64, 256, 2048):
+        x = torch.randn(tokens, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g)
+        weights, ids = route(torch.randn(tokens, experts, device=DEVICE, generator=g), top_k, renormalize=True)
+        bf16 = time_ms(lambda: fused_moe(x, w13, w2, weights, ids))
+        ref = fused_moe(x, w13, w2, weights, ids)
+        cells = []
+        for e4m3 in (False, True):
+            fused_moe_module.E4M3_ACTIVATIONS = e4m3
+            cells.append((time_ms(lambda: fused_moe(x, v13, v2, weights, ids, scales=scales)),
+                          max_diff(fused_moe(x, v13, v2, weights, ids, scales=scales), ref)))
+        fused_moe_module.E4M3_ACTIVATIONS = False
+        say(f"| {name} | {tokens} | {bf16:.3f} | {cells[0][0]:.3f} | {cells[1][0]:.3f} | {cells[0][1]:.4f} | "
+            f"{cells[1][1]:.4f} |")
 
 
 def extend_inputs(new: int, context: int, g: torch.Generator) -> tuple:
@@ -334,15 +367,15 @@ def bench_decode() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
-    parser.add_argument("--only", choices=["moe", "extend", "decode", "tiles", "splits", "moe-configs"],
+    parser.add_argument("--only", choices=["moe", "moe-fp8", "extend", "decode", "tiles", "splits", "moe-configs"],
                         action="append")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench.lab.gpu.kernels needs a CUDA GPU", file=sys.stderr)
         return 2
     say(f"# Kernels on {torch.cuda.get_device_name()}")
-    sections = {"moe": bench_moe, "extend": bench_extend, "decode": bench_decode, "tiles": bench_tiles,
-                "splits": bench_splits, "moe-configs": bench_moe_configs}
+    sections = {"moe": bench_moe, "moe-fp8": bench_moe_fp8, "extend": bench_extend, "decode": bench_decode,
+                "tiles": bench_tiles, "splits": bench_splits, "moe-configs": bench_moe_configs}
     run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
                  args.out)
     return 0
