@@ -28,8 +28,9 @@ def decode(family: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU: tests/engine/test_graph_executor.py")
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
-@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["together", "alone"])
+@pytest.mark.parametrize(("family", "prompts"), [("llama", PROMPTS), ("llama", PROMPTS[:1]), ("qwen3", PROMPTS[:1]),
+                                                ("qwen3_moe", PROMPTS[:1])],
+                         ids=["llama-together", "llama-alone", "qwen3-alone", "qwen3_moe-alone"])
 def test_decode_attention_in_fewer_launches_gives_the_same_tokens(family: str, prompts: list[list[int]],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     separate = decode(family, prompts)
