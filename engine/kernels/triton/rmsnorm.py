@@ -45,8 +45,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float, dependent: int = NONE) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) for x [T, E]; with no residual, (rms_norm(x), x). `dependent`: launched
     as a dependent launch (engine/kernels/triton/dependent_launch.py)."""
-    out, summed = _launch(x, residual, weight, eps, dependent, torch.empty_like(x), None)
-    return out, summed
+    return _launch(x, residual, weight, eps, dependent, torch.empty_like(x), None)
 
 
 def add_rms_norm_e4m3(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
