@@ -32,8 +32,12 @@ class Fp8Linear(nn.Module):
                  bias: torch.Tensor | None = None) -> None:
         """values e4m3 [N, K]; scale fp32 [N, S], each covering `scale_k` columns (None: one scale per row)."""
         super().__init__()
+        from engine.kernels.triton.fp8_linear import gemm_block_k
+
         self.out_features, self.in_features = values.shape
         self.scale_k = scale_k
+        # Whether the GEMMs take it: their K tiles must lie inside its scale blocks (else every step takes the GEMV).
+        self.tiled = gemm_block_k(scale_k or self.in_features, self.in_features) is not None
         self.register_buffer("values", values.contiguous(), persistent=False)
         self.register_buffer("scale", scale.float().contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -65,13 +69,10 @@ class Fp8Linear(nn.Module):
     def takes_e4m3(self, rows: int) -> bool:
         """Whether a step of `rows` tokens multiplies e4m3 activations here (forward then takes them already
         quantized: E4m3Rows)."""
-        from engine.kernels.triton.fp8_linear import gemm_block_k
-
-        tiled = gemm_block_k(self.scale_k or self.in_features, self.in_features) is not None
-        return rows > DEQUANTIZED_ROWS and tiled
+        return rows > DEQUANTIZED_ROWS and self.tiled
 
     def forward(self, x: torch.Tensor | E4m3Rows) -> torch.Tensor:
-        from engine.kernels.triton.fp8_linear import E4m3Rows, fp8_dequantized_gemm, gemm_block_k
+        from engine.kernels.triton.fp8_linear import E4m3Rows, fp8_dequantized_gemm
         from engine.kernels.triton.gemv import fp8_config, gemv
 
         if isinstance(x, E4m3Rows):
@@ -80,8 +81,7 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        tiled = gemm_block_k(self.scale_k or self.in_features, self.in_features) is not None
-        if rows.shape[0] <= GEMV_ROWS or not tiled:
+        if rows.shape[0] <= GEMV_ROWS or not self.tiled:
             # Under the CPU's interpreter (tests) a program costs far more than its rows: fewer, larger ones.
             out = gemv(rows, self.values, self.bias, scale=self.scale, scale_k=self.scale_k,
                        config=None if rows.is_cuda else replace(fp8_config(*self.values.shape), block_n=64))

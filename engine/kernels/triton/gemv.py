@@ -75,6 +75,20 @@ def _weight_slice(w_ptrs, start, k, k_in, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def norm_prologue(a, squares, norm_ptr, start, k, k_in):
+    """The RMSNorm prologue on the input slice `a` (fp32) at column `start`: times the norm weight, its squares
+    gathered for `rms`; the product's sum is divided by the rms at the end, so no load waits for a reduction."""
+    squares += a * a
+    return a * tl.load(norm_ptr + start + k, mask=k < k_in - start, other=0.0).to(tl.float32), squares
+
+
+@triton.jit
+def rms(squares, k_in, eps):
+    """The row's root mean square (plus eps) from the prologue's squares."""
+    return tl.sqrt(tl.sum(squares, 0) / k_in + eps)
+
+
+@triton.jit
 def _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, start, k_in, stride_s, scale_k,
                 PROLOGUE: tl.constexpr, W_SCALE: tl.constexpr, EVEN_K: tl.constexpr, dtype: tl.constexpr):
     """acc (and the RMSNorm's squares) with the products of weight slice `w`, the one at column `start`."""
@@ -83,8 +97,7 @@ def _accumulate(acc, squares, w, x_ptrs, s_ptr, norm_ptr, rows, k, start, k_in, 
     else:
         a = tl.load(x_ptrs + start, mask=k < k_in - start, other=0.0).to(tl.float32)
     if PROLOGUE == 1:
-        squares += a * a
-        a = a * tl.load(norm_ptr + start + k, mask=k < k_in - start, other=0.0).to(tl.float32)
+        a, squares = norm_prologue(a, squares, norm_ptr, start, k, k_in)
     elif PROLOGUE == 2:
         up = tl.load(x_ptrs + start + k_in, mask=k < k_in - start, other=0.0).to(tl.float32)
         silu = (a / (1.0 + tl.exp(-a))).to(dtype).to(tl.float32)
@@ -134,7 +147,7 @@ def _gemv(x_ptr, w_ptr, s_ptr, bias_ptr, norm_ptr, out_ptr, n_out, k_in, stride_
     if W_SCALE == 1:
         y = y * tl.load(s_ptr + rows * stride_s)
     if PROLOGUE == 1:
-        y = y / tl.sqrt(tl.sum(squares, 0) / k_in + eps)
+        y = y / rms(squares, k_in, eps)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows).to(tl.float32)
     y = y.to(dtype)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.triton.dependent_launch import NONE, launch_options, release, wait
+from engine.kernels.triton.gemv import norm_prologue, rms
 
 ROWS_MAX_PAIRS = 32  # (token, k) pairs up to which the rows path runs: decode batches of up to 4 tokens at top-8
 
@@ -52,8 +53,8 @@ def scaled(w, s_ptr, rows, start, k, k_in, scale_k, W_SCALE: tl.constexpr):
 def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, norm_ptr, eps, hidden, inter, stride_xt, stride_we, stride_wn,
                   stride_se, stride_sn, stride_ht, scale_k, TOP_K: tl.constexpr, W_SCALE: tl.constexpr,
                   NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DEPENDENT: tl.constexpr):
-    """NORM: x is the residual stream, and the products are of rms_norm(x) * norm weight, as gemv's RMSNorm
-    prologue computes them (engine/kernels/triton/gemv.py): the norm weight on the way in, 1 / rms at the end."""
+    """NORM: x is the residual stream, and the products are of rms_norm(x) * norm weight, by gemv's RMSNorm prologue
+    (engine/kernels/triton/gemv.py)."""
     wait(DEPENDENT)  # (the expert, hence the weight, comes from the routing before)
     pair = tl.program_id(0)
     token = pair // TOP_K
@@ -74,8 +75,7 @@ def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, norm_ptr, eps, hidden, in
         kmask = (k < hidden - start)[None, :]
         a = tl.load(x_ptrs, mask=k < hidden - start, other=0.0).to(tl.float32)
         if NORM:
-            squares += a * a
-            a = a * tl.load(norm_ptr + start + k, mask=k < hidden - start, other=0.0).to(tl.float32)
+            a, squares = norm_prologue(a, squares, norm_ptr, start, k, hidden)
         a = a[None, :]
         acc_gate += scaled(tl.load(gate_ptrs, mask=kmask, other=0.0), s_ptr, gate_rows[:, None], start, k[None, :],
                            hidden, scale_k, W_SCALE) * a
@@ -91,8 +91,8 @@ def _gate_up_rows(x_ptr, w_ptr, s_ptr, h_ptr, ids_ptr, norm_ptr, eps, hidden, in
         gate = gate * tl.load(s_ptr + gate_rows)
         up = up * tl.load(s_ptr + up_rows)
     if NORM:
-        rms = tl.sqrt(tl.sum(squares, 0) / hidden + eps)
-        gate, up = gate / rms, up / rms
+        root = rms(squares, hidden, eps)
+        gate, up = gate / root, up / root
     gate = gate.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     h = (silu * up.to(dtype).to(tl.float32)).to(dtype)
