@@ -510,18 +510,15 @@ def test_one_row_graphs_of_dependent_launches_produce_the_plain_launches_tokens(
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("switches", [("MERGE_IN_LAST_SPLIT",), ("ROTARY_IN_DECODE",),
-                                      ("MERGE_IN_LAST_SPLIT", "ROTARY_IN_DECODE")])
-def test_decode_attention_in_fewer_launches_gives_the_separate_launches_tokens(
-        family: str, switches: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> None:
-    """float32 steps, graphs and eager, with decode attention's splits merged in the last split program (the
-    counters it leaves for the next launch, replayed in graphs step after step, must name one last program each
-    time) and its rotary and cache store inside the decode kernel."""
+def test_decode_attention_with_its_rotary_gives_the_separate_launches_tokens(
+        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 steps, graphs and eager, with the rotary and cache store inside the decode kernel, against them in a
+    kernel of their own."""
     model = tiny_model(0, family).to("cuda", torch.float32)
     use_backend(model, "triton", CONTEXT)
+    monkeypatch.setattr(triton_layers, "ROTARY_IN_DECODE", False)
     separate = run_requests(gpu_harness(model, graphs=True))
-    for switch in switches:
-        monkeypatch.setattr(triton_layers, switch, True)
+    monkeypatch.setattr(triton_layers, "ROTARY_IN_DECODE", True)
     assert run_requests(gpu_harness(model, graphs=True)) == separate
     assert run_requests(gpu_harness(model, graphs=False)) == separate
 

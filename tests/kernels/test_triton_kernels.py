@@ -14,10 +14,8 @@ pytest.importorskip("triton")
 from engine.kernels.triton import dependent_launch  # noqa: E402
 from engine.kernels.triton.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from engine.kernels.triton.decode_attention import (NewTokens, decode_attention, decode_attention_reference,  # noqa: E402
-                                                    num_splits, split_counts)
+                                                    num_splits)
 from engine.kernels.triton.extend_attention import extend_attention, extend_attention_reference, extend_blocks  # noqa: E402
-from engine.kernels.triton import fused_moe as fused_moe_module  # noqa: E402
-from engine.kernels.triton.fp8_linear import quantize_rows_reference  # noqa: E402
 from engine.kernels.triton.fused_moe import (MoeConfig, align_in_one_program, align_with_torch, fused_moe,  # noqa: E402
                                              fused_moe_reference)
 from engine.kernels.triton.gemv import MAX_ROWS, GemvConfig, gemv, gemv_reference  # noqa: E402
@@ -86,12 +84,9 @@ def test_decode_attention_matches_reference(dtype: torch.dtype, shape: tuple[int
     if window:  # the window changes the answer wherever the context is longer than it
         assert relative_error(decode_attention_reference(*args), ref) > 0.05
     for splits in sorted({1, 4, num_splits(len(contexts), kv_heads, 132 if GPU else 2)}):
-        for merge_in_last_split in (False, True):
-            out = decode_attention(*args, splits=splits, window=window, merge_in_last_split=merge_in_last_split)
-            assert relative_error(out, ref) < tolerance(dtype), (splits, merge_in_last_split)
-            assert torch.equal(out[contexts.index(0)], torch.zeros_like(out[0]))
-    # The last program of each pair left its counter at zero for the next launch.
-    assert not split_counts(DEVICE, len(contexts) * kv_heads).any()
+        out = decode_attention(*args, splits=splits, window=window)
+        assert relative_error(out, ref) < tolerance(dtype), splits
+        assert torch.equal(out[contexts.index(0)], torch.zeros_like(out[0]))
 
 
 def extend_case(shape: tuple[int, int, int, int], dtype: torch.dtype, spans: list[tuple[int, int]],
@@ -445,35 +440,6 @@ def fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] | No
     return parts[0], parts[1], ExpertScales(*kernel_scales, None if block is None else block[1])
 
 
-@pytest.mark.parametrize("block", [None, (16, 32)])
-def test_grouped_fp8_experts_multiply_e4m3_activations_as_their_reference(
-        block: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With fused_moe.E4M3_ACTIVATIONS the grouped path quantizes each token's activations, and each pair's SiLU
-    output, per row as the dense FP8 GEMM does, and multiplies them by the e4m3 experts as they are: the reference
-    rounds the same rows and multiplies by the dequantized experts."""
-    monkeypatch.setattr(fused_moe_module, "E4M3_ACTIVATIONS", True)
-    dtype = DTYPES[0]
-    x, w13, w2, logits = moe_inputs(MOE_SHAPE, 64, torch.float32)
-    weights, ids = route(logits, MOE_SHAPE[3], renormalize=True)
-    (v13, d13), (v2, d2), scales = fp8_experts(w13, w2, block)
-    x = x.to(dtype)
-    out = fused_moe(x, v13, v2, weights, ids, scales=scales)
-    def rounded(rows: torch.Tensor) -> torch.Tensor:  # each row on the e4m3 grid of its own scale
-        values, scale = quantize_rows_reference(rows)
-        return (values.float() * scale[:, None]).to(rows.dtype)
-
-    inter = w2.shape[2]
-    reference = torch.zeros_like(x)
-    for expert in ids.unique().tolist():
-        token, slot = torch.where(ids == expert)
-        gate, up = F.linear(rounded(x[token]), d13[expert].to(dtype)).split(inter, dim=-1)
-        y = F.linear(rounded(F.silu(gate) * up), d2[expert].to(dtype))
-        reference.index_add_(0, token, (y.float() * weights[token, slot, None].float()).to(dtype))
-    assert relative_error(out, reference) < tolerance(dtype) / 2
-    monkeypatch.setattr(fused_moe_module, "E4M3_ACTIVATIONS", False)  # the widened experts differ by the rounding
-    assert relative_error(fused_moe(x, v13, v2, weights, ids, scales=scales), reference) > tolerance(dtype) / 20
-
-
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("shape", [(1, 8, 2), (5, 60, 6), (33, 128, 8)])
 def test_route_in_one_program_matches_route(shape: tuple[int, int, int], renormalize: bool) -> None:
@@ -561,8 +527,8 @@ def test_align_by_expert_one_program_matches_torch(pairs: int) -> None:
 def test_decode_attention_of_new_tokens_rotates_and_stores_them_as_rope_and_store(
         dtype: torch.dtype, norm_style: str | None, window: int, fp8: bool) -> None:
     """The decode kernel given the q/k/v product: the same cache bytes and the same output, bit for bit, as
-    rope_and_store followed by the decode kernel, at every split count, merged either way (a padding row of context
-    0 and slot -1 stores nothing and gives zeros)."""
+    rope_and_store followed by the decode kernel, at every split count (a padding row of context 0 and slot -1
+    stores nothing and gives zeros); with per-head norms on a GPU, the same to the dtype's rounding."""
     from engine.model.kv_quant import quantize
 
     heads, kv_heads, head_dim, page = SHAPES[0]
@@ -588,15 +554,20 @@ def test_decode_attention_of_new_tokens_rotates_and_stores_them_as_rope_and_stor
             torch.tensor(contexts, dtype=torch.int32, device=DEVICE), page, head_dim**-0.5)
     same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731  (e4m3 too)
     for splits in sorted({1, 4, num_splits(len(contexts), kv_heads, 132 if GPU else 2)}):
-        for merge_in_last_split in (False, True):
-            options = dict(splits=splits, window=window, merge_in_last_split=merge_in_last_split, kv_scale=kv_scale)
-            caches = (k_cache.clone(), v_cache.clone())
-            q = rope_and_store(qkv, positions, table, slot_mapping, *caches, heads, kv_heads, kv_scale=kv_scale,
-                               **norms)
-            want = decode_attention(q, *caches, *meta, **options)
-            fused = (k_cache.clone(), v_cache.clone())
-            new = NewTokens(qkv, positions, table, slot_mapping, heads, **norms)
-            got = decode_attention(new, *fused, *meta, **options)
-            assert torch.equal(got, want), (splits, merge_in_last_split)
-            assert same(fused[0], caches[0]) and same(fused[1], caches[1])
-            assert not same(caches[0], k_cache)  # (the new keys were stored)
+        options = dict(splits=splits, window=window, kv_scale=kv_scale)
+        caches = (k_cache.clone(), v_cache.clone())
+        q = rope_and_store(qkv, positions, table, slot_mapping, *caches, heads, kv_heads, kv_scale=kv_scale, **norms)
+        want = decode_attention(q, *caches, *meta, **options)
+        fused = (k_cache.clone(), v_cache.clone())
+        new = NewTokens(qkv, positions, table, slot_mapping, heads, **norms)
+        got = decode_attention(new, *fused, *meta, **options)
+        assert not same(caches[0], k_cache)  # (the new keys were stored)
+        if GPU and norm_style:
+            # A head's norm sums its squares in another order in each kernel's layout on a GPU: float32 keeps the last
+            # bit of the difference, and a narrower dtype rounds it away except where it crosses a rounding boundary.
+            close = 1e-6 if dtype == torch.float32 else tolerance(dtype) / 8
+            assert relative_error(fused[0].float(), caches[0].float()) < close and same(fused[1], caches[1]), splits
+            assert relative_error(got, want) < close, splits
+        else:
+            assert same(fused[0], caches[0]) and same(fused[1], caches[1]), splits
+            assert torch.equal(got, want), splits

@@ -6,8 +6,8 @@ decode step times against batch, the engine loop's GPU busy fraction, sampling e
 Sections: correctness, decode, smollm (the default three), extras (penalties and logprobs in the sampling graphs:
 batch-64 decode steps with some rows asking), prefill (prefill steps of 1024-token prompts at 512 to 8192 tokens
 a step, and their MFU) and dependent (batch-1 decode steps of the 8B, SmolLM2 and Qwen3-30B-A3B cut to 24 layers
-with their kernels launched plainly and as dependent launches, and with decode attention's launches folded (its
-splits merged by its last split program, its rotary and cache store inside it): GPU ms a step, and the same steps' greedy tokens against the plain launches').
+with their kernels launched plainly and as dependent launches, and with the rotary and cache store inside decode
+attention's kernel: GPU ms a step, and the same steps' greedy tokens against the plain launches').
 docs/gpu.md has the current tables.
 
 Cores are made here with `ignition synth` (random weights of the real architectures, bf16): SmolLM2-135M,
@@ -229,14 +229,13 @@ def dependent(cores: Path, bandwidth: float) -> None:
         f"{CONTEXT})")
     say("| model | launch | GPU ms a step | of copy bandwidth on the weights | tokens as plain |")
     say("| --- | --- | --- | --- | --- |")
-    folds = ("MERGE_IN_LAST_SPLIT", "ROTARY_IN_DECODE")  # the decode attention's launches folded (triton_layers)
+    folds = ("ROTARY_IN_DECODE",)  # the decode attention's launches folded (triton_layers)
     defaults = (few_rows.LAUNCH, *(getattr(triton_layers, fold) for fold in folds))
     prefetch, early = dependent_launch.PREFETCH, dependent_launch.PREFETCH_EARLY
     variants = (("plain", dependent_launch.NONE, ()), ("first weight slice before the wait", prefetch, ()),
                 ("the same, the next kernel released early", early, ()),
-                ("first slice before the wait, splits merged by the last split", prefetch, folds[:1]),
-                ("first slice before the wait, rotary in the decode kernel", prefetch, folds[1:]),
-                ("released early, both folds", early, folds))
+                ("first slice before the wait, rotary in the decode kernel", prefetch, folds),
+                ("released early, rotary in the decode kernel", early, folds))
     for name in ("llama-3.1-8b", "smollm2-135m", "qwen3-30b-a3b-24l"):
         manifest, model = load_model(core(cores, name), torch.device("cuda"), verify=False)
         caps, weights, plain = manifest.capacities, weight_bytes(model), None

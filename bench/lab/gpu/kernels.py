@@ -6,7 +6,7 @@
   Mixtral-8x7B expert shapes (one layer, random bf16 weights): time, the bandwidth on the weights of the experts the
   batch actually routes to (decode is bound by it), TFLOP/s, and the max abs difference from the reference.
 - moe-fp8: the Qwen3-30B-A3B shape's experts in e4m3 (a scale per row) at 4-2,048 tokens: bf16 experts against e4m3
-  widened in registers and e4m3 x e4m3 with the activations quantized per row (fused_moe.E4M3_ACTIVATIONS).
+  widened in registers.
 - Extend (prefill) attention (engine/kernels/triton/extend_attention.py), Llama-3.1-8B heads (32 query, 8 KV, head_dim
   128, pages of 64), at 1k/4k/16k/32k context: a prompt chunk of up to 2048 new tokens ending the context and 64 new
   tokens after a cached prefix; TFLOP/s of the causal work against a bf16 GEMM of the same token count
@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from bench.lab.gpu.evidence import run_sections, say
-from engine.kernels.triton import fused_moe as fused_moe_module
 from engine.kernels.triton import kv_store
 from engine.kernels.triton.decode_attention import decode_attention, decode_attention_reference, num_splits
 from engine.kernels.triton.extend_attention import (BLOCK_M, MAX_SPLITS, extend_attention, extend_attention_reference,
@@ -126,9 +125,9 @@ def bench_moe() -> None:
 
 def bench_moe_fp8() -> None:
     say("## Fused MoE over e4m3 experts (a scale per row), ms a layer: bf16 experts; e4m3 widened to bf16 in "
-        "registers; e4m3 x e4m3 with the activations quantized per row (fused_moe.E4M3_ACTIVATIONS)")
-    say("| model | batch | bf16 | e4m3 widened | e4m3 x e4m3 | max abs diff, widened | e4m3 x e4m3 |")
-    say("| --- | --- | --- | --- | --- | --- | --- |")
+        "registers")
+    say("| model | batch | bf16 | e4m3 widened | max abs diff |")
+    say("| --- | --- | --- | --- | --- |")
     g = torch.Generator(device=DEVICE).manual_seed(4)
     name, (hidden, inter, experts, top_k) = "qwen3-30b-a3b", MOE_SHAPES["qwen3-30b-a3b"]
     w13 = torch.randn(experts, 2 * inter, hidden, device=DEVICE, dtype=torch.bfloat16, generator=g) * hidden**-0.5
@@ -144,14 +143,9 @@ def bench_moe_fp8() -> None:
         weights, ids = route(torch.randn(tokens, experts, device=DEVICE, generator=g), top_k, renormalize=True)
         bf16 = time_ms(lambda: fused_moe(x, w13, w2, weights, ids))
         ref = fused_moe(x, w13, w2, weights, ids)
-        cells = []
-        for e4m3 in (False, True):
-            fused_moe_module.E4M3_ACTIVATIONS = e4m3
-            cells.append((time_ms(lambda: fused_moe(x, v13, v2, weights, ids, scales=scales)),
-                          max_diff(fused_moe(x, v13, v2, weights, ids, scales=scales), ref)))
-        fused_moe_module.E4M3_ACTIVATIONS = False
-        say(f"| {name} | {tokens} | {bf16:.3f} | {cells[0][0]:.3f} | {cells[1][0]:.3f} | {cells[0][1]:.4f} | "
-            f"{cells[1][1]:.4f} |")
+        widened = time_ms(lambda: fused_moe(x, v13, v2, weights, ids, scales=scales))
+        diff = max_diff(fused_moe(x, v13, v2, weights, ids, scales=scales), ref)
+        say(f"| {name} | {tokens} | {bf16:.3f} | {widened:.3f} | {diff:.4f} |")
 
 
 def extend_inputs(new: int, context: int, g: torch.Generator) -> tuple:
@@ -312,11 +306,11 @@ def bench_moe_configs() -> None:
 def bench_decode() -> None:
     say("## Decode attention, Llama-3.1-8B heads, with and without a 1024-token sliding window; the same rows "
         "through the extend kernel (a mixed step's decode rows)")
-    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | splits merged by the last ms | "
-        "max abs diff | extend kernel ms (graph) | K/V TB/s | max abs diff | extend, 2 stages ms | "
+    say("| batch | context | window | decode ms (graph) | K/V TB/s | max abs diff | "
+        "extend kernel ms (graph) | K/V TB/s | max abs diff | extend, 2 stages ms | "
         "fp8 cache decode ms | K/V TB/s | max abs diff | fp8, 128 keys a tile ms | K/V TB/s | "
         "fp8 widened to float16 ms |")
-    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    say("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     two_stages = (*tile_config(torch.bfloat16, HEAD_DIM, torch.device(DEVICE))[:3], 2)  # the decode kernel's depth
     g = torch.Generator(device=DEVICE).manual_seed(3)
     for batch, context in DECODE_SHAPES:
@@ -339,9 +333,6 @@ def bench_decode() -> None:
             ref = decode_attention_reference(*args, window=window)
             ms = graph_ms(lambda: decode_attention(*args, splits=splits, window=window))
             diff = max_diff(decode_attention(*args, splits=splits, window=window), ref)
-            merged = graph_ms(lambda: decode_attention(*args, splits=splits, window=window, merge_in_last_split=True))
-            merged_diff = max_diff(decode_attention(*args, splits=splits, window=window, merge_in_last_split=True),
-                                   ref)
             extend = graph_ms(lambda: extend_attention(q, cache[0], cache[1], out, tables, args[4], *rows, args[5],
                                                       *blocks, PAGE, HEAD_DIM**-0.5, window=window))
             extend_diff = max_diff(out, ref)
@@ -358,7 +349,7 @@ def bench_decode() -> None:
             kv_store.E4M3_TO_FLOAT16 = False
             read = batch * min(context, window or context) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
             say(f"| {batch} | {context} | {window or 'none'} | {ms:.3f} | {read / ms / 1e9:.2f} | {diff:.4f} | "
-                f"{merged:.3f} | {merged_diff:.4f} | {extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | "
+                f"{extend:.3f} | {read / extend / 1e9:.2f} | {extend_diff:.4f} | "
                 f"{shallow:.3f} | {fp8_ms:.3f} | "
                 f"{read / 2 / fp8_ms / 1e9:.2f} | {fp8_diff:.4f} | {wide:.3f} | {read / 2 / wide / 1e9:.2f} | "
                 f"{as_fp16:.3f} |")

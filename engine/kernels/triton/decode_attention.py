@@ -3,10 +3,8 @@
 The cache of one layer is `[slots, kv_heads, head_dim]` for K and again for V, slot = page * page_size + offset.
 `page_tables[seq_table[b]]` lists sequence b's pages: the graph executor keeps one table row per request slot, so a
 step names rows instead of uploading tables. One program takes one (sequence, kv head, split) and every query head
-of that group, so each key is read once per group; the splits are merged by their log-sum-exp, by a second kernel
-or by the last split program of each (sequence, KV head) to end (`merge_in_last_split`), which a counter per pair
-names: a step at batch 1 then launches one kernel a layer instead of two. Short batches use many splits so that the
-GPU's multiprocessors all have work.
+of that group, so each key is read once per group; a second kernel merges the splits by their log-sum-exp. Short
+batches use many splits so that the GPU's multiprocessors all have work.
 
 An FP8 cache (engine/model/kv_quant.py) is read as e4m3 (half the bytes of a bfloat16 one) and widened in registers
 (kv_store.widened: float16 for a 16-bit model, with its queries), which holds every e4m3 value exactly; the program's
@@ -35,11 +33,11 @@ NO_WINDOW = 1 << 30
 
 @triton.jit
 def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_ptr, lse_ptr, out_ptr, kv_scale_ptr,
-                  count_ptr, qkv_ptr, pos_ptr, rope_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, norm_eps, stride_qkv,
+                  qkv_ptr, pos_ptr, rope_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, norm_eps, stride_qkv,
                   stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh, scale_log2, window,
                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr, MERGE_LAST: tl.constexpr,
+                  SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8: tl.constexpr,
                   ROPE: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr, WIDE: tl.constexpr,
                   DEPENDENT: tl.constexpr):
     """ROPE: q_ptr is scratch [SPLITS * B, H, D] for the rotated queries of the step's tokens, which come from their
@@ -105,15 +103,6 @@ def _decode_split(q_ptr, k_ptr, v_ptr, tables_ptr, seq_table_ptr, ctx_ptr, part_
         tl.store(part_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=q_mask)
         lse = tl.where(l > 0, m + tl.log2(tl.maximum(l, 1e-30)), float("-inf"))
         tl.store(lse_ptr + row, lse, mask=g < GROUP)
-        if MERGE_LAST:
-            # Every thread's stores are issued before the count, whose release makes them visible to the program
-            # that counts last; that one resets the count for the next launch and merges the group's heads.
-            tl.debug_barrier()
-            count = count_ptr + seq * KV_HEADS + kv_head
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-                tl.store(count, 0)
-                _merge_group(part_ptr, lse_ptr, out_ptr, seq, heads, q_mask, stride_ot, stride_oh, HEADS, GROUP,
-                             GROUP_PAD, HEAD_DIM, BLOCK_D, SPLITS)
 
 
 @triton.jit
@@ -137,32 +126,6 @@ def _rotate_and_store(row, pos_ptr, rope_ptr, slot_ptr, q_norm_ptr, k_norm_ptr, 
         km = ((one < 1) & (one * 0 + slot >= 0))[:, None] & jm[None, :]
         store_new_kv(row, slot, kv_head + one, km, j, jm, cos, sin, k_ptr, v_ptr, k_norm_ptr, kv_scale_ptr, eps,
                      stride_ks, stride_kh, HEADS, KV_HEADS, HEAD_DIM, HALF, NORM, FP8, dtype)
-
-
-@triton.jit
-def _merge_group(part_ptr, lse_ptr, out_ptr, seq, heads, mask, stride_ot, stride_oh, HEADS: tl.constexpr,
-                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 SPLITS: tl.constexpr):
-    """The splits of a KV head's query heads merged in split order; the loads bypass the multiprocessor's own cache
-    (the other programs wrote them)."""
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, BLOCK_D)
-    first = (seq * HEADS + heads) * SPLITS
-    top = tl.full([GROUP_PAD], -1e30, tl.float32)  # finite even when every split is empty
-    for split in range(SPLITS):
-        top = tl.maximum(top, tl.load(lse_ptr + first + split, mask=g < GROUP, other=-1e30, cache_modifier=".cg"))
-    total = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    for split in range(SPLITS):
-        weight = tl.exp2(tl.load(lse_ptr + first + split, mask=g < GROUP, other=float("-inf"),
-                                 cache_modifier=".cg") - top)
-        part = tl.load(part_ptr + (first + split)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0,
-                       cache_modifier=".cg")
-        acc += part * weight[:, None]
-        total += weight
-    out = acc / tl.maximum(total, 1e-30)[:, None]
-    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask)
 
 
 @triton.jit
@@ -213,14 +176,12 @@ class NewTokens:
 def decode_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_tables: torch.Tensor, seq_table: torch.Tensor, context_lens: torch.Tensor, page_size: int,
                      scale: float, splits: int, window: int = 0, kv_scale: torch.Tensor | None = None,
-                     block_n: int = BLOCK_N, dependent: int = NONE, merge_in_last_split: bool = False
-                     ) -> torch.Tensor:
+                     block_n: int = BLOCK_N, dependent: int = NONE) -> torch.Tensor:
     """q [B, H, D] (token b is sequence b), or the tokens before their rotary and cache store; caches [slots, KVH,
     D]; returns [B, H, D]. context_lens 0 gives zeros. window > 0: the token at position p sees keys
     p - window < k <= p (transformers' sliding window). An FP8 cache needs `kv_scale` [2, KVH] (keys', values').
     `block_n`: keys a tile (benchmarks sweep it). `dependent`: the kernels launched as dependent launches
-    (engine/kernels/triton/dependent_launch.py). `merge_in_last_split`: no merge kernel; launches of it on one
-    stream share its counters (split_counts), so they must follow one another there."""
+    (engine/kernels/triton/dependent_launch.py)."""
     new = q if isinstance(q, NewTokens) else None
     kv_heads, head_dim = k_cache.shape[1:]
     if new is not None:
@@ -236,43 +197,24 @@ def decode_attention(q: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache
     lse = torch.empty(batch * heads * splits if splits > 1 else 1, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     fp8 = is_fp8(k_cache)
-    merge_last = merge_in_last_split and splits > 1
-    counts = split_counts(q.device, batch * kv_heads) if merge_last else lse
     rope = (new.qkv, new.positions, new.table, new.slot_mapping, new.q_norm if new.q_norm is not None else q,
             new.k_norm if new.k_norm is not None else q, new.norm_eps, new.qkv.stride(0)) if new is not None else \
         (q, q, q, q, q, q, 0.0, 0)
     _decode_split[(batch, kv_heads, splits)](
-        q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out, kv_scale if fp8 else q, counts,
+        q, k_cache, v_cache, page_tables, seq_table, context_lens, part, lse, out, kv_scale if fp8 else q,
         *rope, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), page_tables.stride(0),
         out.stride(0), out.stride(1), scale * LOG2E, window if window > 0 else NO_WINDOW,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), FP8=fp8, MERGE_LAST=merge_last, ROPE=new is not None,
+        PRECISION=dot_precision(q.dtype), FP8=fp8, ROPE=new is not None,
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         NORM=NORM_STYLES[new.norm_style if new is not None and new.q_norm is not None else None],
         WIDE=widened(k_cache, q.dtype), DEPENDENT=dependent, num_warps=4, num_stages=2, **launch_options(dependent))
-    if splits > 1 and not merge_last:
+    if splits > 1:
         _decode_merge[(batch, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads, HEAD_DIM=head_dim,
                                       BLOCK_D=block_d, SPLITS=splits, DEPENDENT=dependent, num_warps=4,
                                       **launch_options(dependent))
     return out
-
-
-_COUNTS: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
-
-
-def split_counts(device: torch.device, pairs: int) -> torch.Tensor:
-    """Zeroed int32 counters for `pairs` (sequence, KV head) pairs on `device`, each left at zero by the program that
-    counts last; one set for each stream (a draft model's graphs run beside the target's, on a stream of their own).
-    Made outside any graph capture (a graph's steps first run uncaptured, on the capture's stream) and never freed:
-    graphs captured over a smaller set keep using it."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    made = _COUNTS.setdefault((device, stream), [])
-    if not made or made[-1].numel() < pairs:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "counters made in a capture"
-        made.append(torch.zeros(max(pairs, 2 * made[-1].numel() if made else 1024), dtype=torch.int32,
-                                device=device))
-    return made[-1]
 
 
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from engine.kernels.triton.decode_attention import dot_precision
 from engine.kernels.triton.dependent_launch import NONE
-from engine.kernels.triton.fp8_linear import gemm_block_k, quantize_rows
 from engine.kernels.triton.moe_rows import ROWS_MAX_PAIRS, ExpertScales, RowsConfig, fused_moe_rows, scale_args, scaled
 
 
@@ -148,22 +147,10 @@ def _block_coords(num_blocks_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_tile(a, w, s_ptr, rows, start, scale_k, W_SCALE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The fp32 product of an e4m3 activation tile [M, BLOCK_K] and an e4m3 weight tile [BLOCK_K, N] on the FP8
-    tensor cores, a K tile's worth summed before the fp32 accumulator takes it (fp8_linear.py's _gemm), times the
-    tile's block scales (W_SCALE 2: BLOCK_K divides the blocks); a scale per row multiplies the end instead."""
-    part = tl.dot(a, w, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-    if W_SCALE == 2:
-        part = part * tl.load(s_ptr + rows + start // scale_k)[None, :]
-    return part
-
-
-@triton.jit
-def _gate_up(x_ptr, sa_ptr, w_ptr, s_ptr, h_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m,
+def _gate_up(x_ptr, w_ptr, s_ptr, h_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs, num_blocks_m,
              hidden, inter, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ht, scale_k,
-             TOP_K: tl.constexpr, W_SCALE: tl.constexpr, E4M3_A: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """E4M3_A: x is e4m3 with a scale per token (sa_ptr) and the e4m3 weights multiply it as they are (_e4m3_tile)."""
+             TOP_K: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = _block_coords(num_blocks_m, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -186,25 +173,17 @@ def _gate_up(x_ptr, sa_ptr, w_ptr, s_ptr, h_ptr, pairs_ptr, block_expert_ptr, to
         a = tl.load(x_ptrs, mask=live[:, None] & kmask[None, :], other=0.0)
         gate_w = tl.load(gate_ptrs, mask=kmask[:, None], other=0.0)
         up_w = tl.load(up_ptrs, mask=kmask[:, None], other=0.0)
-        if E4M3_A:
-            acc_gate += _e4m3_tile(a, gate_w, s_ptr, gate_rows, start, scale_k, W_SCALE, BLOCK_K)
-            acc_up += _e4m3_tile(a, up_w, s_ptr, up_rows, start, scale_k, W_SCALE, BLOCK_K)
-        else:
-            if W_SCALE != 0:  # e4m3 weights, dequantized in registers to the activations' dtype
-                gate_w = scaled(gate_w, s_ptr, gate_rows[None, :], start, k[:, None], hidden, scale_k,
-                                W_SCALE).to(a.dtype)
-                up_w = scaled(up_w, s_ptr, up_rows[None, :], start, k[:, None], hidden, scale_k, W_SCALE).to(a.dtype)
-            acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
+        if W_SCALE != 0:  # e4m3 weights, dequantized in registers to the activations' dtype
+            gate_w = scaled(gate_w, s_ptr, gate_rows[None, :], start, k[:, None], hidden, scale_k, W_SCALE).to(a.dtype)
+            up_w = scaled(up_w, s_ptr, up_rows[None, :], start, k[:, None], hidden, scale_k, W_SCALE).to(a.dtype)
+        acc_gate = tl.dot(a, gate_w, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(a, up_w, acc_up, input_precision=PRECISION)
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     if W_SCALE == 1:
         acc_gate = acc_gate * tl.load(s_ptr + gate_rows)[None, :]
         acc_up = acc_up * tl.load(s_ptr + up_rows)[None, :]
-    if E4M3_A:
-        token_scale = tl.load(sa_ptr + token, mask=live, other=0.0)[:, None]
-        acc_gate, acc_up = acc_gate * token_scale, acc_up * token_scale
     dtype = h_ptr.dtype.element_ty
     gate = acc_gate.to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -213,11 +192,10 @@ def _gate_up(x_ptr, sa_ptr, w_ptr, s_ptr, h_ptr, pairs_ptr, block_expert_ptr, to
 
 
 @triton.jit
-def _down(h_ptr, sa_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs,
+def _down(h_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, pairs_ptr, block_expert_ptr, total_ptr, num_pairs,
           num_blocks_m, inter, hidden, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_yt, scale_k,
-          W_SCALE: tl.constexpr, E4M3_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
-    """E4M3_A: h is e4m3 with a scale per pair (sa_ptr), as in _gate_up."""
+          W_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+          GROUP_M: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, pid_n = _block_coords(num_blocks_m, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
         return
@@ -236,18 +214,13 @@ def _down(h_ptr, sa_ptr, w_ptr, s_ptr, y_ptr, weights_ptr, pairs_ptr, block_expe
         kmask = k < inter - start
         a = tl.load(h_ptrs, mask=live[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=kmask[:, None], other=0.0)
-        if E4M3_A:
-            acc += _e4m3_tile(a, w, s_ptr, rows, start, scale_k, W_SCALE, BLOCK_K)
-        else:
-            if W_SCALE != 0:
-                w = scaled(w, s_ptr, rows[None, :], start, k[:, None], inter, scale_k, W_SCALE).to(a.dtype)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if W_SCALE != 0:
+            w = scaled(w, s_ptr, rows[None, :], start, k[:, None], inter, scale_k, W_SCALE).to(a.dtype)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if W_SCALE == 1:
         acc = acc * tl.load(s_ptr + rows)[None, :]
-    if E4M3_A:
-        acc = acc * tl.load(sa_ptr + pair, mask=live, other=0.0)[:, None]
     dtype = y_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=live, other=0.0)
     y = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
@@ -298,41 +271,19 @@ def fused_moe_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     blocks_m = block_expert.numel()
     precision = dot_precision(x.dtype)
     mode, scale_k, (s13, s13_e, s13_n), (s2, s2_e, s2_n) = scale_args(scales, w13, w2)
-    block_k = e4m3_block_k(scales, c, hidden, inter)
-    e4m3 = block_k is not None
-    block_k = block_k or c.block_k
-    a, a_scale = quantize_rows(x) if e4m3 else (x, x)
     h = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up[(blocks_m * triton.cdiv(inter, c.block_n),)](
-        a, a_scale, w13, s13, h, sorted_pairs, block_expert, total, pairs, blocks_m, hidden, inter, a.stride(0),
-        w13.stride(0), w13.stride(1), s13_e, s13_n, h.stride(0), scale_k, TOP_K=top_k, W_SCALE=mode, E4M3_A=e4m3,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=block_k, GROUP_M=c.group_m, PRECISION=precision,
+        x, w13, s13, h, sorted_pairs, block_expert, total, pairs, blocks_m, hidden, inter, x.stride(0),
+        w13.stride(0), w13.stride(1), s13_e, s13_n, h.stride(0), scale_k, TOP_K=top_k, W_SCALE=mode,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, PRECISION=precision,
         num_warps=c.num_warps, num_stages=c.num_stages)
-    h, h_scale = quantize_rows(h) if e4m3 else (h, h)
     y = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     _down[(blocks_m * triton.cdiv(hidden, c.block_n),)](
-        h, h_scale, w2, s2, y, topk_weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden,
-        h.stride(0), w2.stride(0), w2.stride(1), s2_e, s2_n, y.stride(0), scale_k, W_SCALE=mode, E4M3_A=e4m3,
-        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=block_k, GROUP_M=c.group_m, PRECISION=precision,
+        h, w2, s2, y, topk_weights, sorted_pairs, block_expert, total, pairs, blocks_m, inter, hidden,
+        h.stride(0), w2.stride(0), w2.stride(1), s2_e, s2_n, y.stride(0), scale_k, W_SCALE=mode,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, PRECISION=precision,
         num_warps=c.num_warps, num_stages=c.num_stages)
     return y.view(tokens, top_k, hidden).sum(dim=1)
-
-
-# Whether e4m3 experts of the grouped path multiply e4m3 activations (quantized per token, and the SiLU's output per
-# pair, as the dense FP8 GEMM's) on the FP8 tensor cores rather than being widened to the activations' dtype. Off
-# until a GPU measures both (bench.lab.gpu.kernels --only moe).
-E4M3_ACTIVATIONS = False
-
-
-def e4m3_block_k(scales: ExpertScales | None, c: MoeConfig, hidden: int, inter: int) -> int | None:
-    """The K tile of the grouped path's e4m3 products (block scales take tiles that lie inside their blocks), or
-    None where it widens the experts instead."""
-    if scales is None or not E4M3_ACTIVATIONS:
-        return None
-    if scales.scale_k is None:
-        return c.block_k
-    tiles = [gemm_block_k(scales.scale_k, hidden), gemm_block_k(scales.scale_k, inter)]
-    return None if None in tiles else min(c.block_k, *tiles)
 
 
 def fused_moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -21,10 +21,11 @@ from engine.model.fp8_linear import Fp8Linear
 
 # How the step's kernels (projections, rotary, decode attention, a mixture of experts' routing and rows path, the
 # norms) are launched where the GPU allows dependent launches (engine/kernels/triton/dependent_launch.py): each starts
-# while the kernel before it ends and reads its first weight slice before it waits. Whole batch-1 steps on an H200
-# (`bench.lab.gpu.evidence --only dependent`, docs/gpu.md): 3.4% (8B), 20% (SmolLM2) and 8% (Qwen3-30B-A3B) shorter
-# than launched plainly, the same tokens.
-LAUNCH = dependent_launch.PREFETCH
+# while the kernel before it ends and reads its first weight slice before it waits, and a GEMV lets the next kernel's
+# programs be placed once its own have all started. Whole batch-1 steps (`bench.lab.gpu.evidence --only dependent`,
+# docs/gpu.md): 3-25% shorter than launched plainly on an H100 (8B, Qwen3-30B-A3B, SmolLM2), the same tokens; the
+# early release alone 5% on SmolLM2, within 0.5% on the others.
+LAUNCH = dependent_launch.PREFETCH_EARLY
 
 
 def runs_few_rows(layer: DecoderLayer) -> bool:

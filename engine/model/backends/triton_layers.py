@@ -28,13 +28,9 @@ from engine.model.fp8_linear import Fp8Linear
 from engine.model.moe import SparseMoE
 
 
-# Decode attention's splits merged by the last split program rather than a kernel of their own (one launch a layer
-# fewer where a step splits its keys: few sequences). Off until measured against the merge kernel on a GPU
-# (`bench.lab.gpu.evidence --only dependent`).
-MERGE_IN_LAST_SPLIT = False
 # A decode step's rotary and cache store inside its attention kernel rather than a kernel of their own (one launch a
-# layer fewer); off until measured likewise.
-ROTARY_IN_DECODE = False
+# layer fewer): batch-1 steps 1-3% shorter on an H100 (`bench.lab.gpu.evidence --only dependent`, docs/gpu.md).
+ROTARY_IN_DECODE = True
 
 
 @lru_cache
@@ -71,8 +67,7 @@ def decode(rows: torch.Tensor | NewTokens, k_cache: torch.Tensor, v_cache: torch
     # The split count follows the batch's size only, so a graph and an eager step of one size agree bitwise.
     splits = num_splits(batch, k_cache.shape[1], multiprocessors(k_cache.device))
     result = decode_attention(rows, k_cache, v_cache, d.page_tables, d.seq_table, d.context_lens, meta.page_size,
-                              scale, splits, window=window or 0, kv_scale=kv_scale, dependent=dependent,
-                              merge_in_last_split=MERGE_IN_LAST_SPLIT)
+                              scale, splits, window=window or 0, kv_scale=kv_scale, dependent=dependent)
     if d.rows is None:
         return result
     out = result.new_empty(meta.slot_mapping.shape[0], *result.shape[1:])
