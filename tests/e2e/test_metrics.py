@@ -49,3 +49,12 @@ def test_counters_move_by_the_traffic_sent(server) -> None:
     assert after["flare_engine_queue_time_seconds_count"] >= sent
     assert after["flare_frontend_http_admission_capacity"] > 0 and after["flare_frontend_http_admission_in_use"] == 0
     assert after["flare_engine_launches_decode_total"] + after.get("flare_engine_launches_mixed_total", 0) > 0
+    # Per step kind, the steps' tokens: every prompt token not reused from the cache, and one a decode row (each
+    # output but a request's first comes from one); and their durations.
+    moved = {part: sum(after[f"flare_engine_{part}_{kind}_total"] - before[f"flare_engine_{part}_{kind}_total"]
+                       for kind in ("decode", "prefill", "mixed", "verify"))
+             for part in ("launches", "step_tokens", "step_microseconds")}
+    computed = (after["flare_engine_prompt_tokens_total"] - before["flare_engine_prompt_tokens_total"]
+                - after["flare_engine_reused_tokens_total"] + before["flare_engine_reused_tokens_total"])
+    assert moved["step_tokens"] == computed + outputs - sent
+    assert moved["launches"] >= sent and moved["step_microseconds"] > 0

@@ -6,9 +6,10 @@ Each row starts the server its workload needs (synth cores of random bf16 weight
 runs `flare-bench serve` against it (completions endpoint, --ignore-eos) and prints the figure beside its target.
 Rows that share a server run back to back on it; beside its figure a row prints the mean TTFT as the client saw
 it, as the server measured it (frontend arrival to first token) and the engine's mean queue time (arrival to first
-step), the last two from /metrics. A row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for
-the `tp2-*` and `replicas2-*` rows) and Flare's dependencies installed beside torch (`pip install -e '.[cuda13]'`,
-or the extra of torch's CUDA major). `--device cpu` runs a row on the CPU, to check the script itself.
+step), and per step kind the steps it ran (launches, mean GPU ms, mean tokens), all but the first from /metrics. A
+row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for the `tp2-*` and `replicas2-*` rows) and Flare's
+dependencies installed beside torch (`pip install -e '.[cuda13]'`, or the extra of torch's CUDA major). `--device
+cpu` runs a row on the CPU, to check the script itself.
 """
 
 from __future__ import annotations
@@ -176,19 +177,32 @@ class FlareServer:
 
 
 LATENCY_METRICS = {"server_ttft": "flare_time_to_first_token_seconds", "queue": "flare_engine_queue_time_seconds"}
+STEP_KINDS = ("decode", "prefill", "mixed", "verify")
+STEP_PARTS = ("launches", "step_microseconds", "step_tokens")
 
 
-def latency_totals(url: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of the server's own first-token and engine-queue histograms, over every label set: their deltas
-    over a row split its TTFT into the client and HTTP's part, the frontend and engine's, and the wait for a step."""
+def server_totals(url: str) -> dict[str, float]:
+    """Sums over every label set of the server's metrics a row reads: the first-token and engine-queue histograms'
+    sums and counts, whose deltas over a row split its TTFT into the client and HTTP's part, the frontend and
+    engine's, and the wait for a step; and per step kind the engine's launches, step microseconds and step tokens,
+    whose deltas say where the row's GPU time went."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
         text = response.read().decode()
-    totals = {}
-    for key, name in LATENCY_METRICS.items():
-        parts = [sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                     if line.startswith(f"{name}_{suffix}")) for suffix in ("sum", "count")]
-        totals[key] = (parts[0], parts[1])
+    keys = {f"{name}_{suffix}": f"{key}_{suffix}" for key, name in LATENCY_METRICS.items()
+            for suffix in ("sum", "count")}
+    keys.update({f"flare_engine_{part}_{kind}_total": f"{part}_{kind}" for part in STEP_PARTS for kind in STEP_KINDS})
+    totals = dict.fromkeys(keys.values(), 0.0)
+    for line in text.splitlines():
+        key = keys.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if key is not None:
+            totals[key] += float(line.rsplit(" ", 1)[1])
     return totals
+
+
+def step_summary(delta: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per step kind the row ran: launches, total ms and tokens, from the deltas of server_totals."""
+    return {kind: {"launches": delta[f"launches_{kind}"], "ms": delta[f"step_microseconds_{kind}"] / 1000,
+                   "tokens": delta[f"step_tokens_{kind}"]} for kind in STEP_KINDS if delta[f"launches_{kind}"]}
 
 
 def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device: str) -> list[tuple[Row, dict]]:
@@ -205,20 +219,25 @@ def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device
                 server = FlareServer(core, row.server, 8000, out / f"server-{row.name}.log", device)
                 server_key = (row.core, row.server)
             report = out / f"{row.name}.json"
-            before = latency_totals(server.url)
+            before = server_totals(server.url)
             subprocess.run([sys.executable, "-c", BENCH, "serve", "--base-url", server.url,
                             "--tokenizer", str(core), "--json", str(report), *row.bench], check=True,
                            stdout=subprocess.DEVNULL)
             summary = json.loads(report.read_text())["metrics"]
             summary["hit_rate"] = summary["cached_input_tokens"] / max(summary["total_input_tokens"], 1)
-            after = latency_totals(server.url)
+            time.sleep(1.0)  # the engine publishes its counters twice a second: the row's last steps are then in
+            after = server_totals(server.url)
+            delta = {key: after[key] - before[key] for key in after}
             for key in LATENCY_METRICS:  # means over the row: the server's view beside the client's
-                count = after[key][1] - before[key][1]
-                summary[f"{key}_mean_ms"] = (after[key][0] - before[key][0]) / count * 1000 if count else None
+                count = delta[f"{key}_count"]
+                summary[f"{key}_mean_ms"] = delta[f"{key}_sum"] / count * 1000 if count else None
+            summary["steps"] = step_summary(delta)
             results.append((row, summary))
+            steps = ", ".join(f"{kind} {s['launches']:.0f} x {s['ms'] / s['launches']:.2f} ms "
+                              f"({s['tokens'] / s['launches']:.0f} tokens)" for kind, s in summary["steps"].items())
             print(f"{row.name:18} " + "  ".join(f"{k}={summary.get(k)}" for k in row.figures) +
                   f"  (mean TTFT: client {summary.get('mean_ttft_ms')}, server {summary['server_ttft_mean_ms']}, "
-                  f"engine queue {summary['queue_mean_ms']})", flush=True)
+                  f"engine queue {summary['queue_mean_ms']}; steps: {steps})", flush=True)
     finally:
         if server:
             server.stop()
