@@ -190,6 +190,9 @@ class Telemetry(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, t
 TELEMETRY_METRICS_TOPIC = b"m"  # snapshots for /metrics
 TELEMETRY_CACHE_TOPIC = b"c"  # CacheEvents: the block keys the engine's prefix cache gains and loses
 TELEMETRY_DASHBOARD_TOPIC = b"d"  # the same with graph and request detail, recorded only while subscribed
+# The kinds of engine step, each counted in a Telemetry snapshot as launches_<kind>, step_microseconds_<kind> (the
+# steps' summed durations: GPU time where the graph executor's events measure it) and step_tokens_<kind>.
+STEP_KINDS = ("decode", "prefill", "mixed", "verify")
 QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 FrontendMessage = Hello | Submit | Abort | Goodbye

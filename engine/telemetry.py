@@ -27,13 +27,14 @@ PUBLISH_INTERVAL = 0.5
 RATE_SAMPLE_INTERVAL = 5.0
 GRAPH_WINDOW = 2.0
 RING_SIZE = 1024
-STEP_KINDS = ("decode", "prefill", "mixed", "verify")
-# Per step kind: its launches, the steps' summed durations (GPU time where the graph executor's events measure
-# it) and the tokens they ran, so that a scrape before and after a workload says where its time went.
+# Per step kind: its launches, the steps' summed durations and the tokens they ran (a scrape before and after a
+# workload says where its time went); the keys made once, not on every step.
+STEP_COUNTERS = {kind: (f"launches_{kind}", f"step_microseconds_{kind}", f"step_tokens_{kind}")
+                 for kind in wire.STEP_KINDS}
 COUNTERS = ("admissions", "completions", "cancellations", "failures", "rejections", "prefix_lookups", "prefix_hits",
             "prefix_misses", "reused_tokens", "checkpoint_publications", "checkpoint_evictions", "prompt_tokens",
             "output_tokens", "snapshot_publications", "snapshot_restores", "snapshot_evictions",
-            *(f"{part}_{kind}" for part in ("launches", "step_microseconds", "step_tokens") for kind in STEP_KINDS))
+            *(key for keys in STEP_COUNTERS.values() for key in keys))
 MAX_REQUEST_ROWS = 128
 
 
@@ -69,9 +70,10 @@ class EngineTelemetry:
         self._queue_sum += seconds
 
     def observe_step(self, plan: Plan, duration: float) -> None:
-        self.counters[f"launches_{plan.kind}"] += 1
-        self.counters[f"step_microseconds_{plan.kind}"] += round(duration * 1e6)
-        self.counters[f"step_tokens_{plan.kind}"] += plan.num_tokens
+        launches, microseconds, tokens = STEP_COUNTERS[plan.kind]
+        self.counters[launches] += 1
+        self.counters[microseconds] += round(duration * 1e6)
+        self.counters[tokens] += plan.num_tokens
         if not self.detailed:
             return
         if self._ring_since_publish >= RING_SIZE:

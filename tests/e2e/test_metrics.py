@@ -9,6 +9,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.protocol import STEP_KINDS
+
 pytestmark = pytest.mark.slow
 
 
@@ -52,7 +54,7 @@ def test_counters_move_by_the_traffic_sent(server) -> None:
     # Per step kind, the steps' tokens: every prompt token not reused from the cache, and one a decode row (each
     # output but a request's first comes from one); and their durations.
     moved = {part: sum(after[f"flare_engine_{part}_{kind}_total"] - before[f"flare_engine_{part}_{kind}_total"]
-                       for kind in ("decode", "prefill", "mixed", "verify"))
+                       for kind in STEP_KINDS)
              for part in ("launches", "step_tokens", "step_microseconds")}
     computed = (after["flare_engine_prompt_tokens_total"] - before["flare_engine_prompt_tokens_total"]
                 - after["flare_engine_reused_tokens_total"] + before["flare_engine_reused_tokens_total"])

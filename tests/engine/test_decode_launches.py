@@ -1,7 +1,7 @@
 """A decode step's attention in fewer launches on the kernel path (engine/model/backends/triton_layers.py): the
-rotary and cache store inside the decode kernel. Under the Triton
-interpreter on the CPU (fp32), requests decoding together and one alone (the one-row GEMV path) produce the separate
-launches' greedy tokens, for Llama, for Qwen3's per-head norms and for a mixture of experts."""
+rotary and cache store inside the decode kernel. Under the Triton interpreter on the CPU (fp32), requests decoding
+together and one alone (the one-row GEMV path) produce the separate launches' greedy tokens, for Llama, for Qwen3's
+per-head norms and for a mixture of experts."""
 
 from __future__ import annotations
 

@@ -229,21 +229,20 @@ def dependent(cores: Path, bandwidth: float) -> None:
         f"{CONTEXT})")
     say("| model | launch | GPU ms a step | of copy bandwidth on the weights | tokens as plain |")
     say("| --- | --- | --- | --- | --- |")
-    folds = ("ROTARY_IN_DECODE",)  # the decode attention's launches folded (triton_layers)
-    defaults = (few_rows.LAUNCH, *(getattr(triton_layers, fold) for fold in folds))
+    defaults = (few_rows.LAUNCH, triton_layers.ROTARY_IN_DECODE)
     prefetch, early = dependent_launch.PREFETCH, dependent_launch.PREFETCH_EARLY
-    variants = (("plain", dependent_launch.NONE, ()), ("first weight slice before the wait", prefetch, ()),
-                ("the same, the next kernel released early", early, ()),
-                ("first slice before the wait, rotary in the decode kernel", prefetch, folds),
-                ("released early, rotary in the decode kernel", early, folds))
+    # (label, launch, rotary and cache store inside the decode kernel)
+    variants = (("plain", dependent_launch.NONE, False), ("first weight slice before the wait", prefetch, False),
+                ("the same, the next kernel released early", early, False),
+                ("first slice before the wait, rotary in the decode kernel", prefetch, True),
+                ("released early, rotary in the decode kernel", early, True))
     for name in ("llama-3.1-8b", "smollm2-135m", "qwen3-30b-a3b-24l"):
         manifest, model = load_model(core(cores, name), torch.device("cuda"), verify=False)
         caps, weights, plain = manifest.capacities, weight_bytes(model), None
         plan = decode_plan(1, CONTEXT, caps.page_size)
-        for label, launch, folded in variants:
-            few_rows.LAUNCH = launch  # read when the graphs are captured, as the folds are
-            for fold in folds:
-                setattr(triton_layers, fold, fold in folded)
+        for label, launch, rotary in variants:
+            few_rows.LAUNCH = launch  # read when the graphs are captured, as the rotary's place is
+            triton_layers.ROTARY_IN_DECODE = rotary
             try:
                 executor = make("graph", model, -(-CONTEXT // caps.page_size), caps.page_size, 1,
                                 manifest.context_limit, caps.prefill_chunk_size)
@@ -259,9 +258,7 @@ def dependent(cores: Path, bandwidth: float) -> None:
             except Exception as error:  # a launch this GPU or Triton refuses is a row, not the end of the run
                 say(f"| {name} | {label} | {type(error).__name__}: {str(error)[:100]} | | |")
             torch.cuda.empty_cache()
-        few_rows.LAUNCH = defaults[0]
-        for fold, default in zip(folds, defaults[1:]):
-            setattr(triton_layers, fold, default)
+        few_rows.LAUNCH, triton_layers.ROTARY_IN_DECODE = defaults
         del model
         torch.cuda.empty_cache()
     say()

@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.protocol import STEP_KINDS
+
 BENCH = "import sys; from bench.main import main; sys.exit(main())"  # flare-bench, uninstalled
 # A row's core: its `ignition synth` preset, layers (None: all of them) and `--quant` (None: bf16). Qwen3-30B-A3B
 # keeps 24 of its 48 layers, the size its vLLM comparison in docs/gpu.md ran at.
@@ -182,7 +184,6 @@ class FlareServer:
 
 
 LATENCY_METRICS = {"server_ttft": "flare_time_to_first_token_seconds", "queue": "flare_engine_queue_time_seconds"}
-STEP_KINDS = ("decode", "prefill", "mixed", "verify")
 STEP_PARTS = ("launches", "step_microseconds", "step_tokens")
 
 
