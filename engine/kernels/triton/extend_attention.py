@@ -39,7 +39,9 @@ BLOCK_M = 128  # new tokens per listed block
 NARROW = 16  # blocks of at most this many rows run in 16-row tiles
 MEDIUM = 64  # blocks of at most this many rows (and more than NARROW) pack their heads into the wide tiles
 SIZES = ("full", "medium", "narrow")
-MAX_SPLITS = 16
+# 64 new tokens after 16k / 32k cached: 0.086 / 0.143 ms a layer at 8 splits, 0.113 / 0.172 at 16 (H200, graphs;
+# `bench.lab.gpu.kernels --only splits`): more splits write and merge more partial rows than their keys save.
+MAX_SPLITS = 8
 MIN_SPLIT_TILES = 4  # a split walks at least this many key tiles
 
 
@@ -274,16 +276,17 @@ def target_programs(device: torch.device) -> int:
 
 
 def tile_config(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(TILE_M, BLOCK_N, num_warps, num_stages): 128x64 tiles on eight warps for half types up to head_dim 128 (the
-    FlashAttention-2 shape on Hopper); smaller tiles where float32 or wide heads would spill registers. Narrow
-    blocks take NARROW-row tiles on four warps, with the same BLOCK_N."""
+    """(TILE_M, BLOCK_N, num_warps, num_stages): 128x64 tiles on one warpgroup of four warps for half types up to
+    head_dim 128 (on an H200, 2,048 new tokens at 16k context: 1.42 ms a layer against 1.68 on eight warps, and 64
+    new tokens 0.215 against 0.250 ms; `bench.lab.gpu.kernels --only tiles`); smaller tiles where float32 or wide
+    heads would spill registers. Narrow blocks take NARROW-row tiles on four warps, with the same BLOCK_N."""
     if device.type != "cuda":
         return 64, 16, 4, 1
     if dtype == torch.float32:
         return 64, 32, 4, 2
     if head_dim > 128:
         return 64, 64, 8, 2
-    return 128, 64, 8, 3
+    return 128, 64, 4, 3
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
