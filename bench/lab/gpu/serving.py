@@ -1,6 +1,6 @@
 """End-to-end serving on a GPU: the table of docs/gpu.md's targets, re-measured through `flare run` + `flare-bench`.
 
-    python3 -m bench.lab.gpu.serving OUT_DIR [--rows NAME,...] [--cores DIR] [--layers N]
+    python3 -m bench.lab.gpu.serving OUT_DIR [--rows NAME,...] [--cores DIR] [--layers N] [--before TREE] [--repeat N]
 
 Each row starts the server its workload needs (synth cores of random bf16 weights, written once under --cores),
 runs `flare-bench serve` against it (completions endpoint, --ignore-eos) and prints the figure beside its target.
@@ -10,13 +10,20 @@ step), and per step kind the steps it ran (launches, mean GPU ms, mean tokens), 
 row's JSON report lands in OUT_DIR. Needs a CUDA GPU (two for the `tp2-*` and `replicas2-*` rows) and Flare's
 dependencies installed beside torch (`pip install -e '.[cuda13]'`, or the extra of torch's CUDA major). `--device
 cpu` runs a row on the CPU, to check the script itself.
+
+Before and after in one run: `--before TREE` names another Flare checkout (`git worktree add /tmp/before REF`, or
+`git archive REF | tar -x -C /tmp/before`); each server group is served from it, then from this checkout, on the same
+core, and a table gives every figure of both and their ratio. `--repeat N` runs each row N times on its server, so
+the table shows the spread of runs that changed nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -26,6 +33,7 @@ from pathlib import Path
 
 from common.protocol import STEP_KINDS
 
+HERE = Path(__file__).resolve().parents[3]  # this checkout
 BENCH = "import sys; from bench.main import main; sys.exit(main())"  # flare-bench, uninstalled
 # A row's core: its `ignition synth` preset, layers (None: all of them) and `--quant` (None: bf16). Qwen3-30B-A3B
 # keeps 24 of its 48 layers, the size its vLLM comparison in docs/gpu.md ran at.
@@ -161,11 +169,15 @@ def exit_on_sigterm() -> None:
 
 
 class FlareServer:
-    def __init__(self, core: Path, flags: tuple[str, ...], port: int, log: Path, device: str) -> None:
+    """`flare run` from a Flare checkout (`tree`: its root, whose packages the server imports)."""
+
+    def __init__(self, core: Path, flags: tuple[str, ...], port: int, log: Path, device: str, tree: Path) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self._log = log.open("w")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(tree), os.environ.get("PYTHONPATH"))))}
         self.process = subprocess.Popen([sys.executable, "-m", "common.cli", "run", str(core), "--port", str(port),
-                                         "--device", device, *flags], stdout=self._log, stderr=subprocess.STDOUT)
+                                         "--device", device, *flags], stdout=self._log, stderr=subprocess.STDOUT,
+                                        cwd=tree, env=env)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -211,51 +223,96 @@ def step_summary(delta: dict[str, float]) -> dict[str, dict[str, float]]:
                    "tokens": delta[f"step_tokens_{kind}"]} for kind in STEP_KINDS if delta[f"launches_{kind}"]}
 
 
-def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device: str) -> list[tuple[Row, dict]]:
-    results: list[tuple[Row, dict]] = []
-    server_key = None
-    server: FlareServer | None = None
-    try:
-        for row in rows:
-            preset, preset_layers, quant = PRESETS[row.core]
-            core = synth(preset, cores / row.core, layers or preset_layers, quant)
-            if (row.core, row.server) != server_key:
-                if server:
-                    server.stop()
-                server = FlareServer(core, row.server, 8000, out / f"server-{row.name}.log", device)
-                server_key = (row.core, row.server)
-            report = out / f"{row.name}.json"
-            before = server_totals(server.url)
-            subprocess.run([sys.executable, "-c", BENCH, "serve", "--base-url", server.url,
-                            "--tokenizer", str(core), "--json", str(report), *row.bench], check=True,
-                           stdout=subprocess.DEVNULL)
-            summary = json.loads(report.read_text())["metrics"]
-            summary["hit_rate"] = summary["cached_input_tokens"] / max(summary["total_input_tokens"], 1)
-            time.sleep(1.0)  # the engine publishes its counters twice a second: the row's last steps are then in
-            after = server_totals(server.url)
-            delta = {key: after[key] - before[key] for key in after}
-            for key in LATENCY_METRICS:  # means over the row: the server's view beside the client's
-                count = delta[f"{key}_count"]
-                summary[f"{key}_mean_ms"] = delta[f"{key}_sum"] / count * 1000 if count else None
-            summary["steps"] = step_summary(delta)
-            results.append((row, summary))
-            steps = ", ".join(f"{kind} {s['launches']:.0f} x {s['ms'] / s['launches']:.2f} ms "
-                              f"({s['tokens'] / s['launches']:.0f} tokens)" for kind, s in summary["steps"].items())
-            print(f"{row.name:18} " + "  ".join(f"{k}={summary.get(k)}" for k in row.figures) +
-                  f"  (mean TTFT: client {summary.get('mean_ttft_ms')}, server {summary['server_ttft_mean_ms']}, "
-                  f"engine queue {summary['queue_mean_ms']}; steps: {steps})", flush=True)
-    finally:
-        if server:
-            server.stop()
+def server_groups(rows: list[Row]) -> list[list[Row]]:
+    """Consecutive rows that share a core and server flags: one server each."""
+    groups: list[list[Row]] = []
+    for row in rows:
+        if groups and (groups[-1][0].core, groups[-1][0].server) == (row.core, row.server):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def run_row(row: Row, server: FlareServer, core: Path, report: Path, run: int = 0) -> dict:
+    """One run of a row; a repeated run draws prompts of its own, which the server has not cached."""
+    seed = int([row.bench[i + 1] for i, flag in enumerate(row.bench) if flag == "--seed"][-1])  # the last counts
+    before = server_totals(server.url)
+    subprocess.run([sys.executable, "-c", BENCH, "serve", "--base-url", server.url, "--tokenizer", str(core),
+                    "--json", str(report), *row.bench, "--seed", str(seed + 1000 * run)], check=True,
+                   stdout=subprocess.DEVNULL, cwd=HERE)
+    summary = json.loads(report.read_text())["metrics"]
+    summary["hit_rate"] = summary["cached_input_tokens"] / max(summary["total_input_tokens"], 1)
+    time.sleep(1.0)  # the engine publishes its counters twice a second: the row's last steps are then in
+    after = server_totals(server.url)
+    delta = {key: after[key] - before[key] for key in after}
+    for key in LATENCY_METRICS:  # means over the row: the server's view beside the client's
+        count = delta[f"{key}_count"]
+        summary[f"{key}_mean_ms"] = delta[f"{key}_sum"] / count * 1000 if count else None
+    summary["steps"] = step_summary(delta)
+    return summary
+
+
+def run_rows(rows: list[Row], cores: Path, out: Path, layers: int | None, device: str,
+             trees: dict[str, Path], repeat: int = 1) -> dict[str, list[tuple[Row, dict]]]:
+    """Per tree (label: checkout), each row's summaries, `repeat` runs each. The trees take turns server by server,
+    so that their runs of a row are minutes apart, not the whole run."""
+    results: dict[str, list[tuple[Row, dict]]] = {label: [] for label in trees}
+    for group in server_groups(rows):
+        preset, preset_layers, quant = PRESETS[group[0].core]
+        core = synth(preset, cores / group[0].core, layers or preset_layers, quant)
+        for label, tree in trees.items():
+            folder = out / label if len(trees) > 1 else out
+            folder.mkdir(parents=True, exist_ok=True)
+            server = FlareServer(core, group[0].server, 8000, folder / f"server-{group[0].name}.log", device, tree)
+            try:
+                for row in group:
+                    for run in range(repeat):
+                        suffix = f"-{run + 1}" if repeat > 1 else ""
+                        summary = run_row(row, server, core, folder / f"{row.name}{suffix}.json", run)
+                        results[label].append((row, summary))
+                        prefix = f"{label} " if len(trees) > 1 else ""
+                        print(f"{prefix}{row.name + suffix:18} " + describe(row, summary), flush=True)
+            finally:
+                server.stop()
     return results
+
+
+def describe(row: Row, summary: dict) -> str:
+    steps = ", ".join(f"{kind} {s['launches']:.0f} x {s['ms'] / s['launches']:.2f} ms "
+                      f"({s['tokens'] / s['launches']:.0f} tokens)" for kind, s in summary["steps"].items())
+    return ("  ".join(f"{k}={summary.get(k)}" for k in row.figures) +
+            f"  (mean TTFT: client {summary.get('mean_ttft_ms')}, server {summary['server_ttft_mean_ms']}, "
+            f"engine queue {summary['queue_mean_ms']}; steps: {steps or 'not counted by this tree'})")
+
+
+def figure(value: object) -> str:
+    return f"{value:,.2f}" if isinstance(value, float) else str(value)
 
 
 def table(results: list[tuple[Row, dict]]) -> str:
     lines = ["| row | measured | target |", "| --- | --- | --- |"]
     for row, summary in results:
-        measured = ", ".join(f"{k} {summary[k]:,.2f}" if isinstance(summary.get(k), float) else f"{k} {summary.get(k)}"
-                             for k in row.figures)
+        measured = ", ".join(f"{k} {figure(summary.get(k))}" for k in row.figures)
         lines.append(f"| {row.name} | {measured} | {row.target} |")
+    return "\n".join(lines)
+
+
+def comparison(results: dict[str, list[tuple[Row, dict]]]) -> str:
+    """Each row's figures from every tree, each run of a repeated row, and each tree's mean against the first's."""
+    labels = list(results)
+    lines = ["| row | figure | " + " | ".join(labels) + " | " + " | ".join(f"{b} / {labels[0]}" for b in labels[1:])
+             + " |", "| --- | --- |" + " --- |" * (2 * len(labels) - 1)]
+    rows = list(dict.fromkeys(row for row, _ in results[labels[0]]))
+    for row in rows:
+        for key in row.figures:
+            runs = {label: [summary.get(key) for r, summary in results[label] if r == row] for label in labels}
+            cells = [", ".join(figure(v) for v in runs[label]) for label in labels]
+            means = {label: statistics.mean(v) for label, v in runs.items()
+                     if v and all(isinstance(x, (int, float)) for x in v)}
+            ratios = [f"{means[b] / means[labels[0]]:.3f}" if b in means and means.get(labels[0]) else ""
+                      for b in labels[1:]]
+            lines.append(f"| {row.name} | {key} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
@@ -267,15 +324,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", type=Path, default=Path("/dev/shm/flare-cores"))
     parser.add_argument("--layers", type=int, help="reduce every synth core to this many layers (quick checks)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to check the script itself")
+    parser.add_argument("--before", type=Path,
+                        help="another Flare checkout (a `git worktree` or `git archive` of an earlier commit): every "
+                             "server group runs from it, then from this one, and a table compares the two")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each row on its server (the run-to-run spread)")
     args = parser.parse_args(argv)
     exit_on_sigterm()
     wanted = args.rows.split(",") if args.rows else [r.name for r in ROWS]
     unknown = set(wanted) - {r.name for r in ROWS}
     if unknown:
         parser.error(f"unknown rows: {', '.join(sorted(unknown))}")
+    if args.before is not None and not (args.before / "common" / "cli.py").is_file():
+        parser.error(f"--before {args.before}: not a Flare checkout")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = run_rows([r for r in ROWS if r.name in wanted], args.cores, args.out, args.layers, args.device)
-    text = table(results)
+    trees = {"before": args.before.resolve(), "after": HERE} if args.before else {"this": HERE}
+    results = run_rows([r for r in ROWS if r.name in wanted], args.cores, args.out, args.layers, args.device, trees,
+                       args.repeat)
+    text = comparison(results) if args.before or args.repeat > 1 else table(results["this"])
     (args.out / "table.md").write_text(text + "\n")
     print(text)
     return 0
