@@ -31,6 +31,15 @@ def decode_plan(batch: int, context: int, page_size: int) -> Plan:
                           greedy, 0, context - 1) for slot in range(batch)))
 
 
+def extend_plan(new: int, cached: int, page_size: int) -> Plan:
+    """`new` prompt tokens of one sequence after `cached` tokens already in its pages (a prompt that hits the prefix
+    cache; 0: a prompt alone), sampling its first output token."""
+    pages = -(-(cached + new) // page_size)
+    ids = tuple(i * 31 % 30000 + 1 for i in range(new))
+    return Plan((Row(0, 1, cached, new, ids, tuple(range(pages)), True, 0, SamplingParams(temperature=0.0), 0,
+                     cached + new),))
+
+
 def wait(executor: Executor) -> list[tuple[Plan, Completion]]:
     while not (done := executor.poll()):
         select.select([executor.wake_fd], [], [], 5)
