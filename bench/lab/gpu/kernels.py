@@ -1,6 +1,7 @@
 """The Triton kernels on a GPU (fused MoE, extend and decode attention), printed as markdown tables:
 
-    python -m bench.lab.gpu.kernels [--out FILE] [--only moe|moe-fp8|extend|decode|tiles|splits|moe-configs]
+    python -m bench.lab.gpu.kernels [--out FILE]
+        [--only moe|moe-fp8|extend|decode|decode-splits|tiles|splits|moe-configs]
 
 - Fused MoE (engine/kernels/triton/fused_moe.py) against its torch reference at batch 1, 16, 256, Qwen3-30B-A3B and
   Mixtral-8x7B expert shapes (one layer, random bf16 weights): time, the bandwidth on the weights of the experts the
@@ -17,6 +18,8 @@
   the bandwidth on K and V (and with the decode kernel's two pipeline stages instead of three); and the decode
   kernel over the same cache in FP8 (`--kv-cache-dtype fp8`: half the bytes), against its float32 reference, with
   its 64-key tiles and with 128 (as many bytes a load as bf16's).
+- Batch-1 decode attention at 256-4,096 keys with 1 to the default key splits (8B and SmolLM2 heads): what a decode
+  graph for short contexts alone, with one split and no merge kernel, would save.
 - Sweeps of the extend kernel's tile configurations at 16k context (bf16 and FP8 caches), of the programs its key
   splits aim for under 64 new tokens after a 16k or 32k cached prefix (the 8b-prefix16k row's step), and of the
   fused MoE's block configurations;
@@ -355,10 +358,36 @@ def bench_decode() -> None:
                 f"{as_fp16:.3f} |")
 
 
+def bench_decode_splits() -> None:
+    say("## Batch-1 decode attention against its key splits (graph ms: one split needs no merge kernel; a decode "
+        "graph's split count follows its batch only, so short contexts pay the long ones' splits and merge)")
+    shapes = {"Llama-3.1-8B (32 / 8 heads of 128)": (HEADS, KV_HEADS, HEAD_DIM),
+              "SmolLM2-135M (9 / 3 of 64)": (9, 3, 64)}
+    contexts = (256, 640, 1024, 2048, 4096)
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    for name, (heads, kv_heads, head_dim) in shapes.items():
+        default = num_splits(1, kv_heads, multiprocessors(torch.device(DEVICE)))
+        counts = sorted({1, 2, 4, 8, default})
+        say(f"{name}, default {default} splits")
+        say("| context | " + " | ".join(f"{n} split{'s' if n > 1 else ''}" for n in counts) + " |")
+        say("| --- |" + " --- |" * len(counts))
+        for context in contexts:
+            pages = -(-context // PAGE)
+            cache = torch.randn(2, pages * PAGE, kv_heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            q = torch.randn(1, heads, head_dim, device=DEVICE, dtype=torch.bfloat16, generator=g)
+            args = (q, cache[0], cache[1], torch.arange(pages, dtype=torch.int32, device=DEVICE).view(1, pages),
+                    torch.zeros(1, dtype=torch.int32, device=DEVICE),
+                    torch.full((1,), context, dtype=torch.int32, device=DEVICE), PAGE, head_dim**-0.5)
+            say(f"| {context} | " + " | ".join(f"{graph_ms(lambda: decode_attention(*args, splits=n)):.4f}"
+                                               for n in counts) + " |")
+    say()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
-    parser.add_argument("--only", choices=["moe", "moe-fp8", "extend", "decode", "tiles", "splits", "moe-configs"],
+    parser.add_argument("--only", choices=["moe", "moe-fp8", "extend", "decode", "decode-splits", "tiles", "splits",
+                                           "moe-configs"],
                         action="append")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -366,6 +395,7 @@ def main() -> int:
         return 2
     say(f"# Kernels on {torch.cuda.get_device_name()}")
     sections = {"moe": bench_moe, "moe-fp8": bench_moe_fp8, "extend": bench_extend, "decode": bench_decode,
+                "decode-splits": bench_decode_splits,
                 "tiles": bench_tiles, "splits": bench_splits, "moe-configs": bench_moe_configs}
     run_sections({name: lambda run=run: (run(), say()) for name, run in sections.items()}, args.only or list(sections),
                  args.out)
