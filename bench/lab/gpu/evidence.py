@@ -28,14 +28,13 @@ import msgspec
 import torch
 
 from bench.lab.gpu.loop import engine_loop_busy
-from bench.lab.gpu.steps import decode_plan, generate, replay, time_steps, weight_bytes
-from common.protocol import SamplingParams
+from bench.lab.gpu.steps import decode_plan, generate, prompt_row, replay, time_steps, weight_bytes
 from engine.executor.eager import EagerExecutor
 from engine.executor.graph import GraphExecutor
 from engine.kernels.triton import dependent_launch
 from engine.model.backends import few_rows, triton_layers
 from engine.model.loader import load_model
-from engine.scheduler.plan import Plan, Row
+from engine.scheduler.plan import Plan
 from engine.scheduler.scheduler import RequestScheduler
 from ignition.main import main as ignition
 
@@ -301,15 +300,9 @@ def extras(cores: Path) -> None:
 def prefill_plan(tokens: int, page_size: int) -> Plan:
     """A prefill step of `tokens` prompt tokens: whole 1024-token prompts from position 0 (each sampling its first
     token), or the first `tokens` of one prompt."""
-    greedy = SamplingParams(temperature=0.0)
     pages = -(-PROMPT // page_size)
-    rows = []
-    for slot in range(max(tokens // PROMPT, 1)):
-        length = min(tokens, PROMPT)
-        ids = tuple((slot * 7919 + i * 31) % 30000 + 1 for i in range(length))
-        rows.append(Row(slot, 1, 0, length, ids, tuple(range(slot * pages, (slot + 1) * pages)), True, 0, greedy, 0,
-                        length))
-    return Plan(tuple(rows))
+    return Plan(tuple(prompt_row(slot, min(tokens, PROMPT), 0, page_size, pages)
+                      for slot in range(max(tokens // PROMPT, 1))))
 
 
 def prefill_flops(model, plan: Plan) -> float:

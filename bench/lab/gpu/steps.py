@@ -31,13 +31,19 @@ def decode_plan(batch: int, context: int, page_size: int) -> Plan:
                           greedy, 0, context - 1) for slot in range(batch)))
 
 
+def prompt_row(slot: int, new: int, cached: int, page_size: int, pages: int | None = None) -> Row:
+    """`new` prompt tokens of slot's sequence after `cached` tokens already in its pages (a prompt that hits the
+    prefix cache; 0: a prompt alone), sampling its first output token; the slot owns `pages` pages (by default those
+    the tokens fill) from slot * pages on."""
+    pages = pages or -(-(cached + new) // page_size)
+    ids = tuple((slot * 7919 + i * 31) % 30000 + 1 for i in range(new))
+    return Row(slot, 1, cached, new, ids, tuple(range(slot * pages, (slot + 1) * pages)), True, 0,
+               SamplingParams(temperature=0.0), 0, cached + new)
+
+
 def extend_plan(new: int, cached: int, page_size: int) -> Plan:
-    """`new` prompt tokens of one sequence after `cached` tokens already in its pages (a prompt that hits the prefix
-    cache; 0: a prompt alone), sampling its first output token."""
-    pages = -(-(cached + new) // page_size)
-    ids = tuple(i * 31 % 30000 + 1 for i in range(new))
-    return Plan((Row(0, 1, cached, new, ids, tuple(range(pages)), True, 0, SamplingParams(temperature=0.0), 0,
-                     cached + new),))
+    """One sequence's prompt step (prompt_row of slot 0)."""
+    return Plan((prompt_row(0, new, cached, page_size),))
 
 
 def wait(executor: Executor) -> list[tuple[Plan, Completion]]:
