@@ -54,6 +54,12 @@ class AttentionMetadata:
     def prefill(self) -> SequenceBatch:
         return prefill_batch(self)
 
+    @cached_property
+    def every_row(self) -> DecodeBatch:
+        """Every row of the step as a sequence of its own, as the CPU's C++ attention reads a step with prompt
+        rows; built once per step, shared by every layer."""
+        return row_batch(self)
+
 
 @dataclass(frozen=True)
 class DecodeBatch:
@@ -104,10 +110,7 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
         recurrent = None if rec is None else \
             RecurrentBatch(rec.state, rec.decode.to(torch.int32), (meta.decode_context_lens - 1).to(torch.int32))
         return KernelMetadata(meta.slot_mapping, meta.page_size, decode, recurrent=recurrent)
-    width = max([span.page_table.numel() for span in meta.prefills] + [meta.decode_page_tables.shape[1]])
-    tables = torch.cat([torch.stack([F.pad(span.page_table, (0, width - span.page_table.numel()))
-                                     for span in meta.prefills]),
-                        F.pad(meta.decode_page_tables, (0, width - meta.decode_page_tables.shape[1]))])
+    tables = step_page_tables(meta)
     lengths = [span.length for span in meta.prefills]
     block_seq, block_first = extend_blocks(lengths + [1] * count)
     ints = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
@@ -123,6 +126,29 @@ def kernel_metadata(meta: AttentionMetadata) -> KernelMetadata:
         recurrent = RecurrentBatch(rec.state, torch.cat([ints(list(rec.spans)), decode_ints(rec.decode)]),
                                    extend.context_lens - extend.query_len)
     return KernelMetadata(meta.slot_mapping, meta.page_size, extend=extend, recurrent=recurrent)
+
+
+def step_page_tables(meta: AttentionMetadata) -> torch.Tensor:
+    """[S + Bd, P]: each prefill span's page table, then each decode row's, padded to one width."""
+    width = max([span.page_table.numel() for span in meta.prefills] + [meta.decode_page_tables.shape[1]])
+    return torch.cat([torch.stack([F.pad(span.page_table, (0, width - span.page_table.numel()))
+                                   for span in meta.prefills]),
+                      F.pad(meta.decode_page_tables, (0, width - meta.decode_page_tables.shape[1]))])
+
+
+def row_batch(meta: AttentionMetadata) -> DecodeBatch:
+    """A step with prefill spans, row by row in step order: a span's row sees its request's keys up to its own
+    position (the span's page table, shared through seq_table), a decode row its context."""
+    rows = meta.slot_mapping.numel()
+    seq_table = torch.zeros(rows, dtype=torch.int64)
+    context_lens = torch.zeros(rows, dtype=torch.int64)
+    for i, span in enumerate(meta.prefills):
+        seq_table[span.start:span.start + span.length] = i
+        context_lens[span.start:span.start + span.length] = torch.arange(span.context_len - span.length + 1,
+                                                                         span.context_len + 1)
+    seq_table[meta.decode_rows] = torch.arange(len(meta.prefills), len(meta.prefills) + meta.decode_rows.numel())
+    context_lens[meta.decode_rows] = meta.decode_context_lens
+    return DecodeBatch(step_page_tables(meta), seq_table, context_lens, torch.arange(rows))
 
 
 def page_slots(page_tables: torch.Tensor, page_size: int) -> torch.Tensor:

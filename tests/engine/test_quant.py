@@ -260,3 +260,65 @@ def test_quantized_core_equals_its_fp32_dequantization(core_dir: Path, quantized
             first = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             top = dense_logits[first].topk(2).values
             assert float(top[0] - top[1]) < LOGIT_TOLERANCE, (prompt, first, got, want)
+
+
+def step_logits(model, steps: list[list[tuple[int, list[int]]]], pages: int = 8, page: int = 16
+                ) -> dict[int, list[torch.Tensor]]:
+    """Logits of every token fed, per sequence: `steps` lists each step's (sequence, its next tokens) pairs, a pair
+    of one token a decode row, of more a prefill span after what the sequence was fed before (sequence s on pages
+    s * pages ..)."""
+    kv = torch.zeros(kv_cache_shape(model, 2 * pages, page))
+    fed: dict[int, int] = {}
+    out: dict[int, list[torch.Tensor]] = {}
+    with torch.inference_mode():
+        for step in steps:
+            ids, slots, spans, decode_rows, decode_tables, decode_lens = [], [], [], [], [], []
+            for seq, tokens in step:
+                start, table = fed.get(seq, 0), torch.arange(seq * pages, (seq + 1) * pages)
+                end = start + len(tokens)
+                if len(tokens) > 1:
+                    spans.append(PrefillSpan(len(ids), len(tokens), end, table))
+                else:
+                    decode_rows.append(len(ids))
+                    decode_tables.append(table)
+                    decode_lens.append(end)
+                ids += tokens
+                slots += [int(table[p // page]) * page + p % page for p in range(start, end)]
+                fed[seq] = end
+            meta = AttentionMetadata(torch.tensor(slots), torch.tensor(decode_rows, dtype=torch.int64),
+                                     torch.stack(decode_tables) if decode_tables else torch.zeros(0, pages,
+                                                                                                  dtype=torch.int64),
+                                     torch.tensor(decode_lens, dtype=torch.int64), tuple(spans), page)
+            logits = model.logits(model(torch.tensor(ids), torch.tensor(slots), kv, meta))
+            row = 0
+            for seq, tokens in step:
+                out.setdefault(seq, []).extend(logits[row:row + len(tokens)])
+                row += len(tokens)
+    return out
+
+
+def test_a_tokens_logits_are_the_same_bits_in_whatever_step_it_came(core_dir: Path, quantized_and_dequantized
+                                                                    ) -> None:
+    """A quantized core rounds each product's inputs to integers, which turns a last-place difference into other
+    tokens at a near tie: so a token's logits must be the same bits whether its sequence came whole, after a cached
+    prefix, in verify-sized chunks or token by token, alone or beside another request's prompt and decode rows
+    (the same greedy request served twice once ended differently as speculation grouped its tokens otherwise)."""
+    quantized, _ = quantized_and_dequantized
+    first, second = parity_prompts(core_dir)[:2]
+    prompt = len(first)
+    chunks = [prompt - 7, 4, 1, 2, 5, 1, 3, 1, 6, 2, 1, 2, 1]  # a cached prefix, then what verify rounds take
+    tokens = first + greedy(quantized, first, sum(chunks) - prompt)[0]
+    one_by_one = step_logits(quantized, [[(0, tokens[:prompt])]] + [[(0, [t])] for t in tokens[prompt:]])[0]
+    bounds = np.cumsum([0] + chunks)
+    grouped = step_logits(quantized, [[(0, tokens[a:b])] for a, b in zip(bounds, bounds[1:])])[0]
+    whole = step_logits(quantized, [[(0, tokens)]])[0]
+    # Beside another request: its prompt, then its decode rows, in the steps of this one's chunks.
+    other = second + greedy(quantized, second, len(chunks) - 1)[0]
+    mixed_steps = [[(1, other[:len(second)]), (0, tokens[bounds[0]:bounds[1]])]] + \
+        [[(0, tokens[a:b]), (1, [other[len(second) + i]])] for i, (a, b) in enumerate(zip(bounds[1:], bounds[2:]))]
+    mixed = step_logits(quantized, mixed_steps)
+    alone = step_logits(quantized, [[(1, other[:len(second)])]] + [[(1, [t])] for t in other[len(second):]])[1]
+    for name, logits in (("chunks", grouped), ("whole", whole), ("beside another", mixed[0])):
+        different = [i for i, (a, b) in enumerate(zip(logits, one_by_one)) if not torch.equal(a, b)]
+        assert not different, (name, different)
+    assert all(torch.equal(a, b) for a, b in zip(mixed[1], alone))

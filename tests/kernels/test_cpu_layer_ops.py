@@ -1,8 +1,9 @@
 """Flare's C++ decoder-layer ops for quantized CPU cores (engine/kernels/cpu/layer_ops.cpp, engine/kernels/cpu/attention.cpp,
 engine/kernels/cpu/decoder_layer.cpp) against their torch references: decode attention over pages (GQA, windows, several pages,
 strided q/k/v, a row's result alone and among others), the residual add folded into RMSNorm, rotary and
-SiLU(gate) * up; PagedAttention with the C++ decode rows against its SDPA path on a step that mixes decode rows and
-a prefill span; and a whole layer in one call against the Python loop of the same ops."""
+SiLU(gate) * up; PagedAttention with the C++ op against its SDPA path on a step that mixes decode rows and a
+prefill span (a prompt's rows through the same op as decode rows); and a whole layer in one call against the Python
+loop of the same ops."""
 
 from __future__ import annotations
 
@@ -108,11 +109,14 @@ def test_decode_attention_refuses_metadata_outside_the_cache() -> None:
         call(tables, torch.tensor([12, 3]), slots)
     with pytest.raises(RuntimeError, match="slot 99"):
         call(tables, lens, torch.tensor([99, 0]))
+    with pytest.raises(RuntimeError, match="page table 2 outside"):
+        ops.decode_attention(q, k, k, k_cache, v_cache, slots, rows, tables, lens, PAGE, 0.25, 0, torch.tensor([1, 2]))
 
 
 def test_paged_attention_with_the_decode_op_equals_its_sdpa_path() -> None:
-    """A step of two decode rows around a prefill span of 5 tokens: outputs within fp32 rounding of SDPA's, and
-    the caches get the same keys and values."""
+    """A step of two decode rows around a prefill span of 5 tokens, every row through the C++ op: outputs within
+    fp32 rounding of SDPA's, the caches get the same keys and values, and each of the span's rows gets the bits of
+    a decode row at its position (its keys already in the cache)."""
     heads, kv_heads, head_dim = 6, 2, 32
     k_cache, v_cache, tables, lens = paged_step([7, 10, 6], kv_heads, head_dim, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -129,6 +133,10 @@ def test_paged_attention_with_the_decode_op_equals_its_sdpa_path() -> None:
     got = cpu_ops.paged_attention(attention, q, k, v, k_cache, v_cache, meta)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    for row, position in zip(prompt.tolist(), positions.tolist()):
+        alone = ops.decode_attention(q, k, v, k_cache, v_cache, slot_mapping, torch.tensor([row]), tables[1:2],
+                                     torch.tensor([position + 1]), PAGE, head_dim ** -0.5, 0)
+        assert torch.equal(alone[0], got[row])
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 3, 64), (2, 19)])

@@ -1,9 +1,11 @@
-// Decode attention of a quantized CPU core in one call: each decode row's new key and value go into their cache
-// slots, and its query heads attend over the row's pages where they lie, instead of aten gathering every page of
-// the batch into a padded copy (aten::index, twice a layer) for SDPA with a mask.
-// docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file, engine/model/attention.py's
-// PagedAttention, as engine/model/backends/cpu_ops.py runs it, calls it for the decode rows of quantized CPU cores
-// (prefill spans keep SDPA).
+// Paged attention of a quantized CPU core in one call: each row's new key and value go into their cache slots,
+// then its query heads attend over the row's pages where they lie, instead of aten gathering every page of the
+// batch into a padded copy (aten::index, twice a layer) for SDPA with a mask.
+// docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file, and
+// engine/model/backends/cpu_ops.py calls it for every row of a quantized CPU core's steps: a prompt's rows as rows
+// whose contexts end at their own positions (seq_table: the rows share their request's page table), so a token's
+// bits are the same whether it came in a prompt, a verify round or a decode step (an activation rounded to
+// integers before each product turns the last-place differences of two kernels into different tokens).
 //
 // Per decode row b and KV head g (the unit of work, spread over threads): the H / KVH query heads of the group
 // read each key once; scores s_j = scale * q . k_j in fp32 for the row's keys j < context_lens[b] (the last
@@ -138,7 +140,7 @@ constexpr WeightedValues WEIGHTED_VALUES[HEADS_AT_ONCE][VECTORS_AT_ONCE] = {
 struct Step {
   const float *q, *k_new, *v_new;
   float *k_cache, *v_cache;
-  const int64_t *slot_mapping, *rows, *page_tables, *context_lens;
+  const int64_t *slot_mapping, *rows, *page_tables, *seq_table, *context_lens;  // seq_table: nullptr, row b's own
   int64_t q_row, q_head, k_row, k_head, v_row, v_head;  // strides of q, k_new and v_new
   int64_t heads, kv_heads, D, pages, page_size, window;
   float scale;
@@ -150,15 +152,29 @@ struct Scratch {
   std::vector<const float*> keys, values;
 };
 
-// Row b, KV head g: store its new key and value, then attend.
+// The page table of row b.
+const int64_t* table_of(const Step& s, int64_t b) {
+  return s.page_tables + (s.seq_table != nullptr ? s.seq_table[b] : b) * s.pages;
+}
+
+// Every row's new key and value into its slot, before any row attends: a prompt's rows read each other's.
+void store(const Step& s, int64_t B) {
+  const int64_t D = s.D, token = s.kv_heads * D;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t row = s.rows[b], slot = s.slot_mapping[row];
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      std::memcpy(s.k_cache + slot * token + g * D, s.k_new + row * s.k_row + g * s.k_head, D * sizeof(float));
+      std::memcpy(s.v_cache + slot * token + g * D, s.v_new + row * s.v_row + g * s.v_head, D * sizeof(float));
+    }
+  }
+}
+
+// Row b, KV head g: its query heads over the row's keys.
 void attend(const Step& s, int64_t b, int64_t g, Scratch& scratch, float* out) {
   const int64_t D = s.D, group = s.heads / s.kv_heads, token = s.kv_heads * D, row = s.rows[b];
-  const int64_t slot = s.slot_mapping[row];
-  std::memcpy(s.k_cache + slot * token + g * D, s.k_new + row * s.k_row + g * s.k_head, D * sizeof(float));
-  std::memcpy(s.v_cache + slot * token + g * D, s.v_new + row * s.v_row + g * s.v_head, D * sizeof(float));
   const int64_t length = s.context_lens[b];
   const int64_t first = s.window > 0 ? std::max<int64_t>(0, length - s.window) : 0, n = length - first;
-  const int64_t* table = s.page_tables + b * s.pages;
+  const int64_t* table = table_of(s, b);
   // Page by page (no division per key: a 64-bit one costs 40-odd cycles on Zen 1).
   scratch.keys.resize(n);
   scratch.values.resize(n);
@@ -204,7 +220,7 @@ void check_int64(const at::Tensor& t, int64_t dim, const char* what) {
 }
 
 // Bad metadata is an error here rather than a write or read outside the cache.
-void check_rows(const Step& s, int64_t B, int64_t T, int64_t slots) {
+void check_rows(const Step& s, int64_t B, int64_t T, int64_t slots, int64_t tables) {
   const int64_t cache_pages = slots / s.page_size;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t row = s.rows[b], length = s.context_lens[b];
@@ -213,8 +229,11 @@ void check_rows(const Step& s, int64_t B, int64_t T, int64_t slots) {
                 s.slot_mapping[row], " outside the cache's ", slots);
     TORCH_CHECK(length >= 1 && length <= s.pages * s.page_size, "decode_attention: context length ", length,
                 " of a row with ", s.pages, " pages of ", s.page_size);
+    if (s.seq_table != nullptr)
+      TORCH_CHECK(s.seq_table[b] >= 0 && s.seq_table[b] < tables, "decode_attention: page table ", s.seq_table[b],
+                  " outside the step's ", tables);
     for (int64_t p = 0; p * s.page_size < length; ++p) {
-      const int64_t page = s.page_tables[b * s.pages + p];
+      const int64_t page = table_of(s, b)[p];
       TORCH_CHECK(page >= 0 && page < cache_pages, "decode_attention: page ", page, " outside the cache's ",
                   cache_pages);
     }
@@ -226,12 +245,13 @@ void check_rows(const Step& s, int64_t B, int64_t T, int64_t slots) {
 namespace flare_cpu {
 
 // q [T, H, D], k and v [T, KVH, D] (the step's rows; unit last stride), caches [slots, KVH, D] (written: each
-// decode row's k and v go to slot_mapping[row]), rows / page_tables / context_lens of the B decode rows
+// attending row's k and v go to slot_mapping[row]), rows / context_lens of the B attending rows, their page tables:
+// page_tables [B, P], or page_tables [S, P] and seq_table [B] (row b's is page_tables[seq_table[b]])
 // -> out [B, H, D]. window <= 0: every key of the context.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                             at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& rows,
                             const at::Tensor& page_tables, const at::Tensor& context_lens, int64_t page_size,
-                            double scale, int64_t window) {
+                            double scale, int64_t window, const c10::optional<at::Tensor>& seq_table) {
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->stride(2) == 1,
                 "decode_attention: q, k and v must be fp32 [T, heads, D] with a unit last stride");
@@ -246,14 +266,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   check_int64(rows, 1, "rows");
   check_int64(page_tables, 2, "page_tables");
   check_int64(context_lens, 1, "context_lens");
-  TORCH_CHECK(slot_mapping.numel() == T && page_tables.size(0) == B && context_lens.numel() == B && page_size > 0,
-              "decode_attention: one slot per step row, one page table and context length per decode row");
+  if (seq_table.has_value()) check_int64(*seq_table, 1, "seq_table");
+  TORCH_CHECK(slot_mapping.numel() == T && context_lens.numel() == B && page_size > 0 &&
+                  (seq_table.has_value() ? seq_table->numel() == B : page_tables.size(0) == B),
+              "decode_attention: one slot per step row, one page table (or seq_table entry) and context length per "
+              "attending row");
   const Step s{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k_cache.data_ptr<float>(),
                v_cache.data_ptr<float>(), slot_mapping.data_ptr<int64_t>(), rows.data_ptr<int64_t>(),
-               page_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), q.stride(0), q.stride(1),
+               page_tables.data_ptr<int64_t>(), seq_table.has_value() ? seq_table->data_ptr<int64_t>() : nullptr,
+               context_lens.data_ptr<int64_t>(), q.stride(0), q.stride(1),
                k.stride(0), k.stride(1), v.stride(0), v.stride(1), H, KVH, D, page_tables.size(1), page_size, window,
                static_cast<float>(scale)};
-  check_rows(s, B, T, k_cache.size(0));
+  check_rows(s, B, T, k_cache.size(0), page_tables.size(0));
+  store(s, B);
   at::Tensor out = at::empty({B, H, D}, q.options());
   float* o = out.data_ptr<float>();
   const int64_t longest = B ? *std::max_element(s.context_lens, s.context_lens + B) : 0;
@@ -270,7 +295,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY_FRAGMENT(flare_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor rows, Tensor page_tables, Tensor context_lens, int page_size, float scale, int window) -> Tensor");
+        "Tensor rows, Tensor page_tables, Tensor context_lens, int page_size, float scale, int window, "
+        "Tensor? seq_table=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(flare_cpu, CPU, m) { m.impl("decode_attention", &flare_cpu::decode_attention); }

@@ -52,7 +52,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer(const at::Tensor& x, const c10:
   const at::Tensor attn = flare_cpu::decode_attention(
       qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads),
       qkv.narrow(1, (heads + kv_heads) * D, kv_heads * D).view({T, kv_heads, D}), k_cache, v_cache, slot_mapping,
-      rows, page_tables, context_lens, page_size, scale, window);
+      rows, page_tables, context_lens, page_size, scale, window, c10::nullopt);
   TORCH_CHECK(attn.size(0) == T, "decoder_layer: every row of the step must be a decode row");
   const at::Tensor out = flare_cpu::quant_mm(attn.view({T, heads * D}), w[4], w[5], w[6], bits[1]);
   std::tie(h, sum) = flare_cpu::add_rms_norm(out, sum, w[7], eps);

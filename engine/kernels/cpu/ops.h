@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <tuple>
@@ -24,6 +25,6 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                             at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& rows,
                             const at::Tensor& page_tables, const at::Tensor& context_lens, int64_t page_size,
-                            double scale, int64_t window);
+                            double scale, int64_t window, const c10::optional<at::Tensor>& seq_table);
 
 }  // namespace flare_cpu

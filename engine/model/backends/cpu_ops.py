@@ -1,10 +1,12 @@
 """The C++ ops backend: a quantized fp32 core on the CPU, where Flare's C++ ops build (engine/kernels/cpu/
 extension.py). The residual stream of the kernel path (residual.py), each residual add folded into the norm after
 it (flare_cpu::add_rms_norm), Llama-style q/k norms in one op (flare_cpu::rms_norm), rotary in one op, SiLU * up in
-one op, and the decode rows' attention in one call over their pages (flare_cpu::decode_attention); in a step of
-decode rows only, each Llama-style layer in one call of the same functions (flare_cpu::decoder_layer). Each
-computes what the torch ops it replaces do, within a few units in the last place of fp32
-(tests/kernels/test_cpu_layer_ops.py). A dense CPU core keeps the torch reference, bit for bit transformers'.
+one op, and attention in one call over the rows' pages (flare_cpu::decode_attention: a prompt's rows too, each
+as the decode row of its position would be); in a step of decode rows only, each Llama-style layer in one call of
+the same functions (flare_cpu::decoder_layer). Each computes what the torch ops it replaces do, within a few units
+in the last place of fp32 (tests/kernels/test_cpu_layer_ops.py), and a row's bits do not depend on the step it
+came in: the products round each row's activations to integers, which turns any last-place difference into other
+tokens at a near tie. A dense CPU core keeps the torch reference, bit for bit transformers'.
 """
 
 from __future__ import annotations
@@ -98,17 +100,17 @@ def attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 def paged_attention(attn: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """PagedAttention.forward with the decode rows in one C++ call, which stores their k/v and attends over their
-    pages (in a step with prefills, their k/v are stored again: the same values)."""
-
-    def decode() -> torch.Tensor:  # [Bd, H, D]
+    """PagedAttention.forward in one C++ call, which stores the rows' k/v and attends over their pages: a step of
+    decode rows as they are, a step with prefill spans row by row (meta.every_row), so that each row runs the same
+    arithmetic wherever it comes (a prompt, a verify round, a decode step)."""
+    if not meta.prefills:  # the step's rows are its decode rows, in order
         return torch.ops.flare_cpu.decode_attention(
             q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_rows, meta.decode_page_tables,
             meta.decode_context_lens, meta.page_size, attn.scale, attn.window or 0)
-
-    if not meta.prefills:  # the step's rows are its decode rows, in order
-        return decode()
-    return attn(q, k, v, k_cache, v_cache, meta, decode=lambda: decode().unsqueeze(1))
+    rows = meta.every_row
+    return torch.ops.flare_cpu.decode_attention(
+        q, k, v, k_cache, v_cache, meta.slot_mapping, rows.rows, rows.page_tables, rows.context_lens,
+        meta.page_size, attn.scale, attn.window or 0, rows.seq_table)
 
 
 def mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
