@@ -20,7 +20,9 @@ MAX_TOKENS = 100
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
            "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"]}
+# Closed objects: an open one lets SmolLM2 add keys with long strings (a named get_time ran past 400 tokens).
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"],
+        "additionalProperties": False}
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                 "parameters": WEATHER}},
               {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
