@@ -24,8 +24,8 @@ from engine.model.loader import load_model
 from engine.model.quant import QuantLinear, codes_of, dequantize, pack
 from ignition.quantize import Blocks, gguf_blocks, quantize
 
-# PyTorch's kernel rounds inputs, scales and zeros to bfloat16 (8 significant bits) and accumulates in fp32, so a product
-# of K terms differs from fp32's by about 2**-9 of the sum of |x| |w|: relative to that sum, allow 2**-7.
+# PyTorch's kernel rounds inputs, scales and zeros to bfloat16 (8 significant bits) and accumulates in fp32, so a
+# product of K terms differs from fp32's by about 2**-9 of the sum of |x| |w|: relative to that sum, allow 2**-7.
 PRODUCT_TOLERANCE = 2**-7
 # Logits of the quantized core against its fp32 dequantization, teacher-forced along the fp32 greedy path, the
 # largest difference among SmolLM2's 49152 logits at any of 24 positions on these prompts (measured): PyTorch's
@@ -122,9 +122,10 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(bits: int, inputs:
 
 
 def test_avx512_vnni_copy_gives_the_bits_of_the_avx2_one(tmp_path: Path) -> None:
-    """Where the CPU has AVX-512 VNNI, quant_mm runs engine/kernels/cpu/quant_vnni.cpp's copy of the kernel; FLARE_QUANT_ISA=avx2
-    (read once per process, so a second process here) runs the AVX2 one, as on an AVX2-only machine. Integer sums
-    are exact and the fp32 chain is the same, so every row count and width gives the same bits."""
+    """Where the CPU has AVX-512 VNNI, quant_mm runs engine/kernels/cpu/quant_vnni.cpp's copy of the kernel;
+    FLARE_QUANT_ISA=avx2 (read once per process, so a second process here) runs the AVX2 one, as on an AVX2-only
+    machine. Integer sums are exact and the fp32 chain is the same, so every row count and width gives the same
+    bits."""
     if extension.quant_mm() is None or "avx512_vnni" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("no AVX-512 VNNI copy runs here")
     torch.manual_seed(11)
@@ -246,8 +247,8 @@ def parity_prompts(core_dir: Path) -> list[list[int]]:
 
 
 def test_quantized_core_equals_its_fp32_dequantization(core_dir: Path, quantized_and_dequantized) -> None:
-    """Both accuracy checks of a quantized core: teacher-forced logits agree within LOGIT_TOLERANCE everywhere, and greedy tokens
-    are equal, or first differ only where the fp32 top two are within that tolerance (a near tie that the
+    """Both accuracy checks of a quantized core: teacher-forced logits agree within LOGIT_TOLERANCE everywhere, and
+    greedy tokens are equal, or first differ only where the fp32 top two are within that tolerance (a near tie that the
     kernel's rounding may flip)."""
     quantized, dense = quantized_and_dequantized
     for prompt in parity_prompts(core_dir):

@@ -1,9 +1,9 @@
-"""Flare's C++ decoder-layer ops for quantized CPU cores (engine/kernels/cpu/layer_ops.cpp, engine/kernels/cpu/attention.cpp,
-engine/kernels/cpu/decoder_layer.cpp) against their torch references: decode attention over pages (GQA, windows, several pages,
-strided q/k/v, a row's result alone and among others), the residual add folded into RMSNorm, rotary and
-SiLU(gate) * up; PagedAttention with the C++ op against its SDPA path on a step that mixes decode rows and a
-prefill span (a prompt's rows through the same op as decode rows); and a whole layer in one call against the Python
-loop of the same ops."""
+"""Flare's C++ decoder-layer ops for quantized CPU cores (engine/kernels/cpu/layer_ops.cpp,
+engine/kernels/cpu/attention.cpp, engine/kernels/cpu/decoder_layer.cpp) against their torch references: decode
+attention over pages (GQA, windows, several pages, strided q/k/v, a row's result alone and among others), the
+residual add folded into RMSNorm, rotary and SiLU(gate) * up; PagedAttention with the C++ op against its SDPA path on
+a step that mixes decode rows and a prefill span (a prompt's rows through the same op as decode rows); and a whole
+layer in one call against the Python loop of the same ops."""
 
 from __future__ import annotations
 

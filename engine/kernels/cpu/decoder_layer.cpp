@@ -2,7 +2,8 @@
 // engine/model/backends/cpu_ops.py (over engine/model/backends/residual.py) does through some twenty Python-level
 // operator and module calls, each costing more dispatch than one decode row's arithmetic in it, done here by the
 // same functions in the same order, so a row's bits are those of the Python loop (tests/kernels/test_cpu_layer_ops.py).
-// docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file with the ops it composes (engine/kernels/cpu/ops.h).
+// docs/design.md, Models and kernels; engine/kernels/cpu/extension.py builds this file with the ops it composes
+// (engine/kernels/cpu/ops.h).
 //
 // A Llama-style layer (pre-norms, fused q/k/v and gate/up products, SiLU; no q/k norms, no biases):
 //   h, residual = add_rms_norm(x, residual, input_norm)      (rms_norm(x) and x for the first layer)

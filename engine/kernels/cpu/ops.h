@@ -1,5 +1,5 @@
-// Flare's CPU ops as C++ functions, for the ops that compose them (engine/kernels/cpu/decoder_layer.cpp); each file registers its
-// own with torch (torch.ops.flare_cpu). docs/design.md, Models and kernels.
+// Flare's CPU ops as C++ functions, for the ops that compose them (engine/kernels/cpu/decoder_layer.cpp); each file
+// registers its own with torch (torch.ops.flare_cpu). docs/design.md, Models and kernels.
 #pragma once
 
 #include <ATen/core/Tensor.h>
