@@ -7,7 +7,7 @@
 // bits are the same whether it came in a prompt, a verify round or a decode step (an activation rounded to
 // integers before each product turns the last-place differences of two kernels into different tokens).
 //
-// Per decode row b and KV head g (the unit of work, spread over threads): the H / KVH query heads of the group
+// Per row b and KV head g (the unit of work, spread over threads): the H / KVH query heads of the group
 // read each key once; scores s_j = scale * q . k_j in fp32 for the row's keys j < context_lens[b] (the last
 // `window` of them for a sliding-window layer), then a softmax, e_j = exp(s_j - max s) and out = sum_j e_j v_j /
 // sum_j e_j. Every row is computed alone, so its result does not depend on the other rows of the step (SDPA's

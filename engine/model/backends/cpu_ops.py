@@ -103,14 +103,13 @@ def paged_attention(attn: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: t
     """PagedAttention.forward in one C++ call, which stores the rows' k/v and attends over their pages: a step of
     decode rows as they are, a step with prefill spans row by row (meta.every_row), so that each row runs the same
     arithmetic wherever it comes (a prompt, a verify round, a decode step)."""
-    if not meta.prefills:  # the step's rows are its decode rows, in order
-        return torch.ops.flare_cpu.decode_attention(
-            q, k, v, k_cache, v_cache, meta.slot_mapping, meta.decode_rows, meta.decode_page_tables,
-            meta.decode_context_lens, meta.page_size, attn.scale, attn.window or 0)
-    rows = meta.every_row
-    return torch.ops.flare_cpu.decode_attention(
-        q, k, v, k_cache, v_cache, meta.slot_mapping, rows.rows, rows.page_tables, rows.context_lens,
-        meta.page_size, attn.scale, attn.window or 0, rows.seq_table)
+    if meta.prefills:
+        batch = meta.every_row
+        rows, tables, lens, seq_table = batch.rows, batch.page_tables, batch.context_lens, batch.seq_table
+    else:  # the step's rows are its decode rows, in order
+        rows, tables, lens, seq_table = meta.decode_rows, meta.decode_page_tables, meta.decode_context_lens, None
+    return torch.ops.flare_cpu.decode_attention(q, k, v, k_cache, v_cache, meta.slot_mapping, rows, tables, lens,
+                                                meta.page_size, attn.scale, attn.window or 0, seq_table)
 
 
 def mlp(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
